@@ -1,0 +1,18 @@
+"""gpucore: GPT-2 training on NVIDIA GPUs, hand-written CUDA kernels driven from Python.
+
+The numpy-like API: every op takes NumPy arrays (runs the NumPy reference on
+the CPU) or CuPy arrays (runs the CUDA kernel on the GPU), float32 or
+bfloat16 (`gpucore.bfloat16`, i.e. ml_dtypes.bfloat16).
+"""
+from .dtypes import bfloat16, float32
+from .ops.add import add
+from .ops.cast import astype
+from .ops.reduce import max, sum  # noqa: A004 - numpy-like names on purpose
+from .runtime import KernelCompileError, gpu_available
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "bfloat16", "float32", "gpu_available", "KernelCompileError",
+    "add", "astype", "sum", "max",
+]

@@ -1,0 +1,120 @@
+"""`gpucore bench <name>`: kernel benchmarks against the measured hardware ceilings.
+
+The framework lives here: a timer (CUDA events, warm-up, median of repeats),
+the device-to-device copy bandwidth every memory-bound kernel is compared to
+(cudaMemcpy D2D, counting bytes read + written), and a registry. Each family's
+benchmarks live in their own module of this package (basic.py: add, sum, max,
+cast) and register themselves with @benchmark.
+
+Speed targets are printed here ("target" column), never asserted in pytest.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+BENCHES: dict[str, Callable] = {}
+
+
+def benchmark(name: str):
+    """Register `fn(**options) -> list[Result]` as `gpucore bench <name>`."""
+    def deco(fn):
+        BENCHES[name] = fn
+        return fn
+    return deco
+
+
+@dataclass
+class Result:
+    name: str
+    ms: float
+    bytes: float = 0.0         # bytes moved through device memory (the minimum)
+    flops: float = 0.0
+    ref_gbps: float = 0.0      # copy bandwidth to compare with
+    ref_tflops: float = 0.0    # e.g. cuBLAS at the same shape
+    target: float | None = None  # required fraction of the reference, if any
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def gbps(self):
+        return self.bytes / self.ms / 1e6 if self.bytes else 0.0
+
+    @property
+    def tflops(self):
+        return self.flops / self.ms / 1e9 if self.flops else 0.0
+
+    @property
+    def fraction(self):
+        if self.bytes and self.ref_gbps:
+            return self.gbps / self.ref_gbps
+        if self.flops and self.ref_tflops:
+            return self.tflops / self.ref_tflops
+        return None
+
+    def line(self) -> str:
+        parts = [f"{self.name:<44s} {self.ms:9.4f} ms"]
+        if self.bytes:
+            parts.append(f"{self.gbps:8.1f} GB/s")
+        if self.flops:
+            parts.append(f"{self.tflops:8.1f} TFLOP/s")
+        if self.fraction is not None:
+            parts.append(f"{100 * self.fraction:5.1f}% of {'copy' if self.bytes else 'ref'}")
+        if self.target is not None and self.fraction is not None:
+            parts.append(f"target {100 * self.target:.0f}%: {'PASS' if self.fraction >= self.target else 'FAIL'}")
+        for k, v in self.extra.items():
+            parts.append(f"{k}={v}")
+        return "  ".join(parts)
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 3, repeat: int = 20) -> float:
+    """Median milliseconds of fn() on the current stream, timed with CUDA events."""
+    import cupy
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    times = []
+    for _ in range(repeat):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+_COPY_GBPS: dict[int, float] = {}
+
+
+def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
+    """Device-to-device memcpy bandwidth in GB/s, counting bytes read + written."""
+    import cupy
+    dev = cupy.cuda.Device().id
+    if dev not in _COPY_GBPS:
+        src = cupy.random.random(nbytes // 4, dtype=np.float32)
+        dst = cupy.empty_like(src)
+        ms = time_ms(lambda: cupy.cuda.runtime.memcpyAsync(
+            dst.data.ptr, src.data.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice,
+            cupy.cuda.get_current_stream().ptr))
+        _COPY_GBPS[dev] = 2 * nbytes / ms / 1e6
+        del src, dst
+    return _COPY_GBPS[dev]
+
+
+def device_name() -> str:
+    import cupy
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    name = props["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def run(name: str, **options) -> list[Result]:
+    if name not in BENCHES:
+        raise KeyError(f"unknown benchmark {name!r}; known: {', '.join(sorted(BENCHES))}")
+    return BENCHES[name](**options)
+
+
+from . import basic  # noqa: E402,F401  (registers add, sum, max, cast)

@@ -1,0 +1,57 @@
+"""Shared plumbing of the ops modules: argument checks and output allocation.
+
+Every public op validates its arguments here *before* any kernel launch, so a
+bad call fails with a TypeError/ValueError that names the argument instead of
+a CUDA error (or silent garbage) from inside a kernel.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes, runtime
+
+
+def check_array(name: str, x, *, dtype=None, dtypes_=None, ndim=None, min_ndim=None, shape=None):
+    """Check one array argument; raise TypeError/ValueError naming `name`."""
+    if not isinstance(x, np.ndarray) and not runtime.is_gpu_array(x):
+        raise TypeError(f"{name}: expected a NumPy or CuPy array, got {type(x).__name__}")
+    allowed = (dtypes.normalize(dtype),) if dtype is not None else (dtypes_ or dtypes.FLOAT_DTYPES)
+    if x.dtype not in allowed:
+        want = " or ".join(dtypes.name(d) for d in allowed)
+        raise TypeError(f"{name}: dtype must be {want}, got {dtypes.name(x.dtype)}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
+    if min_ndim is not None and x.ndim < min_ndim:
+        raise ValueError(f"{name}: expected at least {min_ndim} dimensions, got shape {tuple(x.shape)}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name}: array must be C-contiguous (use .copy() or ascontiguousarray)")
+    if x.size >= 2**31:
+        raise ValueError(f"{name}: {x.size} elements is more than the kernels' 32-bit indexing allows")
+    return x
+
+
+def check_same_dtype(**arrays):
+    items = [(k, v) for k, v in arrays.items() if v is not None]
+    first_name, first = items[0]
+    for k, v in items[1:]:
+        if v.dtype != first.dtype:
+            raise TypeError(f"{k}: dtype {dtypes.name(v.dtype)} differs from {first_name}'s "
+                            f"{dtypes.name(first.dtype)}")
+
+
+def output(name: str, out, xp, shape, dtype):
+    """Return `out` checked against (shape, dtype), or a fresh empty array."""
+    if out is None:
+        return xp.empty(shape, dtype=dtype)
+    check_array(name, out, dtype=dtype, shape=shape)
+    if (xp is np) != isinstance(out, np.ndarray):
+        raise TypeError(f"{name}: must live on the same device as the inputs")
+    return out
+
+
+def threads_for(n_items: int, per_thread: int, block: int = 256, max_blocks: int | None = None) -> int:
+    """Grid size covering n_items with `per_thread` items per thread."""
+    blocks = max(1, -(-n_items // (per_thread * block)))
+    return min(blocks, max_blocks) if max_blocks else blocks

@@ -1,0 +1,118 @@
+/*
+ * common.cuh -- helpers shared by every gpucore kernel file.
+ *
+ * - bf16: bfloat16 as raw bits in a 2-byte struct, with exact conversions.
+ *   We do not include <cuda_bf16.h>: the kernels then compile with NVRTC alone,
+ *   on any machine, without CUDA's headers (see runtime.py). Conversion
+ *   float -> bf16 rounds to nearest even and maps NaN to the canonical quiet
+ *   NaN with its sign, exactly as ml_dtypes (Eigen) does, so GPU casts match
+ *   NumPy bit for bit.
+ * - Pack16<T>: 16 bytes of T, for 128-bit loads and stores.
+ * - warp / block reductions (shuffle tree, then one warp over the per-warp
+ *   partials). The order of operations is fixed, so results are deterministic.
+ */
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+struct __align__(2) bf16 {
+    unsigned short bits;
+};
+
+__device__ __forceinline__ float bf16_to_float(bf16 h) {
+    return __uint_as_float(((u32)h.bits) << 16);
+}
+
+__device__ __forceinline__ bf16 float_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    bf16 h;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {            // NaN -> canonical quiet NaN
+        h.bits = (unsigned short)((u >> 16) & 0x8000u) | 0x7fc0u;
+        return h;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);                   // round to nearest, ties to even
+    h.bits = (unsigned short)(u >> 16);
+    return h;
+}
+
+// Uniform float conversions so templates can be written once for float and bf16.
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bf16 x) { return bf16_to_float(x); }
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) { return float_to_bf16(x); }
+
+// Two bf16 in one 32-bit register (low half = first element), as mma.sync wants.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    return (u32)float_to_bf16(lo).bits | ((u32)float_to_bf16(hi).bits << 16);
+}
+
+template <typename T>
+struct __align__(16) Pack16 {
+    static constexpr int size = 16 / sizeof(T);
+    T v[size];
+};
+
+template <typename T>
+__device__ __forceinline__ Pack16<T> load16(const T* p) {   // p must be 16-byte aligned
+    int4 raw = *reinterpret_cast<const int4*>(p);
+    return *reinterpret_cast<Pack16<T>*>(&raw);
+}
+
+// Streaming load: read once, do not keep in L1 (ld.global.cs).
+template <typename T>
+__device__ __forceinline__ Pack16<T> load16_cs(const T* p) {
+    int4 raw = __ldcs(reinterpret_cast<const int4*>(p));
+    return *reinterpret_cast<Pack16<T>*>(&raw);
+}
+
+template <typename T>
+__device__ __forceinline__ void store16(T* p, const Pack16<T>& x) {
+    *reinterpret_cast<int4*>(p) = *reinterpret_cast<const int4*>(&x);
+}
+
+__device__ __forceinline__ bool is_aligned16(const void* p) {
+    return (reinterpret_cast<u64>(p) & 15ull) == 0;
+}
+
+__host__ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// ---- reductions -------------------------------------------------------------
+
+struct SumOp {
+    static __device__ __forceinline__ float identity() { return 0.0f; }
+    static __device__ __forceinline__ float combine(float a, float b) { return a + b; }
+};
+
+struct MaxOp {   // propagates NaN like numpy.max
+    static __device__ __forceinline__ float identity() { return -__int_as_float(0x7f800000); }
+    static __device__ __forceinline__ float combine(float a, float b) {
+        return (a != a || a > b) ? a : b;
+    }
+};
+
+template <typename Op>
+__device__ __forceinline__ float warp_reduce(float x) {
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+        x = Op::combine(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) { return warp_reduce<SumOp>(x); }
+__device__ __forceinline__ float warp_max(float x) { return warp_reduce<MaxOp>(x); }
+
+// Reduce over the whole block; every thread gets the result. `scratch` holds
+// 32 floats of shared memory. blockDim.x must be a multiple of 32.
+template <typename Op>
+__device__ float block_reduce(float x, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int num_warps = blockDim.x >> 5;
+    x = warp_reduce<Op>(x);
+    __syncthreads();                    // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    x = (lane < num_warps) ? scratch[lane] : Op::identity();
+    return warp_reduce<Op>(x);
+}

@@ -1,0 +1,45 @@
+"""Shared test fixtures: the `cuda` marker (skipped without a GPU) and helpers.
+
+GPU tests are marked `@pytest.mark.cuda` and run with `pytest -m cuda` on a
+machine with an NVIDIA GPU (tools/gpu_check.sh). Without a GPU they are
+skipped, never silently passed.
+"""
+import numpy as np
+import pytest
+
+from gpucore import runtime
+
+HAS_GPU = runtime.gpu_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run pytest -m cuda on a GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng():
+    """A fresh generator per test, seeded from the test's node id for reproducibility."""
+    return np.random.default_rng()
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64 (NaN if out has a NaN)."""
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    denom = np.linalg.norm(ref)
+    return float(np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0))
+
+
+def to_cpu(x):
+    return x.get() if runtime.is_gpu_array(x) else np.asarray(x)
+
+
+def poison(shape, dtype):
+    """A GPU array filled with NaN, to prove every output element is written."""
+    cupy = runtime.cupy
+    return cupy.full(shape, np.nan, dtype=np.float32).astype(dtype)

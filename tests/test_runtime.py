@@ -1,0 +1,75 @@
+"""gpucore.runtime: compiling without a GPU, compile errors naming file:line, the cache key."""
+import shutil
+
+import pytest
+
+from gpucore import runtime
+from gpucore.runtime import KernelCompileError
+
+needs_nvrtc = pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC (installed in CI)")
+
+
+@needs_nvrtc
+def test_every_kernel_compiles_for_sm80_and_sm90_without_spills():
+    rows = runtime.check_kernels(("80", "90"))
+    assert rows, "no kernels found"
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, bad
+    assert {"add_forward_kernel_f32", "reduce_sum_all_stage1_kernel_bf16", "cast_f32_to_bf16_kernel"} <= {
+        r["kernel"] for r in rows}
+    assert all(r["registers"] and r["registers"] > 0 for r in rows)
+
+
+@needs_nvrtc
+def test_compile_error_names_file_and_line(tmp_path):
+    bad = tmp_path / "broken.cu"
+    bad.write_text('#include "common.cuh"\n\nextern "C" __global__ void k(float* y) {\n'
+                   '    y[0] = 1.0f   // missing semicolon\n}\n')
+    with pytest.raises(KernelCompileError) as info:
+        runtime.compile_cubin(bad, "90")
+    err = info.value
+    assert err.file.endswith("broken.cu")
+    assert err.line == 5 or err.line == 4
+    assert f"broken.cu:{err.line}" in str(err)
+    assert "error" in err.log
+
+
+@needs_nvrtc
+def test_cache_key_covers_included_headers(tmp_path, monkeypatch):
+    kdir = tmp_path / "kernels_cu"
+    shutil.copytree(runtime.KERNEL_DIR, kdir)
+    monkeypatch.setattr(runtime, "KERNEL_DIR", kdir)
+    src = kdir / "add.cu"
+    k1 = runtime.cache_key(src, "90", ())
+    assert runtime.cache_key(src, "90", ()) == k1
+    assert runtime.cache_key(src, "80", ()) != k1
+    assert runtime.cache_key(src, "90", ("-DFOO",)) != k1
+    (kdir / "common.cuh").write_text((kdir / "common.cuh").read_text() + "\n// edited\n")
+    assert runtime.cache_key(src, "90", ()) != k1
+
+
+def test_ptxas_report_parses_spills():
+    log = ("ptxas info    : Compiling entry function 'foo' for 'sm_90'\n"
+           "ptxas info    : Function properties for foo\n"
+           "    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n"
+           "ptxas info    : Used 255 registers, used 0 barriers\n")
+    (row,) = runtime.ptxas_report(log)
+    assert row == {"kernel": "foo", "registers": 255, "stack": 8, "spill_stores": 4, "spill_loads": 4}
+
+
+def test_array_module_rejects_non_arrays():
+    import numpy as np
+    assert runtime.array_module(np.zeros(1)) is np
+
+
+@pytest.mark.cuda
+def test_kernel_attributes_on_gpu():
+    k = runtime.get_kernel("reduce", "reduce_sum_all_stage1_kernel_f32")
+    attrs = runtime.kernel_attributes(k)
+    assert attrs["registers"] > 0 and attrs["local_bytes"] == 0
+    assert attrs["shared_bytes"] >= 32 * 4
+
+
+@pytest.mark.cuda
+def test_load_module_is_cached_in_memory():
+    assert runtime.load_module("add") is runtime.load_module("add")
