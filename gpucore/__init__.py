@@ -7,7 +7,8 @@ bfloat16 (`gpucore.bfloat16`, i.e. ml_dtypes.bfloat16).
 from .dtypes import bfloat16, float32
 from .ops.add import add
 from .ops.cast import astype
-from .ops.reduce import max, sum  # noqa: A004 - numpy-like names on purpose
+from .ops.reduce import reduce_max as max  # noqa: A004 - numpy-like names on purpose
+from .ops.reduce import reduce_sum as sum  # noqa: A004
 from .runtime import KernelCompileError, gpu_available
 
 __version__ = "0.1.0"

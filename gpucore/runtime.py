@@ -224,9 +224,21 @@ def load_module(family: str, options: tuple[str, ...] = (), arch: str | None = N
     return mod
 
 
-def get_kernel(family: str, name: str, options: tuple[str, ...] = ()):
-    """One `extern "C"` kernel of kernels_cu/<family>.cu (a cupy.RawKernel)."""
-    return load_module(family, options).get_function(name)
+_KERNELS: dict[tuple, object] = {}
+
+
+def get_kernel(family: str, name: str, options: tuple[str, ...] = (), arch: str | None = None):
+    """One `extern "C"` kernel of kernels_cu/<family>.cu (a cupy.RawKernel).
+
+    Memoized per (device, family, name, options, arch): launching must cost
+    microseconds of host time, so the source is read and hashed only on the
+    first call in a process (edit a .cu file -> restart Python).
+    """
+    key = (cupy.cuda.runtime.getDevice(), family, name, tuple(options), arch)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _KERNELS[key] = load_module(family, options, arch).get_function(name)
+    return kernel
 
 
 def kernel_attributes(kernel) -> dict:

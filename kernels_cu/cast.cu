@@ -5,50 +5,70 @@
  * quiet NaN with its sign (ml_dtypes' rule, so the result matches NumPy bit
  * for bit); bf16 -> f32 is exact (a 16-bit shift).
  * Shapes: any, flattened to n elements.
- * Each thread moves 8 elements per step: 32 bytes of float and 16 of bf16,
- * so both sides use 16-byte accesses.
+ * Each thread converts UNROLL groups of 8 elements (32 bytes of float, 16 of
+ * bf16), issuing all its 16-byte loads before the first store so that enough
+ * bytes are in flight to saturate HBM. One block covers 256*UNROLL*8 elements;
+ * no grid-stride loop (the grid is as large as the data).
  */
 #include "common.cuh"
 
-extern "C" __global__ void cast_f32_to_bf16_kernel(bf16* out, const float* in, int n) {   // (n,) (n,)
-    const int stride = gridDim.x * blockDim.x;
-    const int tid = blockIdx.x * blockDim.x + threadIdx.x;
-    int n_vec = 0;
-    if (is_aligned16(out) && is_aligned16(in)) {
-        n_vec = n / 8;
-        for (int i = tid; i < n_vec; i += stride) {
-            Pack16<float> lo = load16_cs(in + i * 8), hi = load16_cs(in + i * 8 + 4);
+#define UNROLL 4
+
+extern "C" __global__ void cast_f32_to_bf16_kernel(bf16* __restrict__ out, const float* __restrict__ in,
+                                                   int n) {   // (n,) (n,)
+    const int base = blockIdx.x * blockDim.x * UNROLL + threadIdx.x;   // in groups of 8
+    if (is_aligned16(out) && is_aligned16(in) && (base + (UNROLL - 1) * (int)blockDim.x + 1) * 8 <= n) {
+        Pack16<float> lo[UNROLL], hi[UNROLL];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            const int g = base + u * blockDim.x;
+            lo[u] = load16_cs(in + g * 8);
+            hi[u] = load16_cs(in + g * 8 + 4);
+        }
+        #pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
             Pack16<bf16> o;
             #pragma unroll
             for (int k = 0; k < 4; k++) {
-                o.v[k] = float_to_bf16(lo.v[k]);
-                o.v[k + 4] = float_to_bf16(hi.v[k]);
+                o.v[k] = float_to_bf16(lo[u].v[k]);
+                o.v[k + 4] = float_to_bf16(hi[u].v[k]);
             }
-            store16(out + i * 8, o);
+            store16(out + (base + u * blockDim.x) * 8, o);
         }
-        n_vec *= 8;
+        return;
     }
-    for (int i = n_vec + tid; i < n; i += stride) out[i] = float_to_bf16(in[i]);
+    // Edge block (or unaligned pointers): element by element.
+    for (int u = 0; u < UNROLL; u++)
+        for (int k = 0; k < 8; k++) {
+            const int i = (base + u * blockDim.x) * 8 + k;
+            if (i < n) out[i] = float_to_bf16(in[i]);
+        }
 }
 
-extern "C" __global__ void cast_bf16_to_f32_kernel(float* out, const bf16* in, int n) {   // (n,) (n,)
-    const int stride = gridDim.x * blockDim.x;
-    const int tid = blockIdx.x * blockDim.x + threadIdx.x;
-    int n_vec = 0;
-    if (is_aligned16(out) && is_aligned16(in)) {
-        n_vec = n / 8;
-        for (int i = tid; i < n_vec; i += stride) {
-            Pack16<bf16> x = load16_cs(in + i * 8);
+extern "C" __global__ void cast_bf16_to_f32_kernel(float* __restrict__ out, const bf16* __restrict__ in,
+                                                   int n) {   // (n,) (n,)
+    const int base = blockIdx.x * blockDim.x * UNROLL + threadIdx.x;
+    if (is_aligned16(out) && is_aligned16(in) && (base + (UNROLL - 1) * (int)blockDim.x + 1) * 8 <= n) {
+        Pack16<bf16> x[UNROLL];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; u++) x[u] = load16_cs(in + (base + u * blockDim.x) * 8);
+        #pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
             Pack16<float> lo, hi;
             #pragma unroll
             for (int k = 0; k < 4; k++) {
-                lo.v[k] = bf16_to_float(x.v[k]);
-                hi.v[k] = bf16_to_float(x.v[k + 4]);
+                lo.v[k] = bf16_to_float(x[u].v[k]);
+                hi.v[k] = bf16_to_float(x[u].v[k + 4]);
             }
-            store16(out + i * 8, lo);
-            store16(out + i * 8 + 4, hi);
+            float* o = out + (base + u * blockDim.x) * 8;
+            store16(o, lo);
+            store16(o + 4, hi);
         }
-        n_vec *= 8;
+        return;
     }
-    for (int i = n_vec + tid; i < n; i += stride) out[i] = bf16_to_float(in[i]);
+    for (int u = 0; u < UNROLL; u++)
+        for (int k = 0; k < 8; k++) {
+            const int i = (base + u * blockDim.x) * 8 + k;
+            if (i < n) out[i] = bf16_to_float(in[i]);
+        }
 }

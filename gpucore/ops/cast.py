@@ -12,6 +12,7 @@ from .. import dtypes, runtime
 from ._common import check_array, output
 
 BLOCK = 256
+UNROLL = 4          # groups of 8 elements per thread, as in cast.cu
 
 
 def astype(x, dtype, out=None):
@@ -30,6 +31,6 @@ def astype(x, dtype, out=None):
         return out
     name = "cast_f32_to_bf16_kernel" if dtype == dtypes.bfloat16 else "cast_bf16_to_f32_kernel"
     kernel = runtime.get_kernel("cast", name)
-    grid = min(-(-n // (8 * BLOCK)), runtime.sm_count() * 16)
+    grid = -(-n // (BLOCK * UNROLL * 8))
     runtime.launch(kernel, grid, BLOCK, (out, x, np.int32(n)))
     return out

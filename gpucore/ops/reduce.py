@@ -2,7 +2,8 @@
 
 Accumulation is float32 on the GPU; the reference accumulates in float64, so
 GPU and reference agree to float32 rounding (not bit for bit). The result has
-the input's dtype, as numpy.sum does. Both are deterministic: the same input on
+the input's dtype, as numpy.sum does. Exported as gpucore.sum / gpucore.max
+(named reduce_* here so the builtins stay usable in this module). Both are deterministic: the same input on
 the same GPU gives the same bits (fixed grid, fixed reduction trees).
 """
 from __future__ import annotations
@@ -66,11 +67,11 @@ def _reduce(op: str, x, axis=None, out=None):
     return out
 
 
-def sum(x, axis=None, out=None):  # noqa: A001 - numpy-like name, re-exported as gpucore.sum
+def reduce_sum(x, axis=None, out=None):
     """Sum of x over the whole array (axis=None, a 0-d result) or its last axis (axis=-1)."""
     return _reduce("sum", x, axis, out)
 
 
-def max(x, axis=None, out=None):  # noqa: A001
+def reduce_max(x, axis=None, out=None):
     """Max of x over the whole array or its last axis; NaN propagates."""
     return _reduce("max", x, axis, out)
