@@ -7,6 +7,7 @@ bfloat16 (`gpucore.bfloat16`, i.e. ml_dtypes.bfloat16).
 from .dtypes import bfloat16, float32
 from .ops.add import add
 from .ops.cast import astype
+from .ops.matmul import batched_matmul, gemm, matmul, matmul_backward, matmul_forward
 from .ops.reduce import reduce_max as max  # noqa: A004 - numpy-like names on purpose
 from .ops.reduce import reduce_sum as sum  # noqa: A004
 from .runtime import KernelCompileError, gpu_available
@@ -16,4 +17,5 @@ __version__ = "0.1.0"
 __all__ = [
     "bfloat16", "float32", "gpu_available", "KernelCompileError",
     "add", "astype", "sum", "max",
+    "matmul", "matmul_forward", "matmul_backward", "batched_matmul", "gemm",
 ]

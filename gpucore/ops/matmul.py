@@ -1,0 +1,458 @@
+"""Matrix multiplication: the cuBLAS path of training, and our own GEMM kernel ladder.
+
+Training path (cuBLAS `gemmEx` / `gemmStridedBatchedEx` through CuPy's bindings):
+  matmul_forward   out (N, M) = x (N, K) @ weight (M, K)^T + bias (M,)
+  matmul_backward  dx = dout @ weight [=], dweight += dout^T @ x [+=], dbias += dout.sum(0) [+=]
+  batched_matmul   (Bt, M, N) = alpha * op(a) @ op(b) + beta * out   (attention baseline)
+  matmul           numpy-like 2-D / 3-D a @ b
+Our own kernels (kernels_cu/gemm_simt.cu, gemm_tc.cu):
+  gemm(a, b, out=None, version=N)   C (M, N) = A (M, K) @ B (K, N), all row-major
+
+Precision: bf16 inputs multiply on tensor cores with float32 accumulation
+(CUBLAS_COMPUTE_32F) and write bf16 or float32; float32 inputs use plain FP32
+arithmetic (CUBLAS_COMPUTE_32F, never TF32), so they match the float64 NumPy
+reference to ~1e-6.
+
+Layout: cuBLAS is column-major. A row-major (r, c) array is, byte for byte, the
+column-major (c, r) matrix -- its transpose. So row-major C = op(A) @ op(B) is
+computed as column-major C^T = op(B)^T @ op(A)^T: pass B first, then A, swap
+M and N, and keep each operand's transpose flag (a row-major array's leading
+dimension is its row length, shape[-1]).
+
+Bias in the forward: a small kernel writes the broadcast bias into `out`, then
+the GEMM runs with beta = 1, so the bias is added in cuBLAS' epilogue (one
+rounding). That costs one pure-write pass over out plus the epilogue's read of
+it, instead of the read + write of a bias-add kernel afterwards. CuPy has no
+cuBLASLt binding, so the free bias epilogue llm.c uses is out of reach here;
+tools/notes/matmul.md has the arithmetic of what this costs.
+
+Every argument is validated before any launch. Arrays bigger than 2^31
+elements are allowed on the cuBLAS path (the logits are 65536 x 50304); the
+kernels of matmul.cu index with 64-bit where that matters.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes, runtime
+
+F32, BF16 = dtypes.float32, dtypes.bfloat16
+
+# Rows per stage-1 chunk of the bias-backward reduction: fixed, so the
+# reduction order depends on the shape only (determinism across calls).
+BIAS_BWD_ROWS_PER_CHUNK = 256
+BIAS_BWD_ROWS = 8          # BB_ROWS in matmul.cu: warps per stage-1 block
+
+
+# ------------------------------------------------------------------ checks ----
+
+def _check(name, x, *, dtypes_=dtypes.FLOAT_DTYPES, ndim=None, shape=None):
+    """Like _common.check_array, without its 2^31-element limit (cuBLAS takes 64-bit sizes)."""
+    if not isinstance(x, np.ndarray) and not runtime.is_gpu_array(x):
+        raise TypeError(f"{name}: expected a NumPy or CuPy array, got {type(x).__name__}")
+    if x.dtype not in dtypes_:
+        want = " or ".join(dtypes.name(d) for d in dtypes_)
+        raise TypeError(f"{name}: dtype must be {want}, got {dtypes.name(x.dtype)}")
+    if ndim is not None and x.ndim not in (ndim if isinstance(ndim, tuple) else (ndim,)):
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name}: array must be C-contiguous (use .copy() or ascontiguousarray)")
+    return x
+
+
+def _same_dtype(**arrays):
+    items = [(k, v) for k, v in arrays.items() if v is not None]
+    k0, v0 = items[0]
+    for k, v in items[1:]:
+        if v.dtype != v0.dtype:
+            raise TypeError(f"{k}: dtype {dtypes.name(v.dtype)} differs from {k0}'s {dtypes.name(v0.dtype)}")
+
+
+def _out_dtypes(in_dtype):
+    """Output dtypes cuBLAS supports for this input dtype with float32 compute."""
+    return (F32, BF16) if in_dtype == BF16 else (F32,)
+
+
+def _output(name, out, xp, shape, dtype, in_dtype):
+    """`out` checked (shape, an allowed dtype, device), or a fresh array of `dtype`."""
+    if out is None:
+        return xp.empty(shape, dtype=dtype)
+    _check(name, out, dtypes_=_out_dtypes(in_dtype), shape=shape)
+    if (xp is np) != isinstance(out, np.ndarray):
+        raise TypeError(f"{name}: must live on the same device as the inputs")
+    return out
+
+
+def _device(xp, name, arr):
+    if arr is not None and (xp is np) != isinstance(arr, np.ndarray):
+        raise TypeError(f"{name}: must live on the same device as the inputs")
+
+
+# --------------------------------------------------------------- references ----
+
+def _f64(x):
+    return np.asarray(x, dtype=np.float64)
+
+
+def batched_matmul_reference(a, b, out=None, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0,
+                             out_dtype=None):
+    """alpha * op(a) @ op(b) + beta * out in float64, rounded once to the output dtype."""
+    A = _f64(a).swapaxes(-1, -2) if transpose_a else _f64(a)
+    B = _f64(b).swapaxes(-1, -2) if transpose_b else _f64(b)
+    r = alpha * (A @ B)
+    if beta != 0.0:
+        r = r + beta * _f64(out)
+    return r.astype(out_dtype or (out.dtype if out is not None else a.dtype))
+
+
+def matmul_forward_reference(x, weight, bias=None, out_dtype=None):
+    r = _f64(x) @ _f64(weight).T
+    if bias is not None:
+        r = r + _f64(bias)
+    return r.astype(out_dtype or x.dtype)
+
+
+def matmul_backward_reference(dout, x, weight):
+    """(dx, dweight, dbias) in float64, without accumulation."""
+    d = _f64(dout).reshape(-1, dout.shape[-1])
+    xx = _f64(x).reshape(-1, x.shape[-1])
+    return (d @ _f64(weight)).reshape(x.shape), d.T @ xx, d.sum(axis=0)
+
+
+def gemm_reference(a, b, out_dtype=None):
+    return (_f64(a) @ _f64(b)).astype(out_dtype or a.dtype)
+
+
+# ----------------------------------------------------------------- cuBLAS ----
+
+def _cublas():
+    # Imported lazily: the module needs libcublas, absent on CPU-only machines.
+    from cupy_backends.cuda.libs import cublas
+    return cublas
+
+
+def _cuda_type(dtype) -> int:
+    rt = runtime.cupy.cuda.runtime
+    return rt.CUDA_R_16BF if dtype == BF16 else rt.CUDA_R_32F
+
+
+def _gemm_rowmajor(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0,
+                   batch=1, a_off=0, b_off=0, c_off=0):
+    """Row-major out (batch, M, N) = alpha * op(a) @ op(b) + beta * out on the current CuPy stream.
+
+    a is (M, K) or, transposed, (K, M); b is (K, N) or (N, K); one matrix per
+    batch entry, densely packed. Shapes are trusted: callers validate.
+    """
+    cublas = _cublas()
+    cp = runtime.cupy
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    # Host scalars: cuBLAS reads them before the call returns (host pointer mode).
+    al = np.array(alpha, dtype=np.float32)
+    be = np.array(beta, dtype=np.float32)
+    op_a = cublas.CUBLAS_OP_T if transpose_a else cublas.CUBLAS_OP_N
+    op_b = cublas.CUBLAS_OP_T if transpose_b else cublas.CUBLAS_OP_N
+    lda, ldb, ldc = a.shape[-1], b.shape[-1], N
+    ta, tb, tc = _cuda_type(a.dtype), _cuda_type(b.dtype), _cuda_type(out.dtype)
+    pa = a.data.ptr + a_off * a.dtype.itemsize
+    pb = b.data.ptr + b_off * b.dtype.itemsize
+    pc = out.data.ptr + c_off * out.dtype.itemsize
+    # Column-major C^T (N, M) = op(B)^T (N, K) @ op(A)^T (K, M).
+    if batch == 1:
+        cublas.gemmEx(handle, op_b, op_a, N, M, K, al.ctypes.data, pb, tb, ldb, pa, ta, lda,
+                      be.ctypes.data, pc, tc, ldc, cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+    else:
+        cublas.gemmStridedBatchedEx(handle, op_b, op_a, N, M, K, al.ctypes.data,
+                                    pb, tb, ldb, K * N, pa, ta, lda, M * K,
+                                    be.ctypes.data, pc, tc, ldc, M * N, batch,
+                                    cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+
+
+def _scale_inplace(out, beta):
+    """The K = 0 case: out = beta * out (a GEMM with an empty sum)."""
+    if beta == 0.0:
+        out.fill(0)
+    elif beta != 1.0:
+        out[...] = (out.astype(np.float32) * np.float32(beta)).astype(out.dtype)
+
+
+# ------------------------------------------------------------ public: cuBLAS ---
+
+def batched_matmul(a, b, out=None, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0):
+    """out (Bt, M, N) = alpha * op(a) @ op(b) + beta * out, one GEMM per batch entry.
+
+    a: (Bt, M, K), or (Bt, K, M) with transpose_a; b: (Bt, K, N), or (Bt, N, K)
+    with transpose_b. float32, or bfloat16 (then out may be bfloat16 or float32;
+    default: a's dtype). beta != 0 reads `out`, which must then be given.
+    GPU: one cublasGemmStridedBatchedEx on the current stream.
+    """
+    _check("a", a, ndim=3)
+    _check("b", b, ndim=3)
+    _same_dtype(a=a, b=b)
+    Bt = a.shape[0]
+    M, K = (a.shape[2], a.shape[1]) if transpose_a else (a.shape[1], a.shape[2])
+    Kb, N = (b.shape[2], b.shape[1]) if transpose_b else (b.shape[1], b.shape[2])
+    if b.shape[0] != Bt:
+        raise ValueError(f"b: batch size {b.shape[0]} differs from a's {Bt}")
+    if Kb != K:
+        raise ValueError(f"b: inner dimension {Kb} differs from a's {K} (shapes {a.shape}, {b.shape}, "
+                         f"transpose_a={transpose_a}, transpose_b={transpose_b})")
+    alpha, beta = float(alpha), float(beta)
+    if beta != 0.0 and out is None:
+        raise ValueError("out: beta != 0 reads out, so out must be given")
+    xp = runtime.array_module(a, b, out)
+    out = _output("out", out, xp, (Bt, M, N), a.dtype, a.dtype)
+    if xp is np:
+        out[...] = batched_matmul_reference(a, b, out, transpose_a, transpose_b, alpha, beta, out.dtype)
+        return out
+    if Bt == 0 or M == 0 or N == 0:
+        return out
+    if K == 0:
+        _scale_inplace(out, beta)
+        return out
+    _gemm_rowmajor(a, b, out, M, N, K, transpose_a, transpose_b, alpha, beta, batch=Bt)
+    return out
+
+
+def matmul(a, b, out=None):
+    """numpy-like a @ b for 2-D (M, K) @ (K, N), batched 3-D (Bt, M, K) @ (Bt, K, N),
+    and (Bt, M, K) @ (K, N) (b shared by every batch entry). cuBLAS on the GPU."""
+    _check("a", a, ndim=(2, 3))
+    _check("b", b, ndim=(2, 3))
+    _same_dtype(a=a, b=b)
+    if a.ndim == 2 and b.ndim == 3:
+        raise ValueError(f"b: a 3-D b needs a 3-D a, got shapes {a.shape} @ {b.shape}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"b: inner dimension {b.shape[-2]} differs from a's {a.shape[-1]} "
+                         f"(shapes {a.shape} @ {b.shape})")
+    if a.ndim == 3 and b.ndim == 3:
+        return batched_matmul(a, b, out=out)
+    xp = runtime.array_module(a, b, out)
+    K, N = b.shape
+    M = a.size // K if K else int(np.prod(a.shape[:-1]))
+    shape = a.shape[:-1] + (N,)
+    out = _output("out", out, xp, shape, a.dtype, a.dtype)
+    if xp is np:
+        out[...] = batched_matmul_reference(a, b, out_dtype=out.dtype)
+        return out
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        out.fill(0)
+        return out
+    _gemm_rowmajor(a, b, out, M, N, K)   # a 3-D a is contiguous: rows of (Bt*M, K)
+    return out
+
+
+def _bias_fill(out2d, bias):
+    """out2d (N, M) = broadcast bias (M,): one write pass, 16-byte stores where possible."""
+    N, M = out2d.shape
+    so, sb = dtypes.kernel_suffix(out2d.dtype), dtypes.kernel_suffix(bias.dtype)
+    P = 16 // out2d.dtype.itemsize
+    vec = so == sb and M % P == 0 and out2d.data.ptr % 16 == 0 and bias.data.ptr % 16 == 0
+    V = P if vec else 1
+    k = runtime.get_kernel("matmul", f"matmul_bias_fill_kernel_{'vec' if vec else 'scalar'}_{so}_{sb}")
+    strips = -(-M // (32 * V))
+    # About 16 blocks of 256 threads per SM in all; each walks rows with a fixed stride.
+    row_groups = max(1, min(-(-N // 8), runtime.sm_count() * 16 // strips, 65535))
+    runtime.launch(k, (strips, row_groups), (32, 8), (out2d, bias, np.int32(N), np.int32(M)))
+
+
+def matmul_forward(x, weight, bias=None, out=None):
+    """out (N, M) = x (N, K) @ weight (M, K)^T + bias (M,).
+
+    x may have leading dims (..., K): they are flattened to N rows and out has
+    shape (..., M). x, weight (and bias) share a dtype; with bfloat16 inputs,
+    out may be bfloat16 (default) or float32; bias has x's dtype or out's.
+    """
+    _check("x", x)
+    if x.ndim < 2:
+        raise ValueError(f"x: expected at least 2 dimensions (N, K), got shape {tuple(x.shape)}")
+    _check("weight", weight, ndim=2)
+    _same_dtype(x=x, weight=weight)
+    K = x.shape[-1]
+    M = weight.shape[0]
+    if weight.shape[1] != K:
+        raise ValueError(f"weight: expected shape ({M}, {K}) to match x's last dim {K}, got {tuple(weight.shape)}")
+    xp = runtime.array_module(x, weight, bias, out)
+    out = _output("out", out, xp, x.shape[:-1] + (M,), x.dtype, x.dtype)
+    if bias is not None:
+        _check("bias", bias, dtypes_=tuple(dict.fromkeys((x.dtype, out.dtype))), shape=(M,))
+        _device(xp, "bias", bias)
+    if xp is np:
+        out[...] = matmul_forward_reference(x, weight, bias, out.dtype)
+        return out
+    N = x.size // K if K else int(np.prod(x.shape[:-1]))
+    if N == 0 or M == 0:
+        return out
+    out2d = out.reshape(N, M)
+    if bias is not None:
+        _bias_fill(out2d, bias)
+    if K == 0:
+        if bias is None:
+            out.fill(0)
+        return out
+    _gemm_rowmajor(x, weight, out2d, N, M, K, transpose_b=True, beta=1.0 if bias is not None else 0.0)
+    return out
+
+
+def _bias_backward(dbias, dout2d):
+    """dbias (M,) += dout2d (N, M).sum(0): two deterministic launches, float32 partials."""
+    N, M = dout2d.shape
+    cp = runtime.cupy
+    suf = dtypes.kernel_suffix(dout2d.dtype)
+    chunks = max(1, -(-N // BIAS_BWD_ROWS_PER_CHUNK))
+    partials = cp.empty((chunks, M), dtype=np.float32)
+    P = 16 // dout2d.dtype.itemsize
+    vec = M % P == 0 and dout2d.data.ptr % 16 == 0
+    V = P if vec else 1
+    k1 = runtime.get_kernel("matmul", f"matmul_bias_backward_stage1_kernel_{'vec' if vec else 'scalar'}_{suf}")
+    grid1 = (-(-M // (32 * V)), chunks)
+    runtime.launch(k1, grid1, (32, BIAS_BWD_ROWS),
+                   (partials, dout2d, np.int32(N), np.int32(M), np.int32(BIAS_BWD_ROWS_PER_CHUNK)))
+    k2 = runtime.get_kernel("matmul", f"matmul_bias_backward_stage2_kernel_{dtypes.kernel_suffix(dbias.dtype)}")
+    runtime.launch(k2, -(-M // 256), 256, (dbias, partials, np.int32(M), np.int32(chunks)))
+
+
+def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=True, *,
+                    need_dweight=True, need_dbias=True):
+    """Gradients of out = x @ weight^T + bias. Returns (dx, dweight, dbias).
+
+    dout (..., M), x (..., K), weight (M, K), all one dtype.
+    dx (..., K)     = dout @ weight              [=]   (None returned when need_dx=False)
+    dweight (M, K) += dout^T @ x                 [+=]  (zeros allocated when None)
+    dbias (M,)     += dout summed over rows      [+=]  (zeros allocated when None)
+    With bfloat16 inputs, dx/dweight/dbias may be float32 or bfloat16 (default:
+    the input dtype). need_dweight=False / need_dbias=False skip those (None is
+    returned): a layer without bias should pass need_dbias=False -- the column
+    sum reads all of dout.
+    """
+    _check("dout", dout)
+    _check("x", x)
+    _check("weight", weight, ndim=2)
+    _same_dtype(dout=dout, x=x, weight=weight)
+    M, K = weight.shape
+    if x.ndim < 2 or x.shape[-1] != K:
+        raise ValueError(f"x: expected shape (..., {K}) to match weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+    if tuple(dout.shape) != tuple(x.shape[:-1]) + (M,):
+        raise ValueError(f"dout: expected shape {tuple(x.shape[:-1]) + (M,)}, got {tuple(dout.shape)}")
+    xp = runtime.array_module(dout, x, weight, dx, dweight, dbias)
+    in_dt = x.dtype
+    if need_dx:
+        dx = _output("dx", dx, xp, x.shape, in_dt, in_dt)
+    else:
+        dx = None
+    if need_dweight and dweight is not None:
+        _check("dweight", dweight, dtypes_=_out_dtypes(in_dt), shape=(M, K))
+        _device(xp, "dweight", dweight)
+    if need_dbias and dbias is not None:
+        _check("dbias", dbias, dtypes_=_out_dtypes(in_dt), shape=(M,))
+        _device(xp, "dbias", dbias)
+    fresh_dw = need_dweight and dweight is None
+    if fresh_dw:
+        dweight = xp.zeros((M, K), dtype=in_dt) if xp is np else xp.empty((M, K), dtype=in_dt)
+    if need_dbias and dbias is None:
+        dbias = xp.zeros((M,), dtype=in_dt)
+    if not need_dweight:
+        dweight = None
+    if not need_dbias:
+        dbias = None
+
+    if xp is np:
+        rdx, rdw, rdb = matmul_backward_reference(dout, x, weight)
+        if dx is not None:
+            dx[...] = rdx.astype(dx.dtype)
+        if dweight is not None:
+            dweight[...] = (_f64(dweight) + rdw).astype(dweight.dtype)
+        if dbias is not None:
+            dbias[...] = (_f64(dbias) + rdb).astype(dbias.dtype)
+        return dx, dweight, dbias
+
+    N = x.size // K if K else int(np.prod(x.shape[:-1]))
+    dout2d = dout.reshape(N, M)
+    x2d = x.reshape(N, K)
+    if dx is not None and N and K:
+        if M == 0:
+            dx.fill(0)
+        else:
+            _gemm_rowmajor(dout2d, weight, dx.reshape(N, K), N, K, M)            # (N,M) @ (M,K)
+    if dweight is not None and M and K:
+        if N == 0:
+            if fresh_dw:
+                dweight.fill(0)
+        else:
+            _gemm_rowmajor(dout2d, x2d, dweight, M, K, N, transpose_a=True,    # (N,M)^T @ (N,K)
+                           beta=0.0 if fresh_dw else 1.0)
+    if dbias is not None and M and N:
+        _bias_backward(dbias, dout2d)
+    return dx, dweight, dbias
+
+
+# ------------------------------------------------------- public: our ladder ---
+
+# version -> (kernel file, input dtype, block tile (BM, BN), threads per block, dynamic smem bytes)
+# v1 naive: one thread per C element, straight from global memory.
+# v2 shared-memory tiles: 32x32 tiles of A and B staged in smem, one C element per thread.
+# v3 register blocking: 128x128x8 block tile, 256 threads each own an 8x8 C tile, float4 loads.
+# v4 tensor cores: 128x128x32 block tile, 8 warps of 64x32, mma.sync m16n8k16 bf16, ldmatrix,
+#    4-stage cp.async pipeline, XOR-swizzled smem.
+GEMM_VERSIONS = {
+    1: ("gemm_simt", F32, (16, 16), 256, 0),
+    2: ("gemm_simt", F32, (32, 32), 1024, 0),
+    3: ("gemm_simt", F32, (128, 128), 256, 0),
+    4: ("gemm_tc", BF16, (128, 128), 256, 4 * (128 * 32 + 32 * 128) * 2),
+}
+
+
+def gemm(a, b, out=None, version=None):
+    """C (M, N) = A (M, K) @ B (K, N), all row-major, with our own kernels.
+
+    version 1-3: float32 in and out (SIMT). version 4: bfloat16 in, bfloat16
+    (default) or float32 out, tensor cores; needs N and K multiples of 8 (16-byte
+    rows for cp.async), M any. Default: 4 for bfloat16 inputs, 3 for float32.
+    NumPy inputs run the float64 reference (any version).
+    """
+    _check("a", a, ndim=2)
+    _check("b", b, ndim=2)
+    _same_dtype(a=a, b=b)
+    if version is None:
+        version = 4 if a.dtype == BF16 else 3
+    if version not in GEMM_VERSIONS:
+        raise ValueError(f"version: must be one of {sorted(GEMM_VERSIONS)}, got {version!r}")
+    family, in_dt, (BM, BN), threads, smem = GEMM_VERSIONS[version]
+    M, K = a.shape
+    if b.shape[0] != K:
+        raise ValueError(f"b: inner dimension {b.shape[0]} differs from a's {K} (shapes {a.shape} @ {b.shape})")
+    N = b.shape[1]
+    xp = runtime.array_module(a, b, out)
+    if xp is not np and a.dtype != in_dt:
+        raise TypeError(f"a: gemm version {version} takes {dtypes.name(in_dt)}, got {dtypes.name(a.dtype)}")
+    if xp is not np and version == 4 and (K % 8 or N % 8):
+        raise ValueError(f"b: gemm version 4 needs K and N multiples of 8 (16-byte rows), got K={K}, N={N}")
+    out = _output("out", out, xp, (M, N), a.dtype, a.dtype)
+    if xp is np:
+        out[...] = gemm_reference(a, b, out.dtype)
+        return out
+    for name, arr in (("a", a), ("b", b), ("out", out)):
+        if arr.size >= 2**31:
+            raise ValueError(f"{name}: {arr.size} elements is more than the kernels' 32-bit indexing allows")
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        out.fill(0)
+        return out
+    if version in (3, 4):
+        # 128-bit / cp.async loads need 16-byte aligned rows; the Python side
+        # checks the bases, the kernels check nothing at run time.
+        for name, arr in (("a", a), ("b", b)):
+            if arr.data.ptr % 16:
+                raise ValueError(f"{name}: gemm version {version} needs a 16-byte aligned array")
+    suf = dtypes.kernel_suffix(a.dtype) if version < 4 else f"bf16_{dtypes.kernel_suffix(out.dtype)}"
+    kernel = runtime.get_kernel(family, f"gemm_forward_kernel_v{version}_{suf}")
+    grid = (-(-N // BN), -(-M // BM))
+    block = (threads,) if version != 1 else (BN, BM)
+    runtime.launch(kernel, grid, block, (out, a, b, np.int32(M), np.int32(N), np.int32(K)), shared_mem=smem)
+    return out
