@@ -445,14 +445,16 @@ def gemm(a, b, out=None, version=None):
         out.fill(0)
         return out
     if version in (3, 4):
-        # 128-bit / cp.async loads need 16-byte aligned rows; the Python side
-        # checks the bases, the kernels check nothing at run time.
-        for name, arr in (("a", a), ("b", b)):
+        # 128-bit / cp.async loads and vector stores need 16-byte aligned bases
+        # (the kernels check row lengths, not base pointers).
+        for name, arr in (("a", a), ("b", b), ("out", out)):
             if arr.data.ptr % 16:
                 raise ValueError(f"{name}: gemm version {version} needs a 16-byte aligned array")
     suf = dtypes.kernel_suffix(a.dtype) if version < 4 else f"bf16_{dtypes.kernel_suffix(out.dtype)}"
     kernel = runtime.get_kernel(family, f"gemm_forward_kernel_v{version}_{suf}")
-    grid = (-(-N // BN), -(-M // BM))
+    tiles_m, tiles_n = -(-M // BM), -(-N // BN)
+    # v4 rasterises its own 1-D grid (grouped along M for L2 reuse); the others are 2-D.
+    grid = (tiles_m * tiles_n,) if version == 4 else (tiles_n, tiles_m)
     block = (threads,) if version != 1 else (BN, BM)
     runtime.launch(kernel, grid, block, (out, a, b, np.int32(M), np.int32(N), np.int32(K)), shared_mem=smem)
     return out
