@@ -134,3 +134,256 @@ def test_matmul_bad_input(rng):
         gpucore.matmul_backward(np.zeros((6, 5), f), x, w, dweight=np.zeros((4, 5), f))
     with pytest.raises(ValueError, match="version"):
         gpucore.gemm(x, w.T.copy(), version=9)
+
+
+# ------------------------------------------------------------------ GPU ----
+
+def _check_close(out, ref, dtype, what, tol=None):
+    """rel error under the dtype's tolerance, no NaN; on failure name the first wrong (row, col)."""
+    out = np.asarray(to_cpu(out), dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    tol = tol or TOL[np.dtype(dtype)]
+    err = rel_err(out, ref)
+    if not (err < tol) or np.isnan(out).any():
+        o2, r2 = out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1])
+        scale = np.abs(r2).max() if r2.size else 1.0
+        bad = np.argwhere(~(np.abs(o2 - r2) <= 4 * tol * max(scale, 1e-30)))
+        first = tuple(int(v) for v in bad[0]) if len(bad) else None
+        detail = (f"first wrong (row, col) {first}: got {o2[first]}, want {r2[first]}; "
+                  f"{len(bad)} of {o2.size} wrong" if first else "")
+        raise AssertionError(f"{what}: rel err {err:.3e} (tol {tol:.0e}), NaN: {bool(np.isnan(out).any())}; {detail}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("Bt,M,K,N", [(1, 1, 1, 1), (3, 7, 5, 9), (12, 64, 64, 1024), (4, 257, 96, 130)])
+def test_gpu_batched_matmul(rng, dtype, ta, tb, Bt, M, K, N):
+    cp = runtime.cupy
+    a = _rand(rng, (Bt, K, M) if ta else (Bt, M, K), dtype)
+    b = _rand(rng, (Bt, N, K) if tb else (Bt, K, N), dtype)
+    out = poison((Bt, M, N), dtype)
+    gpucore.batched_matmul(cp.asarray(a), cp.asarray(b), out=out, transpose_a=ta, transpose_b=tb, alpha=0.125)
+    ref = mm.batched_matmul_reference(a, b, None, ta, tb, 0.125, 0.0, np.float64)
+    _check_close(out, ref, dtype, f"batched_matmul ta={ta} tb={tb}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_batched_matmul_beta_and_f32_out(rng, dtype):
+    cp = runtime.cupy
+    a, b = _rand(rng, (6, 33, 64), dtype), _rand(rng, (6, 64, 17), dtype)
+    c0 = _rand(rng, (6, 33, 17), np.float32)
+    out = cp.asarray(c0)                   # float32 out: allowed for both input dtypes
+    gpucore.batched_matmul(cp.asarray(a), cp.asarray(b), out=out, alpha=2.0, beta=-1.0)
+    ref = 2.0 * (a.astype(np.float64) @ b.astype(np.float64)) - c0
+    _check_close(out, ref, np.float32, "batched_matmul beta=-1", tol=1e-5)   # fp32 out, exact bf16 products
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_batched_matmul_identity(dtype):
+    """a = I: out must equal b exactly (catches a wrong layout/transpose at once)."""
+    cp = runtime.cupy
+    rng = np.random.default_rng(0)
+    b = _rand(rng, (2, 16, 24), dtype)
+    eye = np.broadcast_to(np.eye(16, dtype=np.float32), (2, 16, 16)).astype(dtype)
+    out = gpucore.batched_matmul(cp.asarray(np.ascontiguousarray(eye)), cp.asarray(b))
+    np.testing.assert_array_equal(to_cpu(out).astype(np.float32), b.astype(np.float32))
+    outt = gpucore.batched_matmul(cp.asarray(np.ascontiguousarray(eye)), cp.asarray(np.ascontiguousarray(
+        b.swapaxes(1, 2))), transpose_b=True)
+    np.testing.assert_array_equal(to_cpu(outt).astype(np.float32), b.astype(np.float32))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_matmul_2d_3d(rng, dtype):
+    cp = runtime.cupy
+    a2, b2 = _rand(rng, (65, 40), dtype), _rand(rng, (40, 72), dtype)
+    _check_close(gpucore.matmul(cp.asarray(a2), cp.asarray(b2)), a2.astype(np.float64) @ b2, dtype, "2-D")
+    a3, b3 = _rand(rng, (3, 9, 40), dtype), _rand(rng, (3, 40, 11), dtype)
+    _check_close(gpucore.matmul(cp.asarray(a3), cp.asarray(b3)), a3.astype(np.float64) @ b3, dtype, "3-D")
+    _check_close(gpucore.matmul(cp.asarray(a3), cp.asarray(b2)), a3.astype(np.float64) @ b2, dtype, "3-D @ 2-D")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K,M", [(1, 1, 1), (7, 5, 3), (100, 96, 50), (513, 768, 2304), (64, 768, 50304)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gpu_matmul_forward(rng, dtype, N, K, M, with_bias):
+    cp = runtime.cupy
+    x, w = _rand(rng, (N, K), dtype), _rand(rng, (M, K), dtype, 0.05)
+    b = _rand(rng, (M,), dtype) if with_bias else None
+    out = poison((N, M), dtype)
+    gpucore.matmul_forward(cp.asarray(x), cp.asarray(w), None if b is None else cp.asarray(b), out=out)
+    ref = mm.matmul_forward_reference(x, w, b, np.float64)
+    _check_close(out, ref, dtype, f"matmul_forward bias={with_bias}")
+    if dtype == np.float32:      # CUBLAS_COMPUTE_32F, not TF32: float32 agrees to ~1e-6
+        assert rel_err(to_cpu(out), ref) < 5e-6
+
+
+@pytest.mark.cuda
+def test_gpu_matmul_forward_bf16_in_f32_out_and_leading_dims(rng):
+    cp = runtime.cupy
+    x, w, b = _rand(rng, (2, 33, 64), BF16), _rand(rng, (48, 64), BF16), _rand(rng, (48,), BF16)
+    out = poison((2, 33, 48), np.float32)
+    gpucore.matmul_forward(cp.asarray(x), cp.asarray(w), cp.asarray(b), out=out)
+    _check_close(out, mm.matmul_forward_reference(x, w, b, np.float64), np.float32, "bf16->f32", tol=1e-5)
+    b32 = b.astype(np.float32)
+    gpucore.matmul_forward(cp.asarray(x), cp.asarray(w), cp.asarray(b32), out=out)
+    _check_close(out, mm.matmul_forward_reference(x, w, b32, np.float64), np.float32, "f32 bias", tol=1e-5)
+
+
+@pytest.mark.cuda
+def test_gpu_matmul_forward_structured():
+    """x = one-hot rows: out row r must be weight row (r % K) + bias, exactly."""
+    cp = runtime.cupy
+    rng = np.random.default_rng(1)
+    N, K, M = 40, 16, 24
+    x = np.zeros((N, K), np.float32)
+    x[np.arange(N), np.arange(N) % K] = 1.0
+    w, b = _rand(rng, (M, K), np.float32), _rand(rng, (M,), np.float32)
+    out = to_cpu(gpucore.matmul_forward(cp.asarray(x), cp.asarray(w), cp.asarray(b)))
+    want = w.T[np.arange(N) % K] + b
+    bad = np.argwhere(out != want)
+    assert len(bad) == 0, f"first wrong (row, col) {tuple(bad[0])}: got {out[tuple(bad[0])]}, want {want[tuple(bad[0])]}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K,M", [(1, 1, 1), (7, 5, 3), (300, 96, 50), (1000, 768, 2304), (257, 3072, 768)])
+def test_gpu_matmul_backward(rng, dtype, N, K, M):
+    cp = runtime.cupy
+    dout, x, w = _rand(rng, (N, M), dtype), _rand(rng, (N, K), dtype), _rand(rng, (M, K), dtype)
+    dw0, db0 = _rand(rng, (M, K), dtype), _rand(rng, (M,), dtype)
+    dx = poison((N, K), dtype)
+    dw, db = cp.asarray(dw0), cp.asarray(db0)
+    args = (cp.asarray(dout), cp.asarray(x), cp.asarray(w))
+    gpucore.matmul_backward(*args, dx=dx, dweight=dw, dbias=db)
+    rdx, rdw, rdb = mm.matmul_backward_reference(dout, x, w)
+    _check_close(dx, rdx, dtype, "dx")
+    _check_close(dw, dw0.astype(np.float64) + rdw, dtype, "dweight (+=)")
+    _check_close(db, db0.astype(np.float64) + rdb, dtype, "dbias (+=)")
+    # deterministic: the same call again gives the same bits
+    dx2, dw2, db2 = gpucore.matmul_backward(*args)
+    dx3, dw3, db3 = gpucore.matmul_backward(*args)
+    for p, q, name in ((dx2, dx3, "dx"), (dw2, dw3, "dweight"), (db2, db3, "dbias")):
+        assert to_cpu(p).tobytes() == to_cpu(q).tobytes(), f"{name} not deterministic"
+    _check_close(db2, rdb, dtype, "dbias fresh")
+    _check_close(dw2, rdw, dtype, "dweight fresh")
+
+
+@pytest.mark.cuda
+def test_gpu_matmul_backward_bf16_with_f32_grads(rng):
+    cp = runtime.cupy
+    N, K, M = 1025, 64, 136
+    dout, x, w = _rand(rng, (N, M), BF16), _rand(rng, (N, K), BF16), _rand(rng, (M, K), BF16)
+    dw0, db0 = _rand(rng, (M, K), np.float32), _rand(rng, (M,), np.float32)
+    dw, db = cp.asarray(dw0), cp.asarray(db0)
+    dx, _, _ = gpucore.matmul_backward(cp.asarray(dout), cp.asarray(x), cp.asarray(w), dweight=dw, dbias=db,
+                                       dx=poison((N, K), np.float32))
+    rdx, rdw, rdb = mm.matmul_backward_reference(dout, x, w)
+    _check_close(dx, rdx, np.float32, "dx f32", tol=1e-5)
+    _check_close(dw, dw0 + rdw, np.float32, "dweight f32 +=", tol=1e-5)
+    _check_close(db, db0 + rdb, np.float32, "dbias f32 +=", tol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,M", [(1, 1), (5, 3), (256, 768), (257, 769), (4097, 2304), (70000, 24)])
+def test_gpu_bias_backward_kernel(rng, dtype, N, M):
+    """The two-stage column-sum kernel alone, both the 16-byte and the scalar path."""
+    cp = runtime.cupy
+    dout = _rand(rng, (N, M), dtype)
+    db = cp.zeros(M, np.float32)
+    mm._bias_backward(db, cp.asarray(dout))
+    _check_close(db, dout.astype(np.float64).sum(0), np.float32, "dbias", tol=1e-5)
+    db2 = cp.zeros(M, np.float32)
+    mm._bias_backward(db2, cp.asarray(dout))
+    assert to_cpu(db).tobytes() == to_cpu(db2).tobytes()
+
+
+@pytest.mark.cuda
+def test_gpu_matmul_runs_on_current_stream(rng):
+    cp = runtime.cupy
+    x, w, b = _rand(rng, (512, 256), BF16), _rand(rng, (384, 256), BF16), _rand(rng, (384,), BF16)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        xg, wg, bg = cp.asarray(x), cp.asarray(w), cp.asarray(b)
+        out = gpucore.matmul_forward(xg, wg, bg)
+        res = out.get(stream=s)
+    s.synchronize()
+    _check_close(res, mm.matmul_forward_reference(x, w, b, np.float64), BF16, "on a side stream")
+
+
+# --------------------------------------------------------- the GEMM ladder ---
+
+SIMT_SHAPES = [(1, 1, 1), (7, 5, 3), (33, 17, 65), (128, 128, 128), (129, 257, 131), (300, 64, 1000),
+               (512, 1024, 256)]
+TC_SHAPES = [(1, 8, 8), (7, 16, 24), (129, 40, 136), (256, 256, 256), (300, 1000, 520), (128, 8, 128),
+             (1024, 768, 2304)]
+
+
+def _check_gemm(version, a, b, out_dtype):
+    cp = runtime.cupy
+    out = poison((a.shape[0], b.shape[1]), out_dtype)
+    gpucore.gemm(cp.asarray(a), cp.asarray(b), out=out, version=version)
+    _check_close(out, a.astype(np.float64) @ b.astype(np.float64), out_dtype,
+                 f"gemm v{version} M,K,N={a.shape[0]},{a.shape[1]},{b.shape[1]}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("M,K,N", SIMT_SHAPES)
+def test_gpu_gemm_simt(rng, version, M, K, N):
+    _check_gemm(version, _rand(rng, (M, K), np.float32), _rand(rng, (K, N), np.float32), np.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("out_dtype", [np.float32, BF16])
+@pytest.mark.parametrize("M,K,N", TC_SHAPES)
+def test_gpu_gemm_tc(rng, out_dtype, M, K, N):
+    _check_gemm(4, _rand(rng, (M, K), BF16), _rand(rng, (K, N), BF16), out_dtype)
+
+
+def _assert_exact(out, want, what):
+    bad = np.argwhere(out != want)
+    assert len(bad) == 0, (f"{what}: {len(bad)} of {out.size} wrong, first (row, col) {tuple(bad[0])}: "
+                           f"got {out[tuple(bad[0])]}, want {want[tuple(bad[0])]}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
+def test_gpu_gemm_structured(version):
+    """Identity-like and index-coded inputs (small integers: exact in bf16 and fp32),
+    so a wrong fragment, swizzle or tile offset shows up as a named (row, col)."""
+    cp = runtime.cupy
+    dt = BF16 if version == 4 else np.float32
+    M, K, N = 200, 136, 264          # several tiles, ragged in M (and K, N for the 128-wide tiles)
+    rows, cols = np.arange(M), np.arange(N)
+
+    def run(a, b):
+        out = poison((M, N), np.float32) if version == 4 else None
+        return to_cpu(gpucore.gemm(cp.asarray(a.astype(dt)), cp.asarray(b.astype(dt)), out=out,
+                                   version=version)).astype(np.float32)
+
+    # A = stacked identities: C row r = B row (r % K)
+    a = np.zeros((M, K), np.float32)
+    a[rows, rows % K] = 1.0
+    b = ((cols[None, :] % 97) - 48 + (np.arange(K)[:, None] % 7)).astype(np.float32)
+    _assert_exact(run(a, b), b[rows % K], f"gemm v{version}, A = stacked identities")
+    # B = ones at k == n % K: C column c = A column (c % K)
+    a2 = ((rows[:, None] % 13) - 6 + (np.arange(K)[None, :] % 5)).astype(np.float32)
+    b2 = np.zeros((K, N), np.float32)
+    b2[cols % K, cols] = 1.0
+    _assert_exact(run(a2, b2), a2[:, cols % K], f"gemm v{version}, B = identity columns")
+
+
+@pytest.mark.cuda
+def test_gpu_gemm_v4_rejects_ragged_k():
+    cp = runtime.cupy
+    a = cp.zeros((16, 12), dtype=BF16)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        gpucore.gemm(a, cp.zeros((12, 16), dtype=BF16), version=4)
+    with pytest.raises(TypeError, match="gemm version 3 takes float32"):
+        gpucore.gemm(a, cp.zeros((12, 16), dtype=BF16), version=3)
