@@ -1,0 +1,198 @@
+/*
+ * flash_attention.cu -- causal multi-head attention forward, FlashAttention-2 style (v2).
+ *
+ * Op: GPT-2's attention over the fused qkv activation, without ever storing
+ * the (T, T) attention matrix.
+ *   qkv (B, T, 3C) bf16: q = qkv[..., :C], k = qkv[..., C:2C], v = qkv[..., 2C:3C];
+ *   head h is columns h*HD .. (h+1)*HD of each, C = NH * HD, HD in {64, 128}.
+ *   s_ij = scale * q_i . k_j   (scale = 1/sqrt(HD)), causal: only j <= i
+ *   out_i = sum_j softmax_j(s_i.) v_j                 out (B, T, C) bf16
+ *   lse_i = log sum_{j<=i} exp(s_ij)                  lse (B, NH, T) float32
+ * lse is all the backward (flash_attention_bwd.cu) needs to recompute P = exp(s - lse).
+ * No gradients here (see the backward file: dqkv is written, [=]).
+ *
+ * Algorithm (FlashAttention-2, Dao 2023): one block per (Q tile of BM = 16 * NWARPS
+ * rows, head); each warp owns 16 query rows and keeps them in registers as mma A
+ * fragments. K/V tiles of BN keys stream through shared memory (cp.async,
+ * double-buffered: tile j+1 loads while tile j is used). Per tile, per warp:
+ *   S = Q K^T (mma, f32) -> causal mask on the diagonal -> online softmax in the
+ *   log2 domain (running max m and sum l per row; O rescaled by 2^(m_old - m_new))
+ *   -> O += P V with P re-packed from the S accumulators as bf16 A fragments.
+ * At the end O /= l, lse = (m + log2 l) * ln 2.
+ * Causality: the block only visits KV tiles up to its last query row, and a warp
+ * skips (warp-uniform branch, no barrier inside) tiles entirely after its rows.
+ * Every valid row i sees key 0 <= i in its first tile, so its max is finite
+ * from then on; a -inf max is still guarded (no inf - inf). Rows and keys >= T
+ * are zero-filled in smem (finite garbage, never NaN), masked keys are -inf,
+ * and stores skip rows >= T.
+ * Q tiles are launched heaviest (last) first to shorten the causal tail.
+ * Numerics: bf16 inputs, f32 accumulation and softmax statistics; P is rounded
+ * to bf16 for the P.V mma (as in FlashAttention-2); out is rounded once.
+ */
+#include "flash_attention.cuh"
+
+template <int HD, int NWARPS, int BN>
+__device__ __forceinline__ void flash_forward(bf16* out,          // (B, T, C)
+                                              float* lse,         // (B, NH, T)
+                                              const bf16* qkv,    // (B, T, 3C)
+                                              int T, int NH, float scale) {
+    constexpr int BM = 16 * NWARPS, NT = 32 * NWARPS, LDS = HD + 8;
+    constexpr int KT = HD / 16;    // 16-wide k slabs of the head dim (S = Q K^T)
+    constexpr int NS = BN / 8;     // 8-wide key tiles of S
+    constexpr int ND = HD / 8;     // 8-wide column tiles of O
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16* sQ = reinterpret_cast<bf16*>(smem);     // (BM, LDS); later: staging of O
+    bf16* sK = sQ + BM * LDS;                     // 2 x (BN, LDS)
+    bf16* sV = sK + 2 * BN * LDS;                 // 2 x (BN, LDS)
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;        // heaviest tiles first
+    const int C = NH * HD, stride = 3 * C;
+    const bf16* q_g = qkv + (size_t)b * T * stride + h * HD;
+    const bf16* k_g = q_g + C;
+    const bf16* v_g = q_g + 2 * C;
+    const int n_tiles = ceil_div(min(T, m0 + BM), BN);       // KV tiles with a key <= last row
+
+    load_tile_async<BM, HD, NT>(sQ, q_g, m0, T, stride);
+    cp_async_commit();                                        // group: Q
+    load_tile_async<BN, HD, NT>(sK, k_g, 0, T, stride);
+    load_tile_async<BN, HD, NT>(sV, v_g, 0, T, stride);
+    cp_async_commit();                                        // group: KV tile 0
+
+    const int wm0 = m0 + 16 * warp;                           // this warp's first row
+    const int row0 = wm0 + g, row1 = wm0 + g + 8;             // this thread's two rows
+    const bool warp_active = wm0 < T;
+    const float sl2 = scale * FA_LOG2E;                       // scores in log2 units
+
+    cp_async_wait<1>();                                       // Q has landed
+    __syncthreads();
+    u32 qf[KT][4];
+    #pragma unroll
+    for (int kk = 0; kk < KT; kk++) ldsm_a<LDS>(qf[kk], sQ, 16 * warp, kk * 16, lane);
+
+    float o[ND][4];
+    #pragma unroll
+    for (int dt = 0; dt < ND; dt++) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+    float m_0 = FA_NEG_INF, m_1 = FA_NEG_INF;                 // running max (log2 units)
+    float l_0 = 0.f, l_1 = 0.f;                               // running sum (this thread's columns)
+
+    for (int j = 0; j < n_tiles; j++) {
+        const int buf = j & 1;
+        if (j + 1 < n_tiles) {                                // prefetch tile j+1 into the other buffer
+            load_tile_async<BN, HD, NT>(sK + (buf ^ 1) * BN * LDS, k_g, (j + 1) * BN, T, stride);
+            load_tile_async<BN, HD, NT>(sV + (buf ^ 1) * BN * LDS, v_g, (j + 1) * BN, T, stride);
+        }
+        cp_async_commit();                                    // (maybe empty: keeps the count uniform)
+        cp_async_wait<1>();                                   // tile j has landed
+        __syncthreads();
+        const int n0 = j * BN;
+        if (warp_active && n0 <= wm0 + 15) {                  // some key of the tile <= some row of the warp
+            const bf16* k_s = sK + buf * BN * LDS;
+            const bf16* v_s = sV + buf * BN * LDS;
+            float s[NS][4];
+            #pragma unroll
+            for (int nt = 0; nt < NS; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            #pragma unroll
+            for (int kk = 0; kk < KT; kk++) {
+                #pragma unroll
+                for (int np = 0; np < NS / 2; np++) {
+                    u32 kb[4];
+                    ldsm_b<LDS>(kb, k_s, np * 16, kk * 16, lane);
+                    mma_bf16(s[2 * np], qf[kk], kb[0], kb[1]);
+                    mma_bf16(s[2 * np + 1], qf[kk], kb[2], kb[3]);
+                }
+            }
+            if (n0 + BN - 1 > wm0) {                          // the tile crosses the diagonal: mask j > i
+                #pragma unroll
+                for (int nt = 0; nt < NS; nt++) {
+                    #pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int key = n0 + nt * 8 + 2 * t4 + e;
+                        if (key > row0) s[nt][e] = FA_NEG_INF;
+                        if (key > row1) s[nt][2 + e] = FA_NEG_INF;
+                    }
+                }
+            }
+            // Online softmax. A row's 16 x BN scores live in the 4 lanes of a quad.
+            float mx0 = FA_NEG_INF, mx1 = FA_NEG_INF;
+            #pragma unroll
+            for (int nt = 0; nt < NS; nt++) {
+                mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+            }
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            const float mn0 = fmaxf(m_0, mx0 * sl2), mn1 = fmaxf(m_1, mx1 * sl2);
+            const float ref0 = mn0 == FA_NEG_INF ? 0.f : mn0;   // all masked so far: avoid -inf - -inf
+            const float ref1 = mn1 == FA_NEG_INF ? 0.f : mn1;
+            const float al0 = fast_exp2(m_0 - ref0), al1 = fast_exp2(m_1 - ref1);
+            m_0 = mn0;
+            m_1 = mn1;
+            float rs0 = 0.f, rs1 = 0.f;
+            #pragma unroll
+            for (int nt = 0; nt < NS; nt++) {
+                s[nt][0] = fast_exp2(fmaf(s[nt][0], sl2, -ref0));
+                s[nt][1] = fast_exp2(fmaf(s[nt][1], sl2, -ref0));
+                s[nt][2] = fast_exp2(fmaf(s[nt][2], sl2, -ref1));
+                s[nt][3] = fast_exp2(fmaf(s[nt][3], sl2, -ref1));
+                rs0 += s[nt][0] + s[nt][1];
+                rs1 += s[nt][2] + s[nt][3];
+            }
+            l_0 = l_0 * al0 + rs0;
+            l_1 = l_1 * al1 + rs1;
+            #pragma unroll
+            for (int dt = 0; dt < ND; dt++) {
+                o[dt][0] *= al0; o[dt][1] *= al0;
+                o[dt][2] *= al1; o[dt][3] *= al1;
+            }
+            // O += P V: P (16 x BN) from registers, V (BN x HD) via ldmatrix.trans.
+            #pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++) {
+                u32 pa[4];
+                frag_a_from_acc(pa, s[2 * kk], s[2 * kk + 1]);
+                #pragma unroll
+                for (int dp = 0; dp < HD / 16; dp++) {
+                    u32 vb[4];
+                    ldsm_b_trans<LDS>(vb, v_s, kk * 16, dp * 16, lane);
+                    mma_bf16(o[2 * dp], pa, vb[0], vb[1]);
+                    mma_bf16(o[2 * dp + 1], pa, vb[2], vb[3]);
+                }
+            }
+        }
+        __syncthreads();                                      // buffer `buf` is refilled next iteration
+    }
+
+    // Epilogue: full row sums across the quad, normalise, stage O in this warp's
+    // own 16 rows of sQ (no other warp reads them), then coalesced 16-byte stores.
+    l_0 += __shfl_xor_sync(0xffffffffu, l_0, 1);
+    l_0 += __shfl_xor_sync(0xffffffffu, l_0, 2);
+    l_1 += __shfl_xor_sync(0xffffffffu, l_1, 1);
+    l_1 += __shfl_xor_sync(0xffffffffu, l_1, 2);
+    const float inv0 = l_0 > 0.f ? 1.f / l_0 : 0.f;
+    const float inv1 = l_1 > 0.f ? 1.f / l_1 : 0.f;
+    if (t4 == 0) {
+        if (row0 < T) lse[(size_t)bh * T + row0] = (m_0 + log2f(l_0)) * FA_LN2;
+        if (row1 < T) lse[(size_t)bh * T + row1] = (m_1 + log2f(l_1)) * FA_LN2;
+    }
+    bf16* so = sQ + 16 * warp * LDS;
+    stage_acc_bf16<HD, LDS>(so, o, inv0, inv1, lane);
+    __syncwarp();
+    store_rows16<HD, LDS>(out + (size_t)b * T * C + h * HD, so, wm0, T, C, lane);
+}
+
+// Configurations: (HD, warps per block, keys per KV tile). Dynamic shared memory
+// = (16 * NWARPS + 4 * BN) * (HD + 8) * 2 bytes; gpucore/ops/attention.py holds the
+// same table (FWD_CONFIGS) and computes the launch from it.
+#define FLASH_FWD(HD, NWARPS, BN)                                                               \
+    extern "C" __global__ void __launch_bounds__(32 * NWARPS)                                   \
+    attention_forward_kernel_v2_hd##HD##_bf16(bf16* out, float* lse, const bf16* qkv,           \
+                                              int T, int NH, float scale) {                     \
+        flash_forward<HD, NWARPS, BN>(out, lse, qkv, T, NH, scale);                             \
+    }
+
+FLASH_FWD(64, 8, 64)
+FLASH_FWD(128, 8, 64)
