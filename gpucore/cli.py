@@ -123,5 +123,27 @@ def bench(name, n, dtype, version, opts):
             click.echo(r.line())
 
 
+@main.command()
+@click.argument("input", required=False, type=click.Path(dir_okay=False))
+@click.option("--out-dir", type=click.Path(file_okay=False), default=None,
+              help="where to write the shards [default: data/tinyshakespeare, or data/<stem> for INPUT]")
+@click.option("--val-tokens", type=click.IntRange(min=1), default=32768, show_default=True,
+              help="the first this many tokens form the validation split")
+def prepro(input, out_dir, val_tokens):  # noqa: A002 - click names it after the argument
+    """Tokenize a text file (default: bundled Tiny Shakespeare) into <name>_train.bin / <name>_val.bin.
+
+    llm.c's recipe: split on blank lines, <|endoftext|> before each section,
+    GPT-2 BPE; the first --val-tokens tokens are the validation split.
+    """
+    from . import data
+    try:
+        res = data.prepro(input, out_dir, val_tokens)
+    except (data.DataError, OSError) as e:
+        raise UserError(str(e)) from None
+    for split in ("train", "val"):
+        path, n = res[split]
+        click.echo(f"{split}: {n:,} tokens -> {path}")
+
+
 if __name__ == "__main__":
     main()
