@@ -1,0 +1,143 @@
+"""`gpucore bench matmul`: the cuBLAS training path and our GEMM ladder, in TFLOP/s and % of cuBLAS.
+
+Shapes are M x K x N (C (M, N) = A (M, K) @ B (K, N)): 4096^3 and the GPT-2
+124M linear layers at B*T = 65536 rows: qkv 65536x768x2304, fc 65536x768x3072,
+fcproj 65536x3072x768, lm_head 65536x768x50304 (the attention projection
+65536x768x768 is not in the list of the issue; add it with --opt shapes=...).
+
+Rows printed (--version all, the default):
+  cublas gemmEx bf16 NT        raw cuBLAS on the forward's layout x @ W^T: the reference
+  matmul_forward (+bias / -)   our training path vs that reference      target 95%
+  matmul_backward (dx+dW [+db]) vs raw cuBLAS dx and dW GEMMs          target 95%
+  gemm v1..v3 fp32             vs cuBLAS fp32 (SGEMM, no TF32) at 4096^3; v3 must reach
+                               15 TFLOP/s, so its target is 15 / cuBLAS-fp32 TFLOP/s
+  gemm v4 bf16                 vs cuBLAS bf16 on the same NN layout    target 50% (4096^3)
+Options: --version all|train|1|2|3|4 (comma lists work), --opt shapes=MxKxN,...
+v1/v2 run at 4096^3 only (at the GPT-2 shapes they take seconds per call).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes
+from . import Result, benchmark, time_ms
+
+SQUARE = (4096, 4096, 4096)
+GPT2_SHAPES = [(65536, 768, 2304), (65536, 768, 3072), (65536, 3072, 768), (65536, 768, 50304)]
+V3_GOAL_TFLOPS = 15.0
+
+
+def _rand(shape, dtype, scale=1.0):
+    import cupy
+    return (cupy.random.standard_normal(shape, dtype=np.float32) * scale).astype(dtypes.normalize(dtype))
+
+
+def _parse_shapes(shapes):
+    if shapes is None:
+        return [SQUARE] + GPT2_SHAPES
+    if isinstance(shapes, str):
+        shapes = shapes.split(",")
+    return [tuple(int(v) for v in str(s).lower().split("x")) for s in shapes]
+
+
+def _parse_versions(version):
+    if version in (None, "all"):
+        return ["train", 1, 2, 3, 4]
+    out = []
+    for v in str(version).split(","):
+        v = v.strip()
+        out.append(v if v == "train" else int(v))
+    return out
+
+
+def _flops(M, K, N):
+    return 2.0 * M * K * N
+
+
+def _free():
+    import cupy
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+def _bench_train(M, K, N, with_bias):
+    """Forward and backward of a linear layer x (M, K) @ W (N, K)^T against raw gemmEx."""
+    import gpucore
+    from ..ops import matmul as mm
+    x, w = _rand((M, K), "bf16"), _rand((N, K), "bf16", 0.02)
+    b = _rand((N,), "bf16") if with_bias else None
+    out = _rand((M, N), "bf16")
+    shape = f"{M}x{K}x{N}"
+    fl = _flops(M, K, N)
+    rows = []
+    raw_ms = time_ms(lambda: mm._gemm_rowmajor(x, w, out, M, N, K, transpose_b=True))
+    raw = Result(f"cublas gemmEx bf16 NT {shape}", raw_ms, flops=fl)
+    rows.append(raw)
+    ms = time_ms(lambda: gpucore.matmul_forward(x, w, b, out=out))
+    rows.append(Result(f"matmul_forward {'+bias' if with_bias else 'no bias'} {shape}", ms, flops=fl,
+                       ref_tflops=raw.tflops, target=0.95))
+    # backward: dx (M, K) = dout @ W, dW (N, K) += dout^T @ x, db += colsum(dout)
+    dout = out
+    dx, dw = _rand((M, K), "bf16"), _rand((N, K), "float32")
+    db = _rand((N,), "float32") if with_bias else None
+    raw_dx = time_ms(lambda: mm._gemm_rowmajor(dout, w, dx, M, K, N))
+    raw_dw = time_ms(lambda: mm._gemm_rowmajor(dout, x, dw, N, K, M, transpose_a=True, beta=1.0))
+    raw_bwd = Result(f"cublas gemmEx bf16 dx+dW {shape}", raw_dx + raw_dw, flops=2 * fl,
+                     extra={"dx_ms": f"{raw_dx:.3f}", "dW_ms": f"{raw_dw:.3f}"})
+    rows.append(raw_bwd)
+    ms = time_ms(lambda: gpucore.matmul_backward(dout, x, w, dx=dx, dweight=dw, dbias=db,
+                                                 need_dbias=with_bias))
+    rows.append(Result(f"matmul_backward {'+dbias' if with_bias else 'no bias'} {shape}", ms, flops=2 * fl,
+                       ref_tflops=raw_bwd.tflops, target=0.95))
+    del x, w, b, out, dx, dw, db
+    _free()
+    return rows
+
+
+def _bench_ladder(version, M, K, N, refs):
+    """Our gemm vN against cuBLAS on the same (NN) layout and dtype; refs caches cuBLAS timings."""
+    import gpucore
+    from ..ops import matmul as mm
+    dt = "bf16" if version == 4 else "float32"
+    a, b = _rand((M, K), dt), _rand((K, N), dt)
+    c = _rand((M, N), dt)
+    shape = f"{M}x{K}x{N}"
+    fl = _flops(M, K, N)
+    rows = []
+    key = (dt, M, K, N)
+    if key not in refs:
+        ms = time_ms(lambda: mm._gemm_rowmajor(a, b, c, M, N, K))
+        refs[key] = Result(f"cublas gemmEx {dtypes.name(a.dtype)} NN {shape}", ms, flops=fl)
+        rows.append(refs[key])
+    ref = refs[key]
+    reps = 3 if version in (1, 2) else 20
+    ms = time_ms(lambda: gpucore.gemm(a, b, out=c, version=version), warmup=1 if reps == 3 else 3, repeat=reps)
+    target, extra = None, {}
+    if version == 4 and (M, K, N) == SQUARE:
+        target = 0.5
+    if version == 3:
+        target = V3_GOAL_TFLOPS / ref.tflops if ref.tflops else None
+        extra = {"goal": f"{V3_GOAL_TFLOPS:.0f}TFLOP/s"}
+    rows.append(Result(f"gemm v{version} {dtypes.name(a.dtype)} {shape}", ms, flops=fl,
+                       ref_tflops=ref.tflops, target=target, extra=extra))
+    del a, b, c
+    _free()
+    return rows
+
+
+@benchmark("matmul")
+def bench_matmul(version=None, shapes=None, **_):
+    versions = _parse_versions(version)
+    shape_list = _parse_shapes(shapes)
+    results, refs = [], {}
+    if "train" in versions:
+        for (M, K, N) in shape_list:
+            for with_bias in ((True, False) if N != 50304 else (False,)):   # the lm_head has no bias
+                results += _bench_train(M, K, N, with_bias)
+    for v in versions:
+        if v == "train":
+            continue
+        for (M, K, N) in shape_list:
+            if v in (1, 2) and (M, K, N) != SQUARE:
+                continue
+            results += _bench_ladder(v, M, K, N, refs)
+    return results
