@@ -311,9 +311,14 @@ def load_checkpoint(path, verify: bool = True) -> tuple[dict, dict]:
             a = np.empty(e["shape"], dtype=e["dtype_np"])
             view = _byte_view(a)
             f.seek(e["offset"])
-            if f.readinto(view) != len(view):
-                raise CheckpointError(f"{path}: truncated checkpoint (array {e['name']!r} is cut short)")
-            if verify and hashlib.sha256(view).hexdigest() != e["sha256"]:
+            h = hashlib.sha256()
+            for i in range(0, len(view), _CHUNK):  # chunks: one read() returns at most ~2 GB on Linux
+                chunk = view[i:i + _CHUNK]
+                if f.readinto(chunk) != len(chunk):
+                    raise CheckpointError(f"{path}: truncated checkpoint (array {e['name']!r} is cut short)")
+                if verify:
+                    h.update(chunk)
+            if verify and h.hexdigest() != e["sha256"]:
                 raise CheckpointError(f"{path}: corrupt checkpoint (checksum mismatch in array {e['name']!r})")
             arrays[e["name"]] = a
     return arrays, doc["meta"]
