@@ -225,9 +225,11 @@ class DataLoader:
         return np.random.default_rng([self.seed, epoch, file_idx + 1]).permutation(nb)
 
     def _set_cursor(self, epoch: int, shard: int, batch: int) -> None:
+        if (epoch, shard) != getattr(self, "_orders_for", None):  # permutations change per shard/epoch only
+            self._order = self._shard_order(epoch)
+            self._border = self._batch_order(epoch, int(self._order[shard]))
+            self._orders_for = (epoch, shard)
         self._epoch, self._shard, self._batch = epoch, shard, batch
-        self._order = self._shard_order(epoch)
-        self._border = self._batch_order(epoch, int(self._order[shard]))
 
     def _tokens(self, file_idx: int) -> np.ndarray:
         if self._shard_cache is None or self._shard_cache[0] != file_idx:
