@@ -11,6 +11,8 @@ from .ops.matmul import batched_matmul, gemm, matmul, matmul_backward, matmul_fo
 from .ops.reduce import reduce_max as max  # noqa: A004 - numpy-like names on purpose
 from .ops.reduce import reduce_sum as sum  # noqa: A004
 from .ops.softmax import softmax, softmax_backward
+from .ops.classifier import cross_entropy, fused_classifier
+from .ops.softmax import softmax, softmax_backward
 from .runtime import KernelCompileError, gpu_available
 
 __version__ = "0.1.0"
@@ -19,5 +21,5 @@ __all__ = [
     "bfloat16", "float32", "gpu_available", "KernelCompileError",
     "add", "astype", "sum", "max",
     "matmul", "matmul_forward", "matmul_backward", "batched_matmul", "gemm",
-    "softmax", "softmax_backward",
+    "softmax", "softmax_backward", "cross_entropy", "fused_classifier",
 ]

@@ -1,0 +1,179 @@
+"""The fused classifier: softmax + cross-entropy + its gradient in one pass (kernels_cu/classifier.cu).
+
+GPT-2's last layer produces logits (B, T, Vp) over a vocabulary padded from
+V = 50257 to Vp = 50304 columns. `fused_classifier` computes the per-token
+losses and overwrites the logits with
+
+    dlogits = grad_scale * (softmax(logits[..., :V]) - onehot(targets))
+
+(zero in the padded columns [V, Vp), zero rows for the ignore index -1), so the
+probabilities never exist as a separate (B, T, Vp) array. `cross_entropy`
+gives the losses alone and leaves the logits untouched.
+
+Targets must lie in [0, V) or be -1. An out-of-range target raises ValueError
+*before* anything is written: on the GPU one tiny kernel computes (min, max,
+count of non-ignored) of the targets and the host reads those three ints back
+(one synchronisation per call; the count is also what the default
+grad_scale = 1 / number of non-ignored targets needs).
+
+The reference computes in float64 and rounds once; the kernels accumulate in
+float32 (exp via __expf, log via logf).
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from .. import dtypes, runtime
+from ._common import check_array, output
+
+INT32 = np.dtype(np.int32)
+CLS_BLOCK = 1024          # threads per row (one block per row), as CLS_BLOCK in classifier.cu
+V2_CACHE = 7              # packs per thread held in registers by v2, = CLS_CACHE in classifier.cu
+FORWARD_BLOCK_SHORT = 256  # cross_entropy on short rows (< 8192 columns)
+# v1 (online pass + re-read from L2) by default; v2 (row in registers, one
+# block per SM) is the alternative -- `gpucore bench classifier` times both.
+DEFAULT_VERSION = 1
+
+
+# ----------------------------------------------------------- references ----
+
+def classifier_reference(logits: np.ndarray, targets: np.ndarray, vocab_size: int | None = None,
+                         grad_scale: float | None = None):
+    """float64 (losses (...,), dlogits (..., Vp)) -- the math of the fused kernel, with no checks."""
+    Vp = logits.shape[-1]
+    V = Vp if vocab_size is None else int(vocab_size)
+    x = np.asarray(logits, dtype=np.float64).reshape(-1, Vp)
+    t = np.asarray(targets).reshape(-1).astype(np.int64)
+    xv = x[:, :V]
+    m = xv.max(axis=-1, keepdims=True)
+    e = np.exp(xv - m)
+    s = e.sum(axis=-1, keepdims=True)
+    rows = np.arange(x.shape[0])
+    valid = t != -1
+    tt = np.where(valid, t, 0)
+    losses = np.where(valid, m[:, 0] + np.log(s[:, 0]) - xv[rows, tt], 0.0)
+    if grad_scale is None:
+        grad_scale = 1.0 / max(int(valid.sum()), 1)
+    d = np.zeros_like(x)
+    d[:, :V] = e / s
+    d[rows[valid], tt[valid]] -= 1.0
+    d *= grad_scale
+    d[~valid] = 0.0
+    return losses.reshape(targets.shape), d.reshape(logits.shape)
+
+
+def cross_entropy_reference(logits: np.ndarray, targets: np.ndarray, vocab_size: int | None = None) -> np.ndarray:
+    """float64 per-token losses lse(logits[..., :V]) - logits[target]; 0 where target == -1."""
+    return classifier_reference(logits, targets, vocab_size, grad_scale=1.0)[0]
+
+
+# ----------------------------------------------------------- checks --------
+
+def _check_args(logits, targets, vocab_size, losses):
+    check_array("logits", logits, min_ndim=2)
+    check_array("targets", targets, dtypes_=(INT32,), shape=logits.shape[:-1])
+    Vp = logits.shape[-1]
+    if vocab_size is None:
+        V = Vp
+    else:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
+            raise TypeError(f"vocab_size: expected an int, got {type(vocab_size).__name__}")
+        V = int(vocab_size)
+    if not 1 <= V <= Vp:
+        raise ValueError(f"vocab_size: must be in [1, {Vp}] (logits' last axis is {Vp}), got {V}")
+    xp = runtime.array_module(logits, targets, losses)
+    losses = output("losses", losses, xp, targets.shape, np.float32)
+    return xp, V, Vp, losses
+
+
+def _target_stats(targets, xp):
+    """(min, max, number of targets != -1); on the GPU one small kernel and one 12-byte read-back."""
+    if targets.size == 0:
+        return 0, 0, 0
+    if xp is np:
+        return int(targets.min()), int(targets.max()), int(np.count_nonzero(targets != -1))
+    stats = xp.empty(3, dtype=np.int32)
+    kernel = runtime.get_kernel("classifier", "classifier_check_targets_kernel")
+    runtime.launch(kernel, 1, 1024, (stats, targets, np.int32(targets.size)))
+    mn, mx, cnt = (int(v) for v in stats.get())
+    return mn, mx, cnt
+
+
+def _check_targets(targets, xp, V):
+    mn, mx, cnt = _target_stats(targets, xp)
+    if targets.size and (mn < -1 or mx >= V):
+        raise ValueError(f"targets: every target must be in [0, {V}) or -1 (ignored); "
+                         f"got values from {mn} to {mx}")
+    return cnt
+
+
+def _pick_version(version, logits, Vp):
+    P = 16 // logits.dtype.itemsize
+    v2_ok = Vp % P == 0 and logits.data.ptr % 16 == 0 and Vp // P <= CLS_BLOCK * V2_CACHE
+    version = DEFAULT_VERSION if version is None else version
+    if version not in (1, 2):
+        raise ValueError(f"version: the fused classifier has kernel versions 1 and 2, got {version!r}")
+    if version == 2 and not v2_ok:
+        raise ValueError(f"version: v2 needs Vp a multiple of {P}, Vp <= {CLS_BLOCK * V2_CACHE * P} and "
+                         f"16-byte aligned logits (got Vp={Vp}); v1 covers every case")
+    return version
+
+
+def launch_fused(logits, targets, losses, V: int, grad_scale: float, version=None):
+    """The fused kernel alone, on checked CuPy arrays (no target check): for the benchmark."""
+    Vp = logits.shape[-1]
+    N = targets.size
+    if N == 0:
+        return losses
+    version = _pick_version(version, logits, Vp)
+    name = f"classifier_backward_kernel_v{version}_{dtypes.kernel_suffix(logits.dtype)}"
+    runtime.launch(runtime.get_kernel("classifier", name), N, CLS_BLOCK,
+                   (losses, logits, targets, np.float32(grad_scale), np.int32(N), np.int32(V), np.int32(Vp)))
+    return losses
+
+
+# ----------------------------------------------------------- public API ----
+
+def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=None, version=None):
+    """Per-token losses (float32, targets' shape); logits are overwritten with dlogits.
+
+    logits (N, Vp) or (B, T, Vp), float32 or bfloat16; targets int32 of logits.shape[:-1],
+    each in [0, vocab_size) or -1 (ignored: loss 0, zero gradient row). vocab_size defaults
+    to Vp; columns [vocab_size, Vp) are padding and get gradient 0. grad_scale defaults to
+    1 / (number of non-ignored targets), the gradient of the mean loss.
+    """
+    xp, V, Vp, losses = _check_args(logits, targets, vocab_size, losses)
+    if xp is not np:
+        _pick_version(version, logits, Vp)           # a bad version fails before the sync below
+    if grad_scale is not None and (isinstance(grad_scale, bool) or not isinstance(grad_scale, numbers.Real)):
+        raise TypeError(f"grad_scale: expected a float, got {type(grad_scale).__name__}")
+    count = _check_targets(targets, xp, V)
+    if grad_scale is None:
+        grad_scale = 1.0 / max(count, 1)
+    if xp is np:
+        ref_losses, dlogits = classifier_reference(logits, targets, V, grad_scale)
+        losses[...] = ref_losses
+        logits[...] = dlogits.astype(logits.dtype)
+        return losses
+    return launch_fused(logits, targets, losses, V, float(grad_scale), version)
+
+
+def cross_entropy(logits, targets, vocab_size=None, losses=None):
+    """Per-token losses lse(logits[..., :V]) - logits[..., target] (float32; 0 where target == -1).
+
+    The logits are only read. Same arguments and checks as fused_classifier.
+    """
+    xp, V, Vp, losses = _check_args(logits, targets, vocab_size, losses)
+    _check_targets(targets, xp, V)
+    if xp is np:
+        losses[...] = cross_entropy_reference(logits, targets, V)
+        return losses
+    N = targets.size
+    if N == 0:
+        return losses
+    block = CLS_BLOCK if Vp >= 8192 else FORWARD_BLOCK_SHORT
+    kernel = runtime.get_kernel("classifier", f"classifier_forward_kernel_{dtypes.kernel_suffix(logits.dtype)}")
+    runtime.launch(kernel, N, block, (losses, logits, targets, np.int32(N), np.int32(V), np.int32(Vp)))
+    return losses

@@ -1,0 +1,287 @@
+/*
+ * classifier.cu -- the fused classifier: softmax + cross-entropy loss + its
+ * gradient, written in place over the logits, never materialising the
+ * probabilities. Also the loss alone (cross_entropy) and a target check.
+ *
+ * Math, per row r (fp32 accumulation, whatever T is), t = targets[r]:
+ *   lse_r       = max_r + log(sum_{c<V} exp(logits[r, c] - max_r))
+ *   losses[r]   = lse_r - logits[r, t]
+ *   dlogits[r,c] = grad_scale * (softmax(logits[r, :V])[c] - (c == t))  for c < V
+ *   dlogits[r,c] = 0                                                     for V <= c < Vp (padding)
+ *   t == -1 (ignore index): losses[r] = 0 and the row's dlogits are 0.
+ *   t < -1 or t >= V: the host refuses this before launch (ValueError); the
+ *   kernels stay in bounds anyway and write a NaN loss.
+ * Shapes: logits (N, Vp) T, row stride Vp; targets (N,) int32; losses (N,) fp32.
+ * Gradient rule: dlogits is an activation gradient, overwritten (=) -- it IS
+ * the logits buffer: every element is read before the block barrier that
+ * precedes any write of its row.
+ *
+ * One block per row. Versions of the fused kernel:
+ *   v1 (any Vp, any alignment): pass 1 an online max/sum over the row
+ *      (default caching, so the row stays in L2), pass 2 reads it again --
+ *      from L2: 132 SMs x 2 rows x 100 KB << 50 MB -- and writes dlogits
+ *      with streaming stores.
+ *   v2 (Vp a multiple of the pack, 16-byte aligned, Vp/P <= 1024*CLS_CACHE):
+ *      the row is held in registers (CACHE packs per thread, 1024 threads),
+ *      read from memory once; the price is one block per SM.
+ * Determinism: fixed element-to-thread mapping and reduction trees.
+ */
+#include "common.cuh"
+
+#define CLS_BLOCK 1024
+#define CLS_CACHE 7   // 7 x 16 B per thread: 57344 bf16 / 28672 fp32 columns; 8 spills at 64 regs (sm_80)
+
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+__device__ __forceinline__ float qnan() { return __int_as_float(0x7fc00000); }
+
+// Online max/sum (as in softmax.cu): rescale the running sum when the max grows.
+__device__ __forceinline__ void online_rescale(float& m, float& s, float pm) {
+    if (pm > m) {
+        s *= __expf(m - pm);
+        m = pm;
+    } else if (pm != pm) {
+        m = pm;
+        s = pm;
+    }
+}
+
+__device__ __forceinline__ float online_term(float v, float m) {
+    return (m == neg_inf()) ? 0.0f : __expf(v - m);
+}
+
+// Streaming 16-byte store: dlogits are not read again by this kernel.
+template <typename T>
+__device__ __forceinline__ void store16_cs(T* p, const Pack16<T>& x) {
+    __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&x));
+}
+
+// Pass 1 of v1 and cross_entropy: the row's (max, sum exp(x - max)) over
+// columns [0, V), returned to every thread of the block.
+template <typename T>
+__device__ void row_max_sum(const T* xr, int V, bool vec, float& m, float& s, float* scratch) {
+    constexpr int P = Pack16<T>::size;
+    m = neg_inf();
+    s = 0.0f;
+    int done = 0;
+    if (vec) {
+        done = (V / P) * P;
+        for (int i = threadIdx.x; i < V / P; i += blockDim.x) {
+            Pack16<T> p = load16(xr + i * P);
+            float pm = neg_inf();
+            #pragma unroll
+            for (int k = 0; k < P; k++) pm = MaxOp::combine(pm, to_float(p.v[k]));
+            online_rescale(m, s, pm);
+            #pragma unroll
+            for (int k = 0; k < P; k++) s += online_term(to_float(p.v[k]), m);
+        }
+    }
+    for (int c = done + threadIdx.x; c < V; c += blockDim.x) {   // scalar tail (or the whole row)
+        const float v = to_float(xr[c]);
+        online_rescale(m, s, v);
+        s += online_term(v, m);
+    }
+    const float row_max = block_reduce<MaxOp>(m, scratch);
+    s = (m == neg_inf()) ? 0.0f : s * __expf(m - row_max);
+    s = block_reduce<SumOp>(s, scratch);
+    m = row_max;
+}
+
+__device__ __forceinline__ float row_loss(float m, float s, float xt, bool valid) {
+    return valid ? logf(s) + m - xt : qnan();
+}
+
+// The whole row of an ignored target: zero gradient, no need to read it.
+template <typename T>
+__device__ void zero_row(T* xr, int Vp, bool vec) {
+    constexpr int P = Pack16<T>::size;
+    if (vec) {
+        Pack16<T> z;
+        #pragma unroll
+        for (int k = 0; k < P; k++) z.v[k] = from_float<T>(0.0f);
+        for (int i = threadIdx.x; i < Vp / P; i += blockDim.x) store16_cs(xr + i * P, z);
+    } else {
+        for (int c = threadIdx.x; c < Vp; c += blockDim.x) xr[c] = from_float<T>(0.0f);
+    }
+}
+
+// ------------------------------------------------------ cross_entropy ------
+
+template <typename T>
+__device__ void classifier_forward(float* losses, const T* logits, const int* targets,   // (N,) (N, Vp) (N,)
+                                   int N, int V, int Vp) {
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    if (row >= N) return;
+    const int t = targets[row];
+    if (t == -1) {                                   // uniform over the block: no barrier skipped unevenly
+        if (threadIdx.x == 0) losses[row] = 0.0f;
+        return;
+    }
+    const T* xr = logits + (size_t)row * Vp;
+    const bool vec = (Vp % Pack16<T>::size == 0) && is_aligned16(logits);
+    const bool valid = t >= 0 && t < V;
+    float m, s;
+    row_max_sum(xr, V, vec, m, s, scratch);
+    if (threadIdx.x == 0) losses[row] = row_loss(m, s, valid ? to_float(xr[t]) : 0.0f, valid);
+}
+
+// ------------------------------------------------------ fused, v1 ----------
+
+template <typename T>
+__device__ void classifier_backward_v1(float* losses, T* logits, const int* targets,   // (N,) (N, Vp) in: logits, out: dlogits; (N,)
+                                       float grad_scale, int N, int V, int Vp) {
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    if (row >= N) return;
+    constexpr int P = Pack16<T>::size;
+    const int t = targets[row];
+    T* xr = logits + (size_t)row * Vp;
+    const bool vec = (Vp % P == 0) && is_aligned16(logits);
+    if (t == -1) {
+        if (threadIdx.x == 0) losses[row] = 0.0f;
+        zero_row(xr, Vp, vec);
+        return;
+    }
+    const bool valid = t >= 0 && t < V;
+    const float xt = (threadIdx.x == 0 && valid) ? to_float(xr[t]) : 0.0f;   // read before the barriers below
+    float m, s;
+    row_max_sum(xr, V, vec, m, s, scratch);
+    if (threadIdx.x == 0) losses[row] = row_loss(m, s, xt, valid);
+    const float inv = 1.0f / s;
+    if (vec) {
+        for (int i = threadIdx.x; i < Vp / P; i += blockDim.x) {
+            Pack16<T> p = load16_cs(xr + i * P), q;   // the row's last read
+            #pragma unroll
+            for (int k = 0; k < P; k++) {
+                const int c = i * P + k;
+                float g = __expf(to_float(p.v[k]) - m) * inv - (c == t ? 1.0f : 0.0f);
+                q.v[k] = from_float<T>(c < V ? grad_scale * g : 0.0f);
+            }
+            store16_cs(xr + i * P, q);
+        }
+    } else {
+        for (int c = threadIdx.x; c < Vp; c += blockDim.x) {
+            float g = __expf(to_float(xr[c]) - m) * inv - (c == t ? 1.0f : 0.0f);
+            xr[c] = from_float<T>(c < V ? grad_scale * g : 0.0f);
+        }
+    }
+}
+
+// ------------------------------------------------------ fused, v2 ----------
+
+template <typename T>
+__device__ void classifier_backward_v2(float* losses, T* logits, const int* targets,   // (N,) (N, Vp) in/out; (N,)
+                                       float grad_scale, int N, int V, int Vp) {
+    __shared__ float scratch[32];
+    const int row = blockIdx.x;
+    if (row >= N) return;
+    constexpr int P = Pack16<T>::size;
+    const int t = targets[row];
+    T* xr = logits + (size_t)row * Vp;
+    if (t == -1) {
+        if (threadIdx.x == 0) losses[row] = 0.0f;
+        zero_row(xr, Vp, true);
+        return;
+    }
+    const bool valid = t >= 0 && t < V;
+    const int n_packs = Vp / P;
+    Pack16<T> buf[CLS_CACHE];
+    #pragma unroll
+    for (int k = 0; k < CLS_CACHE; k++) {            // the whole row in flight at once
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < n_packs) buf[k] = load16_cs(xr + i * P);
+    }
+    const float xt = (threadIdx.x == 0 && valid) ? to_float(xr[t]) : 0.0f;
+    // Online max/sum over this thread's packs (only the pack holding column V
+    // is partial), then over the block -- one pass over the registers.
+    float m = neg_inf(), s = 0.0f;
+    #pragma unroll
+    for (int k = 0; k < CLS_CACHE; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        const int nv = V - i * P;                    // valid columns in this pack (may be <= 0 or > P)
+        if (i < n_packs && nv > 0) {
+            float pm = neg_inf();
+            #pragma unroll
+            for (int e = 0; e < P; e++)
+                if (e < nv) pm = MaxOp::combine(pm, to_float(buf[k].v[e]));
+            online_rescale(m, s, pm);
+            #pragma unroll
+            for (int e = 0; e < P; e++)
+                if (e < nv) s += online_term(to_float(buf[k].v[e]), m);
+        }
+    }
+    const float row_max = block_reduce<MaxOp>(m, scratch);
+    s = (m == neg_inf()) ? 0.0f : s * __expf(m - row_max);
+    s = block_reduce<SumOp>(s, scratch);
+    m = row_max;
+    if (threadIdx.x == 0) losses[row] = row_loss(m, s, xt, valid);
+    const float inv = 1.0f / s;
+    #pragma unroll
+    for (int k = 0; k < CLS_CACHE; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < n_packs) {
+            Pack16<T> q;
+            #pragma unroll
+            for (int e = 0; e < P; e++) {
+                const int c = i * P + e;
+                float g = __expf(to_float(buf[k].v[e]) - m) * inv - (c == t ? 1.0f : 0.0f);
+                q.v[e] = from_float<T>(c < V ? grad_scale * g : 0.0f);
+            }
+            store16_cs(xr + i * P, q);
+        }
+    }
+}
+
+// ------------------------------------------------------ target check -------
+
+// One block: out = (min(targets), max(targets), count(targets != -1)).
+// Integer min/max/sum are exact, so any order gives the same answer.
+extern "C" __global__ void classifier_check_targets_kernel(int* out, const int* targets, int N) {   // (3,) (N,)
+    __shared__ int part[3][32];
+    int mn = 0x7fffffff, mx = -0x7fffffff - 1, cnt = 0;
+    #pragma unroll 8
+    for (int i = threadIdx.x; i < N; i += blockDim.x) {
+        const int t = targets[i];
+        mn = min(mn, t);
+        mx = max(mx, t);
+        cnt += (t != -1);
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        mn = min(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+        mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { part[0][warp] = mn; part[1][warp] = mx; part[2][warp] = cnt; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++) {
+            mn = min(mn, part[0][w]);
+            mx = max(mx, part[1][w]);
+            cnt += part[2][w];
+        }
+        out[0] = mn; out[1] = mx; out[2] = cnt;
+    }
+}
+
+// ------------------------------------------------------ extern "C" ---------
+
+#define CLASSIFIER_KERNELS(T, SUF)                                                                  \
+    extern "C" __global__ void classifier_forward_kernel_##SUF(float* losses, const T* logits,      \
+                                                               const int* targets, int N, int V, int Vp) { \
+        classifier_forward<T>(losses, logits, targets, N, V, Vp);                                   \
+    }                                                                                               \
+    extern "C" __global__ void classifier_backward_kernel_v1_##SUF(float* losses, T* logits,        \
+                                                                   const int* targets, float grad_scale, \
+                                                                   int N, int V, int Vp) {          \
+        classifier_backward_v1<T>(losses, logits, targets, grad_scale, N, V, Vp);                   \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(CLS_BLOCK, 1)                                      \
+    classifier_backward_kernel_v2_##SUF(float* losses, T* logits, const int* targets, float grad_scale, \
+                                        int N, int V, int Vp) {                                     \
+        classifier_backward_v2<T>(losses, logits, targets, grad_scale, N, V, Vp);                   \
+    }
+
+CLASSIFIER_KERNELS(float, f32)
+CLASSIFIER_KERNELS(bf16, bf16)

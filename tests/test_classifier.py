@@ -1,0 +1,197 @@
+"""gpucore.fused_classifier / cross_entropy: reference vs finite differences, GPU vs reference, bad input."""
+import numpy as np
+import pytest
+
+import gpucore
+from gpucore import runtime
+from gpucore.ops.classifier import classifier_reference, cross_entropy_reference
+from conftest import rel_err, to_cpu
+from gradcheck import assert_grad_close, numerical_grad
+
+DTYPES = [np.float32, gpucore.bfloat16]
+
+
+def _targets(rng, shape, V, ignore_every=0):
+    t = rng.integers(0, V, size=shape).astype(np.int32)
+    if ignore_every:
+        t.reshape(-1)[::ignore_every] = -1
+    return t
+
+
+# ------------------------------------------------------------------ CPU ----
+
+def test_reference_loss_values(rng):
+    logits = rng.standard_normal((5, 11))
+    t = _targets(rng, (5,), 9)
+    t[2] = -1
+    losses = cross_entropy_reference(logits, t, vocab_size=9)
+    for r in range(5):
+        if t[r] == -1:
+            assert losses[r] == 0
+        else:
+            row = logits[r, :9]
+            expected = np.log(np.exp(row).sum()) - row[t[r]]
+            assert losses[r] == pytest.approx(expected, rel=1e-12)
+
+
+def test_reference_backward_matches_finite_differences(rng):
+    V, Vp = 7, 10
+    logits = rng.standard_normal((2, 3, Vp)) * 2
+    t = _targets(rng, (2, 3), V)
+    t[1, 1] = -1
+    scale = 0.37
+    _, d = classifier_reference(logits, t, V, grad_scale=scale)
+    f = lambda x: cross_entropy_reference(x, t, V)            # noqa: E731
+    numeric = numerical_grad(f, logits, np.full(t.shape, scale))
+    assert_grad_close(d, numeric, rtol=1e-6, name="dlogits")
+    assert np.all(d[..., V:] == 0)                            # padded columns
+    assert np.all(d[1, 1] == 0)                               # ignored row
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_public_numpy_path(rng, dtype):
+    V, Vp = 20, 24
+    logits = rng.standard_normal((3, 4, Vp)).astype(dtype)
+    t = _targets(rng, (3, 4), V, ignore_every=5)
+    ref_losses, ref_d = classifier_reference(logits, t, V)     # default scale 1/non-ignored
+    ce = gpucore.cross_entropy(logits, t, vocab_size=V)
+    assert ce.dtype == np.float32 and ce.shape == t.shape
+    assert rel_err(ce, ref_losses) < 1e-6
+    work = logits.copy()
+    losses = gpucore.fused_classifier(work, t, vocab_size=V)
+    assert rel_err(losses, ref_losses) < 1e-6
+    assert rel_err(work, ref_d) < (1e-6 if dtype == np.float32 else 1e-2)
+    assert np.all(work[..., V:].astype(np.float32) == 0)
+    n_valid = int((t != -1).sum())
+    # the default grad_scale makes dlogits the gradient of the mean loss: each valid row sums to 0
+    np.testing.assert_allclose(work.astype(np.float64).sum(-1), 0, atol=1e-2 / n_valid)
+    assert ref_d.reshape(-1, Vp)[np.flatnonzero(t.reshape(-1) != -1)[0]].min() < -0.5 / n_valid
+
+
+def test_classifier_bad_input(rng):
+    logits = rng.standard_normal((4, 10)).astype(np.float32)
+    t = np.array([0, 3, -1, 9], np.int32)
+    with pytest.raises(TypeError, match="logits: dtype"):
+        gpucore.fused_classifier(logits.astype(np.float64), t)
+    with pytest.raises(TypeError, match="targets: dtype"):
+        gpucore.fused_classifier(logits, t.astype(np.int64))
+    with pytest.raises(ValueError, match="targets: expected shape"):
+        gpucore.cross_entropy(logits, t[:3].copy())
+    with pytest.raises(ValueError, match="logits: expected at least 2 dimensions"):
+        gpucore.cross_entropy(logits[0].copy(), t)
+    with pytest.raises(ValueError, match="vocab_size: must be in"):
+        gpucore.cross_entropy(logits, t, vocab_size=11)
+    with pytest.raises(TypeError, match="vocab_size: expected an int"):
+        gpucore.cross_entropy(logits, t, vocab_size=9.0)
+    with pytest.raises(TypeError, match="grad_scale: expected a float"):
+        gpucore.fused_classifier(logits, t, grad_scale="1")
+    with pytest.raises(ValueError, match="losses: expected shape"):
+        gpucore.cross_entropy(logits, t, losses=np.zeros(3, np.float32))
+    before = logits.copy()
+    with pytest.raises(ValueError, match=r"targets: every target must be in \[0, 9\)"):
+        gpucore.fused_classifier(logits, t, vocab_size=9)     # 9 >= V
+    with pytest.raises(ValueError, match="targets: every target"):
+        gpucore.cross_entropy(logits, np.array([0, -2, 1, 1], np.int32))
+    np.testing.assert_array_equal(logits, before)             # nothing written on error
+
+
+# ------------------------------------------------------------------ GPU ----
+
+# (rows shape, V, Vp): GPT-2's padded vocabulary, unpadded, odd sizes, tiny.
+GPU_CASES = [((4, 16), 50257, 50304), ((7,), 50304, 50304), ((300,), 1000, 1024),
+             ((33,), 1001, 1001), ((5,), 5, 8), ((2, 3), 3, 3), ((64,), 50257, 50257)]
+
+
+def _gpu_versions(dtype, Vp):
+    P = 16 // np.dtype(dtype).itemsize
+    return [None, 1] + ([2] if Vp % P == 0 and Vp // P <= 1024 * 7 else [])
+
+
+CASES = [(shape, V, Vp, d, ver) for shape, V, Vp in GPU_CASES for d in DTYPES for ver in _gpu_versions(d, Vp)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape,V,Vp,dtype,version", CASES)
+def test_gpu_fused_matches_reference_and_is_deterministic(rng, shape, V, Vp, dtype, version):
+    cp = runtime.cupy
+    logits = (rng.standard_normal((*shape, Vp)) * 3).astype(dtype)
+    t = _targets(rng, shape, V, ignore_every=3)
+    ref_losses, ref_d = classifier_reference(logits, t, V)
+    tg = cp.asarray(t)
+    work = cp.asarray(logits)
+    losses = cp.full(shape, np.nan, dtype=np.float32)
+    gpucore.fused_classifier(work, tg, vocab_size=V, losses=losses, version=version)
+    got_l, got_d = to_cpu(losses), to_cpu(work)
+    assert not np.isnan(got_l).any() and not np.isnan(got_d.astype(np.float32)).any()
+    assert rel_err(got_l, ref_losses) < 1e-5, "losses"
+    assert rel_err(got_d, ref_d) < (1e-5 if dtype == np.float32 else 1e-2), "dlogits"
+    assert np.all(got_d[..., V:].astype(np.float32) == 0), "padded columns must get zero gradient"
+    assert np.all(got_d[t == -1].astype(np.float32) == 0), "ignored rows must get zero gradient"
+    assert np.all(got_l[t == -1] == 0)
+    # determinism: the same logits again give the same bits
+    work2 = cp.asarray(logits)
+    losses2 = gpucore.fused_classifier(work2, tg, vocab_size=V, version=version)
+    assert to_cpu(work2).tobytes() == got_d.tobytes(), "dlogits not bitwise deterministic"
+    assert to_cpu(losses2).tobytes() == got_l.tobytes(), "losses not bitwise deterministic"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape,V,Vp", GPU_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_cross_entropy_matches_reference(rng, shape, V, Vp, dtype):
+    cp = runtime.cupy
+    logits = (rng.standard_normal((*shape, Vp)) * 3).astype(dtype)
+    t = _targets(rng, shape, V, ignore_every=4)
+    lg = cp.asarray(logits)
+    losses = gpucore.cross_entropy(lg, cp.asarray(t), vocab_size=V)
+    assert rel_err(to_cpu(losses), cross_entropy_reference(logits, t, V)) < 1e-5
+    assert to_cpu(lg).tobytes() == logits.tobytes(), "cross_entropy must not modify the logits"
+
+
+@pytest.mark.cuda
+def test_gpu_grad_scale_and_large_logits(rng):
+    cp = runtime.cupy
+    logits = (rng.standard_normal((8, 4096)) * 20 + 500).astype(np.float32)
+    t = _targets(rng, (8,), 4000)
+    ref_losses, ref_d = classifier_reference(logits, t, 4000, grad_scale=2.5)
+    work = cp.asarray(logits)
+    losses = gpucore.fused_classifier(work, cp.asarray(t), vocab_size=4000, grad_scale=2.5)
+    assert rel_err(to_cpu(losses), ref_losses) < 1e-5
+    assert rel_err(to_cpu(work), ref_d) < 1e-5
+
+
+@pytest.mark.cuda
+def test_gpu_unaligned_logits_use_the_scalar_path(rng):
+    cp = runtime.cupy
+    V = 1000
+    flat = rng.standard_normal(1 + 6 * V).astype(np.float32)
+    work = cp.asarray(flat)[1:].reshape(6, V)
+    assert work.data.ptr % 16 != 0
+    t = _targets(rng, (6,), V)
+    ref_losses, ref_d = classifier_reference(flat[1:].reshape(6, V), t)
+    losses = gpucore.fused_classifier(work, cp.asarray(t))
+    assert rel_err(to_cpu(losses), ref_losses) < 1e-5
+    assert rel_err(to_cpu(work), ref_d) < 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bad", [50257, 50303, 70000, -2])
+def test_gpu_out_of_range_target_raises_before_launch(rng, bad):
+    cp = runtime.cupy
+    logits = cp.asarray(rng.standard_normal((5, 50304)).astype(gpucore.bfloat16))
+    before = to_cpu(logits).tobytes()
+    t = _targets(rng, (5,), 50257)
+    t[3] = bad
+    with pytest.raises(ValueError, match="targets: every target"):
+        gpucore.fused_classifier(logits, cp.asarray(t), vocab_size=50257)
+    with pytest.raises(ValueError, match="targets: every target"):
+        gpucore.cross_entropy(logits, cp.asarray(t), vocab_size=50257)
+    assert to_cpu(logits).tobytes() == before
+
+
+@pytest.mark.cuda
+def test_gpu_target_check_counts_many_targets(rng):
+    cp = runtime.cupy
+    from gpucore.ops.classifier import _target_stats
+    t = rng.integers(-1, 50257, size=65536 + 3).astype(np.int32)
+    assert _target_stats(cp.asarray(t), cp) == (int(t.min()), int(t.max()), int((t != -1).sum()))
