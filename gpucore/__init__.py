@@ -13,6 +13,9 @@ from .ops.reduce import reduce_sum as sum  # noqa: A004
 from .ops.softmax import softmax, softmax_backward
 from .ops.classifier import cross_entropy, fused_classifier
 from .ops.softmax import softmax, softmax_backward
+from .ops.adamw import adamw_update, grad_norm
+from .ops.classifier import cross_entropy, fused_classifier
+from .ops.softmax import softmax, softmax_backward
 from .runtime import KernelCompileError, gpu_available
 
 __version__ = "0.1.0"
@@ -21,5 +24,5 @@ __all__ = [
     "bfloat16", "float32", "gpu_available", "KernelCompileError",
     "add", "astype", "sum", "max",
     "matmul", "matmul_forward", "matmul_backward", "batched_matmul", "gemm",
-    "softmax", "softmax_backward", "cross_entropy", "fused_classifier",
+    "softmax", "softmax_backward", "cross_entropy", "fused_classifier", "grad_norm", "adamw_update",
 ]

@@ -1,0 +1,232 @@
+"""AdamW over the flat parameter buffer, and the gradient's global L2 norm (kernels_cu/adamw.cu).
+
+One launch updates every parameter of the model: fp32 master weights, fp32
+m and v, the optional bf16 working copy (params_lowp), with decoupled weight
+decay only inside `decay_spans` (GPT-2 decays its matrices, not biases or
+layernorm gains). The update rule is PyTorch's AdamW:
+
+    g  = grads * grad_scale * clip,   clip = min(1, max_grad_norm / (grad_norm + 1e-6))
+    m  = beta1 m + (1 - beta1) g;     v = beta2 v + (1 - beta2) g^2
+    p -= lr * (m / (1 - beta1^step) / (sqrt(v / (1 - beta2^step)) + eps) + wd * p)
+
+Gradient clipping needs no host synchronisation: `grad_norm(grads)` leaves a
+0-d float32 array on the device (two-stage fixed-grid reduction: deterministic,
+no atomics) and the update kernel reads it from device memory. `grad_norm` is
+taken as given: pass the norm of the gradient you want clipped (the clip scale
+multiplies grads * grad_scale).
+
+The reference runs in float64 and rounds once to float32; the kernel computes
+in float32, so they agree to float32 rounding.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from .. import dtypes, runtime
+from ._common import check_array, output
+
+UPDATE_BLOCK = 256
+UPDATE_BLOCKS_PER_SM = 8       # grid-stride loop; 8 x 256 threads fills an SM at 40 registers
+NORM_BLOCK = 512
+NORM_BLOCKS_PER_SM = 4
+MAX_BOUNDS = 48 * 1024 // 4    # the boundary table lives in (default-limit) dynamic shared memory
+
+_BOUNDS_CACHE: dict[tuple, object] = {}   # (device id, boundaries) -> device int32 array
+
+
+# ----------------------------------------------------------- helpers -------
+
+def _real(name, x, *, lo=None, lo_open=False, hi=None, hi_open=False):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: expected a number, got {type(x).__name__}")
+    x = float(x)
+    if x != x:
+        raise ValueError(f"{name}: must not be NaN")
+    if lo is not None and (x < lo or (lo_open and x == lo)):
+        raise ValueError(f"{name}: must be {'>' if lo_open else '>='} {lo}, got {x}")
+    if hi is not None and (x > hi or (hi_open and x == hi)):
+        raise ValueError(f"{name}: must be {'<' if hi_open else '<='} {hi}, got {x}")
+    return x
+
+
+def decay_boundaries(decay_spans, n: int) -> list[int]:
+    """Sorted boundaries [s0, e0, s1, e1, ...] of the merged, non-empty decay spans.
+
+    None means the whole buffer is decayed; [] means nothing is.
+    """
+    if decay_spans is None:
+        return [0, n] if n else []
+    try:
+        spans = [tuple(s) for s in decay_spans]
+    except TypeError:
+        raise TypeError("decay_spans: expected a list of (start, stop) pairs") from None
+    clean = []
+    for s in spans:
+        if len(s) != 2 or not all(isinstance(e, numbers.Integral) and not isinstance(e, bool) for e in s):
+            raise TypeError(f"decay_spans: each span must be a (start, stop) pair of ints, got {s!r}")
+        a, b = int(s[0]), int(s[1])
+        if not 0 <= a <= b <= n:
+            raise ValueError(f"decay_spans: span ({a}, {b}) is not within [0, {n}] with start <= stop")
+        if a < b:
+            clean.append((a, b))
+    clean.sort()
+    merged: list[list[int]] = []
+    for a, b in clean:
+        if merged and a <= merged[-1][1]:          # overlapping or touching: one span
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [e for span in merged for e in span]
+
+
+def _decay_mask(bounds: list[int], n: int) -> np.ndarray:
+    mask = np.zeros(n, dtype=bool)
+    for a, b in zip(bounds[0::2], bounds[1::2]):
+        mask[a:b] = True
+    return mask
+
+
+def _device_bounds(bounds: list[int]):
+    """The boundary table on the current device, uploaded once per distinct table."""
+    cupy = runtime.cupy
+    key = (cupy.cuda.Device().id, tuple(bounds))
+    arr = _BOUNDS_CACHE.get(key)
+    if arr is None:
+        if len(_BOUNDS_CACHE) > 64:                 # a training run uses one table; keep the cache small
+            _BOUNDS_CACHE.clear()
+        arr = cupy.asarray(np.asarray(bounds if bounds else [0], dtype=np.int32))
+        _BOUNDS_CACHE[key] = arr
+    return arr
+
+
+# ----------------------------------------------------------- grad norm -----
+
+def grad_norm_reference(grads: np.ndarray) -> float:
+    """float64 sqrt(sum(grads^2))."""
+    g = np.asarray(grads, dtype=np.float64).reshape(-1)
+    return float(np.sqrt(np.dot(g, g)))
+
+
+def grad_norm(grads, out=None):
+    """Global L2 norm of grads ((n,) float32 or bfloat16) as a 0-d float32 array (on grads' device)."""
+    check_array("grads", grads, ndim=1)
+    xp = runtime.array_module(grads, out)
+    out = output("out", out, xp, (), np.float32)
+    if xp is np:
+        out[...] = grad_norm_reference(grads)
+        return out
+    n = grads.size
+    if n == 0:
+        out.fill(0)
+        return out
+    suf = dtypes.kernel_suffix(grads.dtype)
+    num_blocks = max(1, min(runtime.sm_count() * NORM_BLOCKS_PER_SM,
+                            -(-n // (NORM_BLOCK * (16 // grads.dtype.itemsize)))))
+    partials = xp.empty(num_blocks, dtype=np.float32)
+    k1 = runtime.get_kernel("adamw", f"adamw_grad_norm_stage1_kernel_{suf}")
+    k2 = runtime.get_kernel("adamw", "adamw_grad_norm_stage2_kernel")
+    runtime.launch(k1, num_blocks, NORM_BLOCK, (partials, grads, np.int32(n)))
+    runtime.launch(k2, 1, 1024, (out, partials, np.int32(num_blocks)))
+    return out
+
+
+_grad_norm = grad_norm   # adamw_update's `grad_norm` argument shadows the function
+
+
+# ----------------------------------------------------------- AdamW ---------
+
+def adamw_reference(params, grads, m, v, *, lr, step, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
+                    decay_spans=None, grad_norm=None, max_grad_norm=None, grad_scale=1.0):
+    """float64 (params, m, v) after one AdamW step; the inputs are not modified."""
+    n = params.size
+    p = np.asarray(params, dtype=np.float64).copy()
+    m = np.asarray(m, dtype=np.float64).copy()
+    v = np.asarray(v, dtype=np.float64).copy()
+    scale = float(grad_scale)
+    if max_grad_norm is not None:
+        norm = grad_norm_reference(grads) if grad_norm is None else float(np.asarray(grad_norm, np.float64))
+        scale *= min(1.0, max_grad_norm / (norm + 1e-6))
+    g = np.asarray(grads, dtype=np.float64) * scale
+    wd = np.where(_decay_mask(decay_boundaries(decay_spans, n), n), weight_decay, 0.0)
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    mhat = m / (1 - beta1 ** step)
+    vhat = v / (1 - beta2 ** step)
+    p -= lr * (mhat / (np.sqrt(vhat) + eps) + wd * p)
+    return p, m, v
+
+
+def adamw_update(params, grads, m, v, *, lr, step, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
+                 decay_spans=None, grad_norm=None, max_grad_norm=None, grad_scale=1.0, params_lowp=None):
+    """One AdamW step, in place on params (fp32 master), m and v; returns params.
+
+    params, m, v: (n,) float32; grads: (n,) float32 or bfloat16.
+    decay_spans: (start, stop) element ranges that get weight decay; None = all, [] = none.
+    grad_norm: 0-d float32 array (e.g. from grad_norm(grads), may stay on the device); with
+      max_grad_norm it sets the clip scale min(1, max_grad_norm / (grad_norm + 1e-6)) inside the
+      kernel. max_grad_norm without grad_norm computes grad_norm(grads) first. grad_norm without
+      max_grad_norm has no effect.
+    params_lowp: optional (n,) bfloat16, written with bf16(params) in the same pass.
+    """
+    check_array("params", params, dtype=np.float32, ndim=1)
+    n = params.size
+    check_array("grads", grads, shape=(n,))
+    check_array("m", m, dtype=np.float32, shape=(n,))
+    check_array("v", v, dtype=np.float32, shape=(n,))
+    if params_lowp is not None:
+        check_array("params_lowp", params_lowp, dtype=dtypes.bfloat16, shape=(n,))
+    if grad_norm is not None:
+        check_array("grad_norm", grad_norm, dtype=np.float32)
+        if grad_norm.size != 1:
+            raise ValueError(f"grad_norm: expected a 0-d (or one-element) array, got shape {tuple(grad_norm.shape)}")
+    xp = runtime.array_module(params, grads, m, v, params_lowp, grad_norm)
+    lr = _real("lr", lr, lo=0.0)
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"step: expected an int (1 for the first step), got {type(step).__name__}")
+    if step < 1:
+        raise ValueError(f"step: must be >= 1 (bias correction divides by 1 - beta^step), got {step}")
+    beta1 = _real("beta1", beta1, lo=0.0, hi=1.0, hi_open=True)
+    beta2 = _real("beta2", beta2, lo=0.0, hi=1.0, hi_open=True)
+    eps = _real("eps", eps, lo=0.0)
+    weight_decay = _real("weight_decay", weight_decay)
+    grad_scale = _real("grad_scale", grad_scale)
+    if max_grad_norm is not None:
+        max_grad_norm = _real("max_grad_norm", max_grad_norm, lo=0.0, lo_open=True)
+    bounds = decay_boundaries(decay_spans, n)
+    if len(bounds) > MAX_BOUNDS:
+        raise ValueError(f"decay_spans: {len(bounds) // 2} disjoint spans after merging; at most "
+                         f"{MAX_BOUNDS // 2} fit the kernel's shared-memory table")
+    if max_grad_norm is not None and grad_norm is None:
+        grad_norm = _grad_norm(grads)
+
+    if xp is np:
+        p, m_new, v_new = adamw_reference(params, grads, m, v, lr=lr, step=step, beta1=beta1, beta2=beta2,
+                                          eps=eps, weight_decay=weight_decay, decay_spans=decay_spans,
+                                          grad_norm=grad_norm, max_grad_norm=max_grad_norm,
+                                          grad_scale=grad_scale)
+        params[...] = p
+        m[...] = m_new
+        v[...] = v_new
+        if params_lowp is not None:
+            params_lowp[...] = params.astype(dtypes.bfloat16)
+        return params
+    if n == 0:
+        return params
+    bc1 = 1.0 - beta1 ** step
+    bc2 = 1.0 - beta2 ** step
+    dev_bounds = _device_bounds(bounds)
+    kernel = runtime.get_kernel("adamw", f"adamw_update_kernel_{dtypes.kernel_suffix(grads.dtype)}")
+    grid = max(1, min(-(-n // (4 * UPDATE_BLOCK)), runtime.sm_count() * UPDATE_BLOCKS_PER_SM))
+    runtime.launch(kernel, grid, UPDATE_BLOCK, (
+        params, m, v,
+        params_lowp if params_lowp is not None else params,   # not written when write_lowp == 0
+        grads, dev_bounds,
+        grad_norm if (grad_norm is not None and max_grad_norm is not None) else params,  # not read when max_norm == 0
+        np.int32(n), np.int32(len(bounds)), np.int32(params_lowp is not None),
+        np.float32(lr), np.float32(beta1), np.float32(beta2), np.float32(bc1), np.float32(bc2),
+        np.float32(eps), np.float32(weight_decay), np.float32(grad_scale),
+        np.float32(max_grad_norm if max_grad_norm is not None else 0.0)),
+        shared_mem=4 * len(bounds))
+    return params
