@@ -10,9 +10,6 @@ from .ops.cast import astype
 from .ops.matmul import batched_matmul, gemm, matmul, matmul_backward, matmul_forward
 from .ops.reduce import reduce_max as max  # noqa: A004 - numpy-like names on purpose
 from .ops.reduce import reduce_sum as sum  # noqa: A004
-from .ops.softmax import softmax, softmax_backward
-from .ops.classifier import cross_entropy, fused_classifier
-from .ops.softmax import softmax, softmax_backward
 from .ops.adamw import adamw_update, grad_norm
 from .ops.classifier import cross_entropy, fused_classifier
 from .ops.softmax import softmax, softmax_backward
