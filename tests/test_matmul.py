@@ -206,11 +206,30 @@ def test_gpu_matmul_2d_3d(rng, dtype):
     _check_close(gpucore.matmul(cp.asarray(a3), cp.asarray(b2)), a3.astype(np.float64) @ b2, dtype, "3-D @ 2-D")
 
 
+@pytest.fixture(params=["cublaslt", "gemmex"])
+def gemm_path(request, monkeypatch):
+    """Run a training-path test through cuBLASLt (bias epilogue) and through the gemmEx fallback."""
+    monkeypatch.setattr(mm, "USE_CUBLASLT", request.param == "cublaslt")
+    return request.param
+
+
+@pytest.mark.cuda
+def test_gpu_cublaslt_is_used(rng):
+    """The fast path must not silently fall back: Lt loads and has plans for the GPT-2 layer shapes."""
+    cp = runtime.cupy
+    x, w, b = (cp.asarray(_rand(rng, s, BF16)) for s in ((256, 768), (2304, 768), (2304,)))
+    gpucore.matmul_forward(x, w, b)
+    assert mm.LT_STATUS == "ok", mm.LT_STATUS
+    out = cp.empty((256, 2304), BF16)
+    assert mm._lt_gemm_rowmajor(x, w, out, 256, 2304, 768, transpose_b=True, bias=b), "no Lt algorithm"
+    _check_close(out, mm.matmul_forward_reference(to_cpu(x), to_cpu(w), to_cpu(b), np.float64), BF16, "Lt")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,K,M", [(1, 1, 1), (7, 5, 3), (100, 96, 50), (513, 768, 2304), (64, 768, 50304)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_gpu_matmul_forward(rng, dtype, N, K, M, with_bias):
+def test_gpu_matmul_forward(rng, gemm_path, dtype, N, K, M, with_bias):
     cp = runtime.cupy
     x, w = _rand(rng, (N, K), dtype), _rand(rng, (M, K), dtype, 0.05)
     b = _rand(rng, (M,), dtype) if with_bias else None
@@ -223,7 +242,7 @@ def test_gpu_matmul_forward(rng, dtype, N, K, M, with_bias):
 
 
 @pytest.mark.cuda
-def test_gpu_matmul_forward_bf16_in_f32_out_and_leading_dims(rng):
+def test_gpu_matmul_forward_bf16_in_f32_out_and_leading_dims(rng, gemm_path):
     cp = runtime.cupy
     x, w, b = _rand(rng, (2, 33, 64), BF16), _rand(rng, (48, 64), BF16), _rand(rng, (48,), BF16)
     out = poison((2, 33, 48), np.float32)
@@ -235,7 +254,7 @@ def test_gpu_matmul_forward_bf16_in_f32_out_and_leading_dims(rng):
 
 
 @pytest.mark.cuda
-def test_gpu_matmul_forward_structured():
+def test_gpu_matmul_forward_structured(gemm_path):
     """x = one-hot rows: out row r must be weight row (r % K) + bias, exactly."""
     cp = runtime.cupy
     rng = np.random.default_rng(1)
@@ -251,8 +270,9 @@ def test_gpu_matmul_forward_structured():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("N,K,M", [(1, 1, 1), (7, 5, 3), (300, 96, 50), (1000, 768, 2304), (257, 3072, 768)])
-def test_gpu_matmul_backward(rng, dtype, N, K, M):
+@pytest.mark.parametrize("N,K,M", [(1, 1, 1), (7, 5, 3), (300, 96, 50), (1000, 768, 2304), (257, 3072, 768),
+                                   (16384, 768, 768)])    # the last: a long reduction (split-K in cuBLAS)
+def test_gpu_matmul_backward(rng, gemm_path, dtype, N, K, M):
     cp = runtime.cupy
     dout, x, w = _rand(rng, (N, M), dtype), _rand(rng, (N, K), dtype), _rand(rng, (M, K), dtype)
     dw0, db0 = _rand(rng, (M, K), dtype), _rand(rng, (M,), dtype)
@@ -274,7 +294,7 @@ def test_gpu_matmul_backward(rng, dtype, N, K, M):
 
 
 @pytest.mark.cuda
-def test_gpu_matmul_backward_bf16_with_f32_grads(rng):
+def test_gpu_matmul_backward_bf16_with_f32_grads(rng, gemm_path):
     cp = runtime.cupy
     N, K, M = 1025, 64, 136
     dout, x, w = _rand(rng, (N, M), BF16), _rand(rng, (N, K), BF16), _rand(rng, (M, K), BF16)
@@ -304,7 +324,7 @@ def test_gpu_bias_backward_kernel(rng, dtype, N, M):
 
 
 @pytest.mark.cuda
-def test_gpu_matmul_runs_on_current_stream(rng):
+def test_gpu_matmul_runs_on_current_stream(rng, gemm_path):
     cp = runtime.cupy
     x, w, b = _rand(rng, (512, 256), BF16), _rand(rng, (384, 256), BF16), _rand(rng, (384,), BF16)
     s = cp.cuda.Stream(non_blocking=True)

@@ -8,6 +8,8 @@ fcproj 65536x3072x768, lm_head 65536x768x50304 (the attention projection
 Rows printed (--version all, the default):
   cublas gemmEx bf16 NT        raw cuBLAS on the forward's layout x @ W^T: the reference
   matmul_forward (+bias / -)   our training path vs that reference      target 95%
+                               (path=cublasLt: bias fused in the epilogue; also shown:
+                               the gemmEx fallback, bias-fill kernel + GEMM with beta=1)
   matmul_backward (dx+dW [+db]) vs raw cuBLAS dx and dW GEMMs          target 95%
   gemm v1..v3 fp32             vs cuBLAS fp32 (SGEMM, no TF32) at 4096^3; v3 must reach
                                15 TFLOP/s, so its target is 15 / cuBLAS-fp32 TFLOP/s
@@ -73,8 +75,17 @@ def _bench_train(M, K, N, with_bias):
     raw = Result(f"cublas gemmEx bf16 NT {shape}", raw_ms, flops=fl)
     rows.append(raw)
     ms = time_ms(lambda: gpucore.matmul_forward(x, w, b, out=out))
+    path = "cublasLt" if mm._lt() is not None else f"gemmEx ({mm.LT_STATUS})"
     rows.append(Result(f"matmul_forward {'+bias' if with_bias else 'no bias'} {shape}", ms, flops=fl,
-                       ref_tflops=raw.tflops, target=0.95))
+                       ref_tflops=raw.tflops, target=0.95, extra={"path": path}))
+    if with_bias and mm._lt() is not None:       # what the Lt bias epilogue saves over the fallback
+        mm.USE_CUBLASLT = False
+        try:
+            ms = time_ms(lambda: gpucore.matmul_forward(x, w, b, out=out))
+        finally:
+            mm.USE_CUBLASLT = True
+        rows.append(Result(f"matmul_forward +bias {shape} (bias fill + gemmEx beta=1)", ms, flops=fl,
+                           ref_tflops=raw.tflops))
     # backward: dx (M, K) = dout @ W, dW (N, K) += dout^T @ x, db += colsum(dout)
     dout = out
     dx, dw = _rand((M, K), "bf16"), _rand((N, K), "float32")

@@ -138,8 +138,7 @@ def _cuda_type(dtype) -> int:
     return rt.CUDA_R_16BF if dtype == BF16 else rt.CUDA_R_32F
 
 
-def _gemm_rowmajor(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0,
-                   batch=1, a_off=0, b_off=0, c_off=0):
+def _gemm_rowmajor(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0, batch=1):
     """Row-major out (batch, M, N) = alpha * op(a) @ op(b) + beta * out on the current CuPy stream.
 
     a is (M, K) or, transposed, (K, M); b is (K, N) or (N, K); one matrix per
@@ -157,9 +156,7 @@ def _gemm_rowmajor(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alp
     op_b = cublas.CUBLAS_OP_T if transpose_b else cublas.CUBLAS_OP_N
     lda, ldb, ldc = a.shape[-1], b.shape[-1], N
     ta, tb, tc = _cuda_type(a.dtype), _cuda_type(b.dtype), _cuda_type(out.dtype)
-    pa = a.data.ptr + a_off * a.dtype.itemsize
-    pb = b.data.ptr + b_off * b.dtype.itemsize
-    pc = out.data.ptr + c_off * out.dtype.itemsize
+    pa, pb, pc = a.data.ptr, b.data.ptr, out.data.ptr
     # Column-major C^T (N, M) = op(B)^T (N, K) @ op(A)^T (K, M).
     if batch == 1:
         cublas.gemmEx(handle, op_b, op_a, N, M, K, al.ctypes.data, pb, tb, ldb, pa, ta, lda,
@@ -177,6 +174,177 @@ def _scale_inplace(out, beta):
         out.fill(0)
     elif beta != 1.0:
         out[...] = (out.astype(np.float32) * np.float32(beta)).astype(out.dtype)
+
+
+# -------------------------------------------------------------- cuBLASLt ----
+# CuPy binds cuBLAS but not cuBLASLt, whose matmul takes a fused bias epilogue
+# (CUBLASLT_EPILOGUE_BIAS: the bias costs nothing) and, unlike CuPy's cuBLAS
+# wrappers, can be captured into a CUDA graph. We call the handful of functions
+# we need through ctypes from the libcublasLt that CuPy has already loaded.
+# Enum values and the heuristic-result layout are from cublasLt.h (CUDA 12.x;
+# the ABI is unchanged since 11.0). Every plan (descriptors + the heuristic's
+# algorithm) is built once per shape/dtype/alignment and cached; a call then
+# costs two ctypes calls. If the library is missing or a shape has no Lt
+# algorithm, the training path falls back to gemmEx (+ the bias-fill kernel).
+# GPUCORE_CUBLASLT=0 turns the Lt path off.
+
+import ctypes  # noqa: E402
+import os  # noqa: E402
+
+USE_CUBLASLT = os.environ.get("GPUCORE_CUBLASLT", "1") != "0"
+LT_WORKSPACE_BYTES = 32 << 20           # cuBLAS' recommendation for Hopper
+_LT_DESC_TRANSA, _LT_DESC_TRANSB, _LT_DESC_EPILOGUE, _LT_DESC_BIAS_POINTER = 3, 4, 7, 8
+_LT_EPILOGUE_DEFAULT, _LT_EPILOGUE_BIAS = 1, 4
+_LT_PREF_MAX_WORKSPACE_BYTES = 1
+_LT_PREF_MIN_ALIGNMENT = (5, 6, 7, 8)   # A, B, C, D
+_LT_HEURISTIC_BYTES = 96                # cublasLtMatmulHeuristicResult_t: algo[64] ws(8) state(4) waves(4) int[4]
+_CUBLAS_COMPUTE_32F = 68
+
+
+class _CublasLt:
+    """The cuBLASLt library, one handle and one workspace per device, and the plan cache."""
+
+    def __init__(self):
+        lib = None
+        for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        if lib is None:
+            raise OSError("libcublasLt.so.13/.12 not found")
+        vp, i32, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        pvp = ctypes.POINTER(vp)
+        for fname, args in {
+                "cublasLtCreate": [pvp],
+                "cublasLtMatmulDescCreate": [pvp, i32, i32],
+                "cublasLtMatmulDescSetAttribute": [vp, i32, vp, sz],
+                "cublasLtMatrixLayoutCreate": [pvp, i32, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
+                "cublasLtMatmulPreferenceCreate": [pvp],
+                "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
+                "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32, vp, ctypes.POINTER(i32)],
+                "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp]}.items():
+            f = getattr(lib, fname)
+            f.argtypes, f.restype = args, i32
+        self.lib = lib
+        self.handles, self.workspaces, self.plans = {}, {}, {}
+
+    def _ok(self, status, what):
+        if status != 0:
+            raise RuntimeError(f"cuBLASLt {what} failed with status {status}")
+
+    def _create(self, fn, *args):
+        h = ctypes.c_void_p()
+        self._ok(fn(ctypes.byref(h), *args), fn.__name__)
+        return h
+
+    def _set(self, fn, obj, attr, value):
+        self._ok(fn(obj, attr, ctypes.addressof(value), ctypes.sizeof(value)), f"{fn.__name__}({attr})")
+
+    def device_state(self):
+        dev = runtime.cupy.cuda.Device().id
+        if dev not in self.handles:
+            self.handles[dev] = self._create(self.lib.cublasLtCreate)
+            self.workspaces[dev] = runtime.cupy.empty(LT_WORKSPACE_BYTES, dtype=np.uint8)
+        return dev, self.handles[dev], self.workspaces[dev]
+
+    def plan(self, key, dev, handle, op_b, op_a, N, M, K, ldb, lda, tb, ta, tc, epilogue, bias_ptr, aligns):
+        """(desc, layouts, heuristic buffer) for C^T = op(B)^T op(A)^T, or None if Lt has no algorithm."""
+        if key in self.plans:
+            return self.plans[key]
+        lib = self.lib
+        desc = self._create(lib.cublasLtMatmulDescCreate, _CUBLAS_COMPUTE_32F, runtime.cupy.cuda.runtime.CUDA_R_32F)
+        self._set(lib.cublasLtMatmulDescSetAttribute, desc, _LT_DESC_TRANSA, ctypes.c_int32(op_b))
+        self._set(lib.cublasLtMatmulDescSetAttribute, desc, _LT_DESC_TRANSB, ctypes.c_int32(op_a))
+        self._set(lib.cublasLtMatmulDescSetAttribute, desc, _LT_DESC_EPILOGUE, ctypes.c_uint32(epilogue))
+        if epilogue == _LT_EPILOGUE_BIAS:   # the heuristic reads the pointer's alignment
+            self._set(lib.cublasLtMatmulDescSetAttribute, desc, _LT_DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
+        # Column-major layouts of the stored matrices: (rows, cols, ld) = (row length, row count, row length).
+        lay_b = self._create(lib.cublasLtMatrixLayoutCreate, tb, *((N, K) if op_b == 0 else (K, N)), ldb)
+        lay_a = self._create(lib.cublasLtMatrixLayoutCreate, ta, *((K, M) if op_a == 0 else (M, K)), lda)
+        lay_c = self._create(lib.cublasLtMatrixLayoutCreate, tc, N, M, N)
+        pref = self._create(lib.cublasLtMatmulPreferenceCreate)
+        self._set(lib.cublasLtMatmulPreferenceSetAttribute, pref, _LT_PREF_MAX_WORKSPACE_BYTES,
+                  ctypes.c_uint64(LT_WORKSPACE_BYTES))
+        for attr, al in zip(_LT_PREF_MIN_ALIGNMENT, aligns):
+            self._set(lib.cublasLtMatmulPreferenceSetAttribute, pref, attr, ctypes.c_uint32(al))
+        result = (ctypes.c_ubyte * (4 * _LT_HEURISTIC_BYTES))()    # room to spare for one result
+        count = ctypes.c_int(0)
+        status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, lay_b, lay_a, lay_c, lay_c, pref, 1,
+                                                    ctypes.addressof(result), ctypes.byref(count))
+        state = int.from_bytes(bytes(result[72:76]), "little", signed=True)
+        plan = (desc, lay_b, lay_a, lay_c, result) if status == 0 and count.value > 0 and state == 0 else None
+        self.plans[key] = plan
+        return plan
+
+
+_LT = None
+LT_STATUS = "not tried"
+
+
+def _lt():
+    """The cuBLASLt binding, or None (and LT_STATUS says why)."""
+    global _LT, LT_STATUS
+    if _LT is None and USE_CUBLASLT and LT_STATUS == "not tried":
+        try:
+            _cublas()                   # makes CuPy load libcublas and libcublasLt
+            _LT = _CublasLt()
+            LT_STATUS = "ok"
+        except Exception as e:  # noqa: BLE001 - any failure means: use gemmEx
+            LT_STATUS = f"unavailable: {e}"
+    return _LT if USE_CUBLASLT else None
+
+
+def _alignment(ptr: int) -> int:
+    return min(256, ptr & -ptr) if ptr else 256
+
+
+def _lt_gemm_rowmajor(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0, bias=None):
+    """Row-major out = alpha * op(a) @ op(b) + beta * out [+ bias over rows] by cublasLtMatmul.
+
+    Returns False (nothing launched) when cuBLASLt is unavailable or has no
+    algorithm for this case; the caller then uses gemmEx.
+    """
+    lt = _lt()
+    if lt is None:
+        return False
+    dev, handle, ws = lt.device_state()
+    op_a, op_b = int(transpose_a), int(transpose_b)          # CUBLAS_OP_N = 0, CUBLAS_OP_T = 1
+    ta, tb, tc = _cuda_type(a.dtype), _cuda_type(b.dtype), _cuda_type(out.dtype)
+    epilogue = _LT_EPILOGUE_BIAS if bias is not None else _LT_EPILOGUE_DEFAULT
+    bias_ptr = bias.data.ptr if bias is not None else 0
+    aligns = tuple(_alignment(p) for p in (b.data.ptr, a.data.ptr, out.data.ptr, out.data.ptr))
+    key = (dev, op_a, op_b, M, N, K, a.shape[-1], b.shape[-1], ta, tb, tc, epilogue,
+           _alignment(bias_ptr) if bias is not None else 0, aligns, beta != 0.0)
+    plan = lt.plan(key, dev, handle, op_b, op_a, N, M, K, b.shape[-1], a.shape[-1], tb, ta, tc,
+                   epilogue, bias_ptr, aligns)
+    if plan is None:
+        return False
+    desc, lay_b, lay_a, lay_c, result = plan
+    if bias is not None:
+        lt._set(lt.lib.cublasLtMatmulDescSetAttribute, desc, _LT_DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
+    al, be = ctypes.c_float(alpha), ctypes.c_float(beta)
+    stream = runtime.cupy.cuda.get_current_stream().ptr
+    lt._ok(lt.lib.cublasLtMatmul(handle, desc, ctypes.addressof(al), b.data.ptr, lay_b, a.data.ptr, lay_a,
+                                 ctypes.addressof(be), out.data.ptr, lay_c, out.data.ptr, lay_c,
+                                 ctypes.addressof(result), ws.data.ptr, LT_WORKSPACE_BYTES, stream),
+           "cublasLtMatmul")
+    return True
+
+
+def _train_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, beta=0.0, bias=None):
+    """The training path's GEMM: cuBLASLt (bias fused) when it can, else gemmEx (+ bias-fill kernel)."""
+    if bias is not None and bias.dtype != out.dtype:
+        lt_ok = False                   # Lt's bias has D's type; a bf16 bias into a float32 out takes the fill
+    else:
+        lt_ok = _lt_gemm_rowmajor(a, b, out, M, N, K, transpose_a, transpose_b, 1.0, beta, bias)
+    if lt_ok:
+        return
+    if bias is not None:
+        _bias_fill(out, bias)
+        beta = 1.0
+    _gemm_rowmajor(a, b, out, M, N, K, transpose_a, transpose_b, 1.0, beta)
 
 
 # ------------------------------------------------------------ public: cuBLAS ---
@@ -289,13 +457,13 @@ def matmul_forward(x, weight, bias=None, out=None):
     if N == 0 or M == 0:
         return out
     out2d = out.reshape(N, M)
-    if bias is not None:
-        _bias_fill(out2d, bias)
-    if K == 0:
+    if K == 0:                          # an empty sum: out = bias (or 0)
         if bias is None:
             out.fill(0)
+        else:
+            _bias_fill(out2d, bias)
         return out
-    _gemm_rowmajor(x, weight, out2d, N, M, K, transpose_b=True, beta=1.0 if bias is not None else 0.0)
+    _train_gemm(x, weight, out2d, N, M, K, transpose_b=True, bias=bias)
     return out
 
 
@@ -378,14 +546,14 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
         if M == 0:
             dx.fill(0)
         else:
-            _gemm_rowmajor(dout2d, weight, dx.reshape(N, K), N, K, M)            # (N,M) @ (M,K)
+            _train_gemm(dout2d, weight, dx.reshape(N, K), N, K, M)               # (N,M) @ (M,K)
     if dweight is not None and M and K:
         if N == 0:
             if fresh_dw:
                 dweight.fill(0)
         else:
-            _gemm_rowmajor(dout2d, x2d, dweight, M, K, N, transpose_a=True,    # (N,M)^T @ (N,K)
-                           beta=0.0 if fresh_dw else 1.0)
+            _train_gemm(dout2d, x2d, dweight, M, K, N, transpose_a=True,       # (N,M)^T @ (N,K)
+                        beta=0.0 if fresh_dw else 1.0)
     if dbias is not None and M and N:
         _bias_backward(dbias, dout2d)
     return dx, dweight, dbias
