@@ -6,6 +6,7 @@ bfloat16 (`gpucore.bfloat16`, i.e. ml_dtypes.bfloat16).
 """
 from .dtypes import bfloat16, float32
 from .ops.add import add
+from .ops.attention import attention, attention_backward, attention_forward
 from .ops.cast import astype
 from .ops.matmul import batched_matmul, gemm, matmul, matmul_backward, matmul_forward
 from .ops.reduce import reduce_max as max  # noqa: A004 - numpy-like names on purpose
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "bfloat16", "float32", "gpu_available", "KernelCompileError",
     "add", "astype", "sum", "max",
+    "attention", "attention_forward", "attention_backward",
     "matmul", "matmul_forward", "matmul_backward", "batched_matmul", "gemm",
     "softmax", "softmax_backward", "cross_entropy", "fused_classifier", "grad_norm", "adamw_update",
 ]

@@ -1,0 +1,374 @@
+"""Causal multi-head attention over GPT-2's fused qkv activation, forward and backward.
+
+    attention_forward(qkv (B, T, 3C), num_heads) -> out (B, T, C), lse (B, NH, T) fp32
+    attention_backward(dout, qkv, out, lse, num_heads) -> dqkv (B, T, 3C)   [=]
+    attention(q, k, v, causal=True) with (B, NH, T, hd) arrays -> (B, NH, T, hd)
+
+Layout: q = qkv[..., :C], k = qkv[..., C:2C], v = qkv[..., 2C:]; head h is
+columns h*hd:(h+1)*hd of each; scale 1/sqrt(hd). lse_i = log sum_{j<=i}
+exp(scale q_i.k_j) is what the flash backward needs to recompute the softmax.
+
+Versions (GPU):
+  1  the classic way (llm.c's attention_forward, kernels_cu/attention.cu): permute
+     qkv to (3, B*NH, T, hd), cuBLAS batched Q K^T into a float32 (B, NH, T, T)
+     score matrix, causal softmax (kernel), cuBLAS batched P V, unpermute. The
+     backward recomputes the scores and stores dP as well: O(B*NH*T^2) scratch.
+     Any head dim, float32 or bfloat16.
+  2  flash attention (FlashAttention-2, kernels_cu/flash_attention*.cu): bf16
+     tensor cores, online softmax, only lse saved; the backward recomputes P
+     tile by tile in two deterministic passes (dK/dV per KV tile, dQ per Q tile).
+     Reads qkv and writes out/dqkv in place, scratch O(B*NH*T) (D = rowsum(dout*out)).
+     bfloat16 only, head dim 64 or 128, 16-byte aligned arrays.
+The default (version=None) is 2 where it applies, else 1 (float32 inputs, other
+head dims, misaligned views); asking for version=2 where it does not apply
+raises instead of falling back.
+
+NumPy inputs run the float64 reference (the result rounded to the input dtype).
+The reference backward recomputes everything from qkv; `out` and `lse` are only
+checked. Both versions are deterministic: same input, same bits.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import dtypes, runtime
+from ._common import check_array, check_same_dtype, output
+from .matmul import batched_matmul
+
+F32, BF16 = dtypes.float32, dtypes.bfloat16
+VERSIONS = (1, 2)
+
+# Flash kernel configurations; must match the FLASH_FWD / FLASH_BWD instantiations.
+# forward: head dim -> (warps per block, keys per KV tile); Q tile = 16 * warps rows
+FWD_CONFIGS = {64: (8, 64), 128: (8, 64)}
+# backward: head dim -> ((dkdv warps, Q-tile rows), (dq warps, keys per KV tile))
+#   dkdv: KV tile = 16 * warps keys; dq: Q tile = 16 * warps rows
+BWD_CONFIGS = {64: ((4, 64), (4, 64)), 128: ((4, 32), (4, 32))}
+PREPROCESS_BLOCK = 256
+V1_SOFTMAX_BLOCK = 256     # 8 warps = 8 rows per block
+V1_PERMUTE_BLOCK = 256
+
+
+def _fwd_smem(hd, warps, bn):
+    return (16 * warps + 4 * bn) * (hd + 8) * 2
+
+
+def _dkdv_smem(hd, warps, bm):
+    return (32 * warps + 4 * bm) * (hd + 8) * 2 + 16 * bm
+
+
+def _dq_smem(hd, warps, bn):
+    return (32 * warps + 4 * bn) * (hd + 8) * 2
+
+
+# ----------------------------------------------------------------- checks ----
+
+def _check_qkv(qkv, num_heads):
+    """(B, T, C, NH, hd) of a valid qkv (B, T, 3C) and num_heads."""
+    check_array("qkv", qkv, ndim=3)
+    return _dims(qkv, num_heads)
+
+
+def _dims(qkv, num_heads):
+    """Shape checks only (the references also take float64)."""
+    if qkv.ndim != 3:
+        raise ValueError(f"qkv: expected 3 dimensions, got shape {tuple(qkv.shape)}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+        raise ValueError(f"num_heads: expected a positive int, got {num_heads!r}")
+    B, T, C3 = qkv.shape
+    if C3 % 3:
+        raise ValueError(f"qkv: last dimension must be 3*C (q, k, v), got {C3}")
+    C = C3 // 3
+    if C == 0 or C % num_heads:
+        raise ValueError(f"num_heads: {num_heads} does not divide C = {C}")
+    return B, T, C, int(num_heads), C // num_heads
+
+
+def _check_version(version):
+    if version is not None and version not in VERSIONS:
+        raise ValueError(f"version: must be one of {VERSIONS} or None, got {version!r}")
+
+
+def _flash_ok(dtype, hd, arrays) -> str | None:
+    """None if version 2 runs on these arrays, else the reason it does not."""
+    if dtype != BF16:
+        return f"version 2 takes bfloat16, got {dtypes.name(dtype)} (float32 runs version 1)"
+    if hd not in FWD_CONFIGS:
+        return f"version 2 supports head dims {sorted(FWD_CONFIGS)}, got {hd}"
+    for name, a in arrays:
+        if a.data.ptr % 16:
+            return f"{name}: version 2 needs 16-byte aligned arrays"
+    return None
+
+
+def _pick_version(version, dtype, hd, arrays):
+    reason = _flash_ok(dtype, hd, arrays)
+    if version is None:
+        return 1 if reason else 2
+    if version == 2 and reason:
+        raise (TypeError if reason.startswith("version 2 takes") else ValueError)(reason)
+    return version
+
+
+# -------------------------------------------------------------- reference ----
+
+def _heads(x, B, T, S, NH, hd):
+    """(B, T, S*C) -> S arrays (B, NH, T, hd) in float64."""
+    x = np.asarray(x, dtype=np.float64).reshape(B, T, S, NH, hd).transpose(2, 0, 3, 1, 4)
+    return [x[s] for s in range(S)]
+
+
+def _merge(parts, B, T, C):
+    """S arrays (B, NH, T, hd) -> (B, T, S*C)."""
+    return np.stack(parts, axis=2).transpose(0, 3, 2, 1, 4).reshape(B, T, len(parts) * C)
+
+
+def _probs(q, k, causal=True):
+    """softmax(scale q k^T) (B, NH, T, T) and lse (B, NH, T), float64."""
+    T = q.shape[-2]
+    s = (q @ k.swapaxes(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        s = np.where(np.tril(np.ones((T, T), dtype=bool)), s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    e = np.exp(s - m)
+    l = e.sum(axis=-1, keepdims=True)
+    return e / l, (m + np.log(l))[..., 0]
+
+
+def attention_forward_reference(qkv, num_heads, causal=True):
+    """(out (B, T, C) float64, lse (B, NH, T) float64) of the causal attention over qkv."""
+    B, T, C, NH, hd = _dims(qkv, num_heads)
+    q, k, v = _heads(qkv, B, T, 3, NH, hd)
+    p, lse = _probs(q, k, causal)
+    return _merge([p @ v], B, T, C), lse
+
+
+def attention_backward_reference(dout, qkv, num_heads, causal=True):
+    """dqkv (B, T, 3C) float64: the gradient of sum(attention_forward(qkv) * dout)."""
+    B, T, C, NH, hd = _dims(qkv, num_heads)
+    q, k, v = _heads(qkv, B, T, 3, NH, hd)
+    (dy,) = _heads(dout, B, T, 1, NH, hd)
+    p, _ = _probs(q, k, causal)
+    dv = p.swapaxes(-1, -2) @ dy
+    dp = dy @ v.swapaxes(-1, -2)
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    scale = 1.0 / math.sqrt(hd)
+    dq = scale * (ds @ k)
+    dk = scale * (ds.swapaxes(-1, -2) @ q)
+    return _merge([dq, dk, dv], B, T, C)
+
+
+# -------------------------------------------------------------- version 1 ----
+
+def _permute_launch(name, out, x, S, B, T, NH, hd, stride, offset):
+    n = S * B * NH * T * hd
+    if n == 0:
+        return
+    k = runtime.get_kernel("attention", f"attention_{name}_kernel_v1_{dtypes.kernel_suffix(x.dtype)}")
+    grid = min(-(-n // V1_PERMUTE_BLOCK), runtime.sm_count() * 32)
+    runtime.launch(k, grid, V1_PERMUTE_BLOCK, (out, x, np.int32(S), np.int32(B), np.int32(T), np.int32(NH),
+                                               np.int32(hd), np.int32(stride), np.int32(offset)))
+
+
+def _permute(out, x, S, B, T, NH, hd, stride, offset=0):
+    """out (S, B*NH, T, hd) <- x (B, T, stride) at columns offset + s*C + h*hd."""
+    _permute_launch("permute", out, x, S, B, T, NH, hd, stride, offset)
+
+
+def _unpermute(out, x, S, B, T, NH, hd, stride, offset=0):
+    """out (B, T, stride) at columns offset + s*C + h*hd <- x (S, B*NH, T, hd)."""
+    _permute_launch("unpermute", out, x, S, B, T, NH, hd, stride, offset)
+
+
+def _softmax_launch(name, args, rows):
+    k = runtime.get_kernel("attention", name)
+    runtime.launch(k, -(-rows // (V1_SOFTMAX_BLOCK // 32)), V1_SOFTMAX_BLOCK, args)
+
+
+def _scores(qkvp, dtype, T, hd, causal, lse):
+    """att (B*NH, T, T) of qkv's dtype from permuted q, k; also returns the float32 score buffer."""
+    cp = runtime.cupy
+    BNH = qkvp.shape[1]
+    preatt = cp.empty((BNH, T, T), dtype=F32)
+    batched_matmul(qkvp[0], qkvp[1], out=preatt, transpose_b=True, alpha=1.0 / math.sqrt(hd))
+    att = preatt if dtype == F32 else cp.empty((BNH, T, T), dtype=dtype)   # fp32: in place
+    _softmax_launch(f"attention_softmax_forward_kernel_v1_{dtypes.kernel_suffix(dtype)}",
+                    (att, lse, preatt, np.int32(BNH * T), np.int32(T), np.int32(causal)), BNH * T)
+    return att, preatt
+
+
+def _forward_v1(qkv, NH, out, lse, causal=True):
+    cp = runtime.cupy
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hd = C // NH
+    qkvp = cp.empty((3, B * NH, T, hd), dtype=qkv.dtype)
+    _permute(qkvp, qkv, 3, B, T, NH, hd, C3)
+    att, _ = _scores(qkvp, qkv.dtype, T, hd, causal, lse)
+    y = cp.empty((1, B * NH, T, hd), dtype=qkv.dtype)
+    batched_matmul(att, qkvp[2], out=y[0])
+    _unpermute(out, y, 1, B, T, NH, hd, C)
+
+
+def _backward_v1(dout, qkv, NH, dqkv, causal=True):
+    cp = runtime.cupy
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hd = C // NH
+    scale = 1.0 / math.sqrt(hd)
+    qkvp = cp.empty((3, B * NH, T, hd), dtype=qkv.dtype)
+    _permute(qkvp, qkv, 3, B, T, NH, hd, C3)
+    dy = cp.empty((1, B * NH, T, hd), dtype=qkv.dtype)
+    _permute(dy, dout, 1, B, T, NH, hd, C)
+    # Recompute the probabilities (lse is not needed: the same kernel as the forward, same bits).
+    att, preatt = _scores(qkvp, qkv.dtype, T, hd, causal, None)
+    datt = preatt if qkv.dtype != F32 else cp.empty_like(preatt)   # bf16: the score buffer is free again
+    batched_matmul(dy[0], qkvp[2], out=datt, transpose_b=True)     # dP = dO V^T
+    dqkvp = cp.empty((3, B * NH, T, hd), dtype=qkv.dtype)
+    batched_matmul(att, dy[0], out=dqkvp[2], transpose_a=True)     # dV = P^T dO
+    # dS = P (dP - rowsum(P dP)), written over P (same element, same thread)
+    _softmax_launch(f"attention_softmax_backward_kernel_v1_{dtypes.kernel_suffix(qkv.dtype)}",
+                    (att, att, datt, np.int32(B * NH * T), np.int32(T), np.int32(causal)), B * NH * T)
+    batched_matmul(att, qkvp[1], out=dqkvp[0], alpha=scale)                     # dQ = scale dS K
+    batched_matmul(att, qkvp[0], out=dqkvp[1], transpose_a=True, alpha=scale)   # dK = scale dS^T Q
+    _unpermute(dqkv, dqkvp, 3, B, T, NH, hd, C3)
+
+
+# -------------------------------------------------------------- version 2 ----
+
+def _forward_v2(qkv, NH, out, lse):
+    B, T, C3 = qkv.shape
+    hd = C3 // 3 // NH
+    warps, bn = FWD_CONFIGS[hd]
+    bm = 16 * warps
+    k = runtime.get_kernel("flash_attention", f"attention_forward_kernel_v2_hd{hd}_bf16")
+    runtime.launch(k, (B * NH, -(-T // bm)), 32 * warps,
+                   (out, lse, qkv, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd))),
+                   shared_mem=_fwd_smem(hd, warps, bn))
+
+
+def _backward_v2(dout, qkv, out, lse, NH, dqkv):
+    cp = runtime.cupy
+    B, T, C3 = qkv.shape
+    hd = C3 // 3 // NH
+    (kv_warps, bm), (q_warps, bn) = BWD_CONFIGS[hd]
+    scale = np.float32(1.0 / math.sqrt(hd))
+    D = cp.empty((B, NH, T), dtype=F32)
+    rows = B * T * NH
+    k0 = runtime.get_kernel("flash_attention_bwd", f"attention_backward_preprocess_kernel_v2_hd{hd}_bf16")
+    runtime.launch(k0, -(-rows * (hd // 8) // PREPROCESS_BLOCK), PREPROCESS_BLOCK,
+                   (D, dout, out, np.int32(rows), np.int32(T), np.int32(NH)))
+    args = (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), scale)
+    k1 = runtime.get_kernel("flash_attention_bwd", f"attention_backward_dkdv_kernel_v2_hd{hd}_bf16")
+    runtime.launch(k1, (B * NH, -(-T // (16 * kv_warps))), 32 * kv_warps, args,
+                   shared_mem=_dkdv_smem(hd, kv_warps, bm))
+    k2 = runtime.get_kernel("flash_attention_bwd", f"attention_backward_dq_kernel_v2_hd{hd}_bf16")
+    runtime.launch(k2, (B * NH, -(-T // (16 * q_warps))), 32 * q_warps, args,
+                   shared_mem=_dq_smem(hd, q_warps, bn))
+
+
+def scratch_bytes(B, T, NH, hd, dtype, version, backward=False) -> int:
+    """Bytes of temporary device memory one call allocates (outputs excluded)."""
+    dtype = dtypes.normalize(dtype)
+    it = dtype.itemsize
+    n_tt = B * NH * T * T
+    if version == 2:
+        return 4 * B * NH * T if backward else 0
+    qkvp = 3 * B * T * NH * hd * it
+    att = n_tt * 4 + (0 if dtype == F32 else n_tt * it)
+    if not backward:
+        return qkvp + att + B * T * NH * hd * it
+    datt = n_tt * 4 if dtype == F32 else 0
+    return 2 * qkvp + att + datt + B * T * NH * hd * it
+
+
+# ---------------------------------------------------------------- public -----
+
+def attention_forward(qkv, num_heads, out=None, lse=None, version=None):
+    """Causal self-attention of qkv (B, T, 3C) with num_heads heads.
+
+    Returns (out (B, T, C) of qkv's dtype, lse (B, NH, T) float32). `version`:
+    None (best available), 1 (classic, stores (B, NH, T, T)) or 2 (flash, bf16).
+    """
+    B, T, C, NH, hd = _check_qkv(qkv, num_heads)
+    _check_version(version)
+    xp = runtime.array_module(qkv, out, lse)
+    out = output("out", out, xp, (B, T, C), qkv.dtype)
+    lse = output("lse", lse, xp, (B, NH, T), F32)
+    if xp is np:
+        r_out, r_lse = attention_forward_reference(qkv, NH)
+        out[...] = r_out.astype(out.dtype)
+        lse[...] = r_lse.astype(F32)
+        return out, lse
+    version = _pick_version(version, qkv.dtype, hd, (("qkv", qkv), ("out", out)))
+    if B * T == 0:
+        return out, lse
+    if version == 2:
+        _forward_v2(qkv, NH, out, lse)
+    else:
+        _forward_v1(qkv, NH, out, lse)
+    return out, lse
+
+
+def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None):
+    """dqkv (B, T, 3C) = gradient of the causal attention w.r.t. qkv, given dout (B, T, C).
+
+    out and lse are attention_forward's results for this qkv. dqkv is an
+    activation gradient: overwritten [=] (allocated when None).
+    """
+    B, T, C, NH, hd = _check_qkv(qkv, num_heads)
+    _check_version(version)
+    check_array("dout", dout, shape=(B, T, C))
+    check_array("out", out, shape=(B, T, C))
+    check_array("lse", lse, dtype=F32, shape=(B, NH, T))
+    check_same_dtype(qkv=qkv, dout=dout, out=out)
+    xp = runtime.array_module(dout, qkv, out, lse, dqkv)
+    dqkv = output("dqkv", dqkv, xp, (B, T, 3 * C), qkv.dtype)
+    if xp is np:
+        dqkv[...] = attention_backward_reference(dout, qkv, NH).astype(dqkv.dtype)
+        return dqkv
+    version = _pick_version(version, qkv.dtype, hd,
+                            (("qkv", qkv), ("dout", dout), ("out", out), ("dqkv", dqkv)))
+    if B * T == 0:
+        return dqkv
+    if version == 2:
+        _backward_v2(dout, qkv, out, lse, NH, dqkv)
+    else:
+        _backward_v1(dout, qkv, NH, dqkv)
+    return dqkv
+
+
+def attention(q, k, v, causal=True):
+    """numpy-like scaled dot-product attention: softmax(q k^T / sqrt(hd)) v, per (batch, head).
+
+    q, k, v: (B, NH, T, hd), one dtype; returns (B, NH, T, hd). causal=True masks
+    keys after the query. On the GPU the arrays are packed into one qkv and run
+    through attention_forward (flash when it applies; causal=False runs version 1).
+    """
+    check_array("q", q, ndim=4)
+    check_array("k", k, shape=q.shape)
+    check_array("v", v, shape=q.shape)
+    check_same_dtype(q=q, k=k, v=v)
+    B, NH, T, hd = q.shape
+    if hd == 0:
+        raise ValueError("q: head dim must be at least 1")
+    xp = runtime.array_module(q, k, v)
+    if xp is np:
+        qq, kk, vv = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+        p, _ = _probs(qq, kk, causal)
+        return (p @ vv).astype(q.dtype)
+    C = NH * hd
+    qkv = xp.empty((B, T, 3 * C), dtype=q.dtype)
+    for i, a in enumerate((q, k, v)):
+        _unpermute(qkv, a, 1, B, T, NH, hd, 3 * C, i * C)
+    out = xp.empty((B, T, C), dtype=q.dtype)
+    lse = xp.empty((B, NH, T), dtype=F32)
+    if causal:
+        attention_forward(qkv, NH, out=out, lse=lse)
+    elif B * T:
+        _forward_v1(qkv, NH, out, lse, causal=False)
+    y = xp.empty(q.shape, dtype=q.dtype)
+    _permute(y, out, 1, B, T, NH, hd, C)
+    return y
