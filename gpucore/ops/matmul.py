@@ -1,6 +1,6 @@
 """Matrix multiplication: the cuBLAS path of training, and our own GEMM kernel ladder.
 
-Training path (cuBLAS `gemmEx` / `gemmStridedBatchedEx` through CuPy's bindings):
+Training path (cuBLASLt when it loads, else cuBLAS `gemmEx`; batched: `gemmStridedBatchedEx`):
   matmul_forward   out (N, M) = x (N, K) @ weight (M, K)^T + bias (M,)
   matmul_backward  dx = dout @ weight [=], dweight += dout^T @ x [+=], dbias += dout.sum(0) [+=]
   batched_matmul   (Bt, M, N) = alpha * op(a) @ op(b) + beta * out   (attention baseline)
@@ -19,18 +19,22 @@ computed as column-major C^T = op(B)^T @ op(A)^T: pass B first, then A, swap
 M and N, and keep each operand's transpose flag (a row-major array's leading
 dimension is its row length, shape[-1]).
 
-Bias in the forward: a small kernel writes the broadcast bias into `out`, then
-the GEMM runs with beta = 1, so the bias is added in cuBLAS' epilogue (one
-rounding). That costs one pure-write pass over out plus the epilogue's read of
-it, instead of the read + write of a bias-add kernel afterwards. CuPy has no
-cuBLASLt binding, so the free bias epilogue llm.c uses is out of reach here;
-tools/notes/matmul.md has the arithmetic of what this costs.
+Bias in the forward: fused into the GEMM by cuBLASLt's CUBLASLT_EPILOGUE_BIAS
+(called through ctypes: CuPy binds no cuBLASLt), so it costs no extra pass.
+Fallback (no libcublasLt, GPUCORE_CUBLASLT=0, or a bf16 bias into a float32
+out): a small kernel writes the broadcast bias into `out`, then gemmEx runs
+with beta = 1 -- one pure-write pass over out plus the epilogue's read of it,
+about +30% time at 65536 x 768 x 2304 (tools/notes/matmul.md has the numbers).
+The Lt path also works under CUDA-graph capture; CuPy's cuBLAS wrappers don't.
 
 Every argument is validated before any launch. Arrays bigger than 2^31
 elements are allowed on the cuBLAS path (the logits are 65536 x 50304); the
 kernels of matmul.cu index with 64-bit where that matters.
 """
 from __future__ import annotations
+
+import ctypes
+import os
 
 import numpy as np
 
@@ -187,9 +191,6 @@ def _scale_inplace(out, beta):
 # costs two ctypes calls. If the library is missing or a shape has no Lt
 # algorithm, the training path falls back to gemmEx (+ the bias-fill kernel).
 # GPUCORE_CUBLASLT=0 turns the Lt path off.
-
-import ctypes  # noqa: E402
-import os  # noqa: E402
 
 USE_CUBLASLT = os.environ.get("GPUCORE_CUBLASLT", "1") != "0"
 LT_WORKSPACE_BYTES = 32 << 20           # cuBLAS' recommendation for Hopper
