@@ -126,3 +126,5 @@ def run(name: str, **options) -> list[Result]:
 from . import basic  # noqa: E402,F401  (registers add, sum, max, cast)
 from . import matmul  # noqa: E402,F401  (registers matmul)
 from . import optim_loss  # noqa: E402,F401  (registers softmax, classifier, adamw, grad_norm)
+from . import attention  # noqa: E402,F401  (registers attention)
+from . import transformer  # noqa: E402,F401  (registers encoder, layernorm, gelu)

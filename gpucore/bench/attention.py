@@ -1,0 +1,93 @@
+"""`gpucore bench attention`: causal attention forward/backward in TFLOP/s, v1 (classic) vs v2 (flash).
+
+Shape (issue 5): B=64, NH=12, T=1024, hd=64 (GPT-2 124M at batch 64), bf16.
+FLOPs counted the usual way for causal attention: forward = 4*B*NH*T*T*hd / 2
+(Q K^T and P V over the lower triangle), backward = 2.5 x forward (5 matmuls).
+v2's two-pass deterministic backward actually does 7 matmul-equivalents, so its
+real tensor-core rate is 1.4x the printed backward number.
+Targets (H100/H200): v2 forward >= 300 TFLOP/s and backward >= 200 TFLOP/s; the
+rows show them as the reference ("% of ref", PASS/FAIL at 100%).
+`scratch` is the device memory one call takes from CuPy's pool beyond its
+inputs and outputs, measured with a memory hook: v1 holds (B, NH, T, T) score
+matrices, v2 only D = rowsum(dout * out) (B, NH, T) in the backward.
+Options: --version all|1|2, --dtype bfloat16|float32 (float32 runs v1 only),
+--opt B=.. NH=.. T=.. hd=..
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes
+from . import Result, benchmark, time_ms
+
+FWD_TARGET_TFLOPS = 300.0
+BWD_TARGET_TFLOPS = 200.0
+
+
+def _peak_hook():
+    import cupy
+
+    class PeakHook(cupy.cuda.MemoryHook):
+        name = "gpucore_bench_peak"
+
+        def __init__(self):
+            self.cur = self.peak = 0
+
+        def malloc_postprocess(self, **kw):
+            self.cur += kw["mem_size"]
+            self.peak = max(self.peak, self.cur)
+
+        def free_postprocess(self, **kw):
+            self.cur -= kw["mem_size"]
+
+    return PeakHook()
+
+
+def _measure_scratch(fn) -> int:
+    import cupy
+    cupy.cuda.get_current_stream().synchronize()
+    with _peak_hook() as hook:
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    return hook.peak
+
+
+def _mib(n):
+    return f"{n / 2**20:.1f}MiB"
+
+
+@benchmark("attention")
+def bench_attention(B: int = 64, NH: int = 12, T: int = 1024, hd: int = 64, version="all",
+                    dtype: str = "bfloat16", **_):
+    import cupy
+
+    import gpucore
+    dt = dtypes.normalize(dtype)
+    versions = [1, 2] if version in (None, "all") else [int(v) for v in str(version).split(",")]
+    if dt != dtypes.bfloat16:
+        versions = [v for v in versions if v == 1]
+    C = NH * hd
+    qkv = cupy.random.standard_normal((B, T, 3 * C), dtype=np.float32).astype(dt)
+    dout = cupy.random.standard_normal((B, T, C), dtype=np.float32).astype(dt)
+    out = cupy.empty((B, T, C), dtype=dt)
+    lse = cupy.empty((B, NH, T), dtype=np.float32)
+    dqkv = cupy.empty_like(qkv)
+    flops_f = 4.0 * B * NH * T * T * hd / 2
+    flops_b = 2.5 * flops_f
+    shape = f"B={B} NH={NH} T={T} hd={hd} {dtypes.name(dt)}"
+    results = []
+    for v in versions:
+        fwd = lambda: gpucore.attention_forward(qkv, NH, out=out, lse=lse, version=v)  # noqa: E731
+        bwd = lambda: gpucore.attention_backward(dout, qkv, out, lse, NH, dqkv=dqkv, version=v)  # noqa: E731
+        fwd()
+        bwd()                                    # compile + warm the pool before measuring
+        s_f, s_b = _measure_scratch(fwd), _measure_scratch(bwd)
+        ms_f = time_ms(fwd)
+        ms_b = time_ms(bwd)
+        tgt = {} if v == 1 else {"target": 1.0}
+        results.append(Result(f"attention v{v} forward {shape}", ms_f, flops=flops_f,
+                              ref_tflops=FWD_TARGET_TFLOPS, extra={"scratch": _mib(s_f)}, **tgt))
+        results.append(Result(f"attention v{v} backward {shape}", ms_b, flops=flops_b,
+                              ref_tflops=BWD_TARGET_TFLOPS, extra={"scratch": _mib(s_b)}, **tgt))
+        cupy.get_default_memory_pool().free_all_blocks()   # v1's score matrices are GBs
+    return results
