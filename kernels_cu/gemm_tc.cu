@@ -203,3 +203,15 @@ extern "C" __global__ void __launch_bounds__(256) gemm_forward_kernel_v4_bf16_bf
         bf16* C, const bf16* A, const bf16* B, int M, int N, int K) {
     gemm_v4<bf16, V4_CONFIG>(C, A, B, M, N, K);
 }
+
+// A wider variant for the bench: 128 x 256 block, 8 warps of 64 x 64 (8 ldmatrix.x4 per
+// 32 mma instead of 6 per 16), 3 stages: 3 * (8 + 16) KB = 73728 bytes of smem, 1 block/SM.
+#define V4W_CONFIG 128, 256, 2, 4, 3
+extern "C" __global__ void __launch_bounds__(256) gemm_forward_kernel_v4w_bf16_f32(
+        float* C, const bf16* A, const bf16* B, int M, int N, int K) {
+    gemm_v4<float, V4W_CONFIG>(C, A, B, M, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) gemm_forward_kernel_v4w_bf16_bf16(
+        bf16* C, const bf16* A, const bf16* B, int M, int N, int K) {
+    gemm_v4<bf16, V4W_CONFIG>(C, A, B, M, N, K);
+}

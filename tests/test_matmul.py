@@ -360,10 +360,11 @@ def test_gpu_gemm_simt(rng, version, M, K, N):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("version", [4, "4w"])
 @pytest.mark.parametrize("out_dtype", [np.float32, BF16])
 @pytest.mark.parametrize("M,K,N", TC_SHAPES)
-def test_gpu_gemm_tc(rng, out_dtype, M, K, N):
-    _check_gemm(4, _rand(rng, (M, K), BF16), _rand(rng, (K, N), BF16), out_dtype)
+def test_gpu_gemm_tc(rng, version, out_dtype, M, K, N):
+    _check_gemm(version, _rand(rng, (M, K), BF16), _rand(rng, (K, N), BF16), out_dtype)
 
 
 def _assert_exact(out, want, what):
@@ -373,17 +374,17 @@ def _assert_exact(out, want, what):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("version", [1, 2, 3, 4])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, "4w"])
 def test_gpu_gemm_structured(version):
     """Identity-like and index-coded inputs (small integers: exact in bf16 and fp32),
     so a wrong fragment, swizzle or tile offset shows up as a named (row, col)."""
     cp = runtime.cupy
-    dt = BF16 if version == 4 else np.float32
+    dt = BF16 if version in (4, "4w") else np.float32
     M, K, N = 200, 136, 264          # several tiles, ragged in M (and K, N for the 128-wide tiles)
     rows, cols = np.arange(M), np.arange(N)
 
     def run(a, b):
-        out = poison((M, N), np.float32) if version == 4 else None
+        out = poison((M, N), np.float32) if dt == BF16 else None
         return to_cpu(gpucore.gemm(cp.asarray(a.astype(dt)), cp.asarray(b.astype(dt)), out=out,
                                    version=version)).astype(np.float32)
 

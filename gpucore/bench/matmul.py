@@ -13,8 +13,9 @@ Rows printed (--version all, the default):
   matmul_backward (dx+dW [+db]) vs raw cuBLAS dx and dW GEMMs          target 95%
   gemm v1..v3 fp32             vs cuBLAS fp32 (SGEMM, no TF32) at 4096^3; v3 must reach
                                15 TFLOP/s, so its target is 15 / cuBLAS-fp32 TFLOP/s
-  gemm v4 bf16                 vs cuBLAS bf16 on the same NN layout    target 50% (4096^3)
-Options: --version all|train|1|2|3|4 (comma lists work), --opt shapes=MxKxN,...
+  gemm v4 / v4w bf16           vs cuBLAS bf16 on the same NN layout    target 50% (4096^3)
+                               (v4w: the 128x256-tile, 64x64-warp variant of v4)
+Options: --version all|train|1|2|3|4|4w (comma lists work), --opt shapes=MxKxN,...
 v1/v2 run at 4096^3 only (at the GPT-2 shapes they take seconds per call).
 """
 from __future__ import annotations
@@ -44,11 +45,11 @@ def _parse_shapes(shapes):
 
 def _parse_versions(version):
     if version in (None, "all"):
-        return ["train", 1, 2, 3, 4]
+        return ["train", 1, 2, 3, 4, "4w"]
     out = []
     for v in str(version).split(","):
         v = v.strip()
-        out.append(v if v == "train" else int(v))
+        out.append(v if v in ("train", "4w") else int(v))
     return out
 
 
@@ -108,7 +109,7 @@ def _bench_ladder(version, M, K, N, refs):
     """Our gemm vN against cuBLAS on the same (NN) layout and dtype; refs caches cuBLAS timings."""
     import gpucore
     from ..ops import matmul as mm
-    dt = "bf16" if version == 4 else "float32"
+    dt = "bf16" if version in (4, "4w") else "float32"
     a, b = _rand((M, K), dt), _rand((K, N), dt)
     c = _rand((M, N), dt)
     shape = f"{M}x{K}x{N}"
@@ -123,7 +124,7 @@ def _bench_ladder(version, M, K, N, refs):
     reps = 3 if version in (1, 2) else 20
     ms = time_ms(lambda: gpucore.gemm(a, b, out=c, version=version), warmup=1 if reps == 3 else 3, repeat=reps)
     target, extra = None, {}
-    if version == 4 and (M, K, N) == SQUARE:
+    if version in (4, "4w") and (M, K, N) == SQUARE:
         target = 0.5
     if version == 3:
         target = V3_GOAL_TFLOPS / ref.tflops if ref.tflops else None
