@@ -145,5 +145,27 @@ def prepro(input, out_dir, val_tokens):  # noqa: A002 - click names it after the
         click.echo(f"{split}: {n:,} tokens -> {path}")
 
 
+from .train import sample_options, train_options  # noqa: E402 (imports only click and numpy)
+
+
+@main.command()
+@train_options
+def train(**options):
+    """Train GPT-2 (d12..d48, or a tiny preset on the CPU); the same command as ./train.py.
+
+    Needs token shards: `gpucore prepro` writes Tiny Shakespeare's to data/tinyshakespeare/.
+    """
+    from .train import main_from_options
+    main_from_options(**options)
+
+
+@main.command()
+@sample_options
+def sample(**options):
+    """Generate text from a checkpoint (KV cache; temperature, top-k)."""
+    from .train import sample_from_options
+    sample_from_options(**options)
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,488 @@
+"""GPT-2: configuration, parameter/activation specs, forward and manual backward.
+
+The structure is llm.c's (train_gpt2.cu: gpt2_forward / gpt2_backward), in
+Python: the model is a flat list of op calls over named views into a few flat
+buffers, the backward pass is the same calls in reverse. No tape, no graph.
+
+Bookkeeping (gpucore/tensors.py): ordered (name, shape) specs are the single
+source of truth. Parameters, gradients, fp32 master weights, AdamW m and v
+share one parameter layout (so element i of every flat buffer is the same
+scalar, and AdamW is one kernel over all of them); activations and the
+backward pass's gradient scratch are two more flat buffers carved from specs
+that depend on (B, T). Per-layer tensors are (L, ...) stacks; layer l is a
+view `t.qkvw[l]`.
+
+Backends: the same code runs with xp=numpy (every op calls its NumPy
+reference) and xp=cupy (every op launches its CUDA kernel); ops dispatch on
+the array type. dtype "float32" runs everything in fp32 (exact comparison with
+the reference); "bfloat16" is llm.c-style mixed precision: bf16 parameters,
+gradients and activations, fp32 layernorm statistics, attention log-sum-exp
+and losses (the fp32 master weights and AdamW state live in gpucore.optim).
+
+Memory (the reason for three choices below, as in llm.c):
+- the GELU output is not stored per layer: one (B, T, 4C) buffer is reused and
+  the backward pass recomputes gelu(fch[l]) into it ("recompute=1");
+- the attention/MLP output projections write into one shared (B, T, C)
+  scratch, because the fused residual+layernorm consumes them at once;
+- the LM head never materialises (B, T, Vp) logits in training: it runs in
+  row chunks of at most ~1 GiB, and with for_backward=True each chunk's
+  fused classifier turns the logits into dlogits in place and the chunk's
+  matmul backward runs at once (dlnf rows, dwte +=). The rest of the backward
+  pass starts from dlnf in backward().
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from . import dtypes, runtime
+from .ops.attention import attention_backward, attention_forward
+from .ops.classifier import fused_classifier
+from .ops.encoder import encoder_backward, encoder_forward
+from .ops.gelu import gelu, gelu_backward
+from .ops.layernorm import fused_residual_layernorm_forward, layernorm_backward, layernorm_forward
+from .ops.matmul import matmul_backward, matmul_forward
+from .ops.reduce import reduce_sum as _sum
+from .tensors import TensorLayout
+
+GPT2_VOCAB = 50257
+VOCAB_MULTIPLE = 128               # pad the vocabulary to 50304 = 393 * 128 (tensor-core friendly)
+HEAD_CHUNK_BYTES = 1 << 30         # LM-head logits scratch budget (rows chosen to fit)
+
+# name: (num_layers, num_heads, channels, max_seq_len, vocab_size, padded_vocab_size)
+PRESETS = {
+    "d12": dict(num_layers=12, num_heads=12, channels=768),     # GPT-2 124M
+    "d24": dict(num_layers=24, num_heads=16, channels=1024),    # GPT-2 350M
+    "d36": dict(num_layers=36, num_heads=20, channels=1280),    # GPT-2 774M
+    "d48": dict(num_layers=48, num_heads=25, channels=1600),    # GPT-2 1558M
+    # small presets for tests and the CPU backend; "tiny" keeps the real vocabulary
+    "tiny": dict(num_layers=2, num_heads=4, channels=64, max_seq_len=64),
+    "small": dict(num_layers=4, num_heads=4, channels=128, max_seq_len=128),
+    # "micro" has a toy vocabulary (61, padded to 64): whole-model finite differences
+    "micro": dict(num_layers=2, num_heads=2, channels=16, max_seq_len=16, vocab_size=61,
+                  padded_vocab_size=64),
+}
+
+
+def pad_vocab(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    num_layers: int = 12
+    num_heads: int = 12
+    channels: int = 768
+    max_seq_len: int = 1024
+    vocab_size: int = GPT2_VOCAB
+    padded_vocab_size: int = 0       # 0: vocab_size rounded up to a multiple of 128
+
+    def __post_init__(self):
+        if self.padded_vocab_size == 0:
+            object.__setattr__(self, "padded_vocab_size", pad_vocab(self.vocab_size))
+        for k in ("num_layers", "num_heads", "channels", "max_seq_len", "vocab_size"):
+            if int(getattr(self, k)) < 1:
+                raise ValueError(f"{k}: must be >= 1, got {getattr(self, k)}")
+        if self.channels % self.num_heads:
+            raise ValueError(f"channels: {self.channels} is not divisible by num_heads={self.num_heads}")
+        # Every tensor (and every per-layer slice) must start 16-byte aligned in bf16 AND fp32
+        # buffers of the same layout, so element offsets agree: sizes are multiples of 8 elements.
+        if self.channels % 8:
+            raise ValueError(f"channels: must be a multiple of 8, got {self.channels}")
+        if self.padded_vocab_size < self.vocab_size or self.padded_vocab_size % 8:
+            raise ValueError(f"padded_vocab_size: must be >= vocab_size ({self.vocab_size}) and a "
+                             f"multiple of 8, got {self.padded_vocab_size}")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "GPT2Config":
+        if name not in PRESETS:
+            raise ValueError(f"model: unknown preset {name!r}; known: {', '.join(PRESETS)}")
+        kw = {**PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}}
+        return cls(**kw)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPT2Config":
+        return cls(**{k: int(d[k]) for k in cls.__dataclass_fields__})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def head_size(self) -> int:
+        return self.channels // self.num_heads
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(int(np.prod(shape)) for _, shape, _ in parameter_specs(self))
+
+    def flops_per_token(self, T: int) -> int:
+        """Training FLOPs per token, 6*N + 6*L*C*T (N with the padded vocabulary)."""
+        return 6 * self.num_parameters + 6 * self.num_layers * self.channels * T
+
+    def describe(self) -> str:
+        return (f"L={self.num_layers} C={self.channels} NH={self.num_heads} maxT={self.max_seq_len} "
+                f"V={self.vocab_size} (padded {self.padded_vocab_size})")
+
+
+# ------------------------------------------------------------------ specs ----
+
+def parameter_specs(cfg: GPT2Config):
+    """[(name, shape, weight_decay?)] in llm.c's order. Matrices decay; biases, LN and nothing else."""
+    L, C, V, T = cfg.num_layers, cfg.channels, cfg.padded_vocab_size, cfg.max_seq_len
+    return [
+        ("wte", (V, C), True),              # token embedding, tied to the LM head
+        ("wpe", (T, C), True),              # position embedding
+        ("ln1w", (L, C), False), ("ln1b", (L, C), False),
+        ("qkvw", (L, 3 * C, C), True), ("qkvb", (L, 3 * C), False),
+        ("attprojw", (L, C, C), True), ("attprojb", (L, C), False),
+        ("ln2w", (L, C), False), ("ln2b", (L, C), False),
+        ("fcw", (L, 4 * C, C), True), ("fcb", (L, 4 * C), False),
+        ("fcprojw", (L, C, 4 * C), True), ("fcprojb", (L, C), False),
+        ("lnfw", (C,), False), ("lnfb", (C,), False),
+    ]
+
+
+def parameter_layout(cfg: GPT2Config, dtype) -> TensorLayout:
+    layout = TensorLayout([(n, s, dtype) for n, s, _ in parameter_specs(cfg)])
+    # packed back to back (see GPT2Config checks): element offsets are dtype-independent
+    assert layout.nbytes == layout.num_elements * layout.specs[0].dtype.itemsize
+    return layout
+
+
+def head_chunk_rows(cfg: GPT2Config, BT: int, dtype) -> int:
+    """Rows of LM-head logits computed at once: the largest power of two within HEAD_CHUNK_BYTES."""
+    limit = max(1, HEAD_CHUNK_BYTES // (cfg.padded_vocab_size * dtypes.normalize(dtype).itemsize))
+    return min(BT, 1 << (limit.bit_length() - 1))
+
+
+def activation_specs(cfg: GPT2Config, B: int, T: int, dtype):
+    """The forward activations kept for the backward pass (plus scratch), for a (B, T) batch."""
+    L, C, NH, Vp = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size
+    f32 = dtypes.float32
+    return [
+        ("encoded", (B, T, C), dtype),             # wte[tokens] + wpe: the residual stream, layer 0 input
+        ("ln1", (L, B, T, C), dtype), ("ln1_mean", (L, B, T), f32), ("ln1_rstd", (L, B, T), f32),
+        ("qkv", (L, B, T, 3 * C), dtype),
+        ("atty", (L, B, T, C), dtype), ("att_lse", (L, B, NH, T), f32),
+        ("residual2", (L, B, T, C), dtype),        # residual + attention branch
+        ("ln2", (L, B, T, C), dtype), ("ln2_mean", (L, B, T), f32), ("ln2_rstd", (L, B, T), f32),
+        ("fch", (L, B, T, 4 * C), dtype),          # MLP pre-activation (GELU input)
+        ("residual3", (L, B, T, C), dtype),        # residual2 + MLP branch: layer output
+        ("lnf", (B, T, C), dtype), ("lnf_mean", (B, T), f32), ("lnf_rstd", (B, T), f32),
+        ("losses", (B, T), f32),
+        ("fch_gelu", (B, T, 4 * C), dtype),        # scratch: gelu(fch[l]), recomputed in backward
+        ("proj", (B, T, C), dtype),                # scratch: attproj / fcproj matmul outputs
+        ("logits", (head_chunk_rows(cfg, B * T, dtype), Vp), dtype),  # scratch: one LM-head chunk
+    ]
+
+
+def grad_activation_specs(cfg: GPT2Config, B: int, T: int, dtype):
+    """Backward scratch, reused by every layer (llm.c's trick): 6*C values per token."""
+    C = cfg.channels
+    return [
+        ("dresidual", (B, T, C), dtype),   # gradient of the residual stream (+=)
+        ("dsmall", (B, T, C), dtype),      # dlnf, dln2, datty, dln1 in turn
+        ("dbig", (B, T, 4 * C), dtype),    # dfch (4C) or dqkv (first 3C of each row-block)
+    ]
+
+
+def memory_plan(cfg: GPT2Config, B: int, T: int, dtype) -> dict[str, int]:
+    """Bytes of each flat buffer a training run at (B, T) allocates (nothing is allocated).
+
+    The fp32 master copy exists only when the parameters are not fp32 (gpucore.optim).
+    """
+    dtype = dtypes.normalize(dtype)
+    n = cfg.num_parameters
+    return {
+        "params": n * dtype.itemsize,
+        "grads": n * dtype.itemsize,
+        "master": n * 4 if dtype != dtypes.float32 else 0,
+        "m": n * 4,
+        "v": n * 4,
+        "activations": TensorLayout(activation_specs(cfg, B, T, dtype)).nbytes,
+        "grad scratch": TensorLayout(grad_activation_specs(cfg, B, T, dtype)).nbytes,
+    }
+
+
+def allocate(layout: TensorLayout, xp, zero: bool = True):
+    """The single allocation point of the model's flat buffers (tests monkeypatch it to fake an OOM)."""
+    return layout.allocate(xp, zero=zero)
+
+
+def _2d(x):
+    return x.reshape(-1, x.shape[-1])
+
+
+# activations stacked per layer: (L, B, ...); the others are (B, ...) or scratch
+LAYER_ACTIVATIONS = frozenset({"ln1", "ln1_mean", "ln1_rstd", "qkv", "atty", "att_lse", "residual2",
+                               "ln2", "ln2_mean", "ln2_rstd", "fch", "residual3"})
+
+
+class _BatchViews:
+    """Views of the first B batch rows of activation Tensors allocated for a larger B.
+
+    Per-layer stacks are sliced as x[:, :B] (x[:, :B][l] is contiguous); batch tensors as x[:B];
+    the LM-head logits scratch is shared whole.
+    """
+
+    def __init__(self, tensors, B: int):
+        for name, x in tensors:
+            if name == "logits" or x.shape[0 if name not in LAYER_ACTIVATIONS else 1] == B:
+                v = x
+            else:
+                v = x[:, :B] if name in LAYER_ACTIVATIONS else x[:B]
+            setattr(self, name, v)
+
+
+# ------------------------------------------------------------------ model ----
+
+class GPT2:
+    """GPT-2 with manual forward/backward over flat buffers.
+
+    model = GPT2(GPT2Config.from_preset("tiny"), xp=numpy, dtype="float32", seed=1337)
+    loss = model.forward(tokens, targets, for_backward=True)   # 0-d fp32 array on xp
+    model.backward()                                            # grads accumulate (+=) into model.grads
+    """
+
+    def __init__(self, config: GPT2Config, *, xp=np, dtype="float32", seed: int | None = 1337):
+        self.config = config
+        self.xp = xp
+        self.dtype = dtypes.normalize(dtype)
+        if self.dtype not in dtypes.FLOAT_DTYPES:
+            raise TypeError(f"dtype: must be float32 or bfloat16, got {dtypes.name(self.dtype)}")
+        self.layout = parameter_layout(config, self.dtype)
+        self.params = allocate(self.layout, xp, zero=seed is None)
+        self.grads = None
+        self.acts = None            # activation views for the current (B, T) (a _BatchViews)
+        self.grad_acts = None       # backward scratch views
+        self._acts_full = self._grad_full = None    # the allocated Tensors
+        self._shape = None          # (B, T) the buffers were allocated for
+        self._backward_ready = None  # tokens of the last forward(..., for_backward=True)
+        if seed is not None:
+            self.init_weights(seed)
+
+    # ---------------------------------------------------------------- setup
+
+    @property
+    def num_parameters(self) -> int:
+        return self.layout.num_elements
+
+    def decay_spans(self) -> list[tuple[int, int]]:
+        """Element ranges [start, stop) of the flat parameter buffer that get weight decay."""
+        item = self.dtype.itemsize
+        return [(self.layout.offsets[n] // item, self.layout.offsets[n] // item + int(np.prod(s)))
+                for n, s, decay in parameter_specs(self.config) if decay]
+
+    def init_weights(self, seed: int):
+        """GPT-2 initialisation, generated in fp32 on the CPU (same numbers on every backend).
+
+        N(0, 0.02) for matrices and embeddings, N(0, 0.02/sqrt(2L)) for the two residual
+        projections (attprojw, fcprojw), zero biases, LN weights 1; padded wte rows 0.
+        """
+        cfg = self.config
+        rng = np.random.default_rng(seed)
+        host = parameter_layout(cfg, np.float32).allocate(np)
+        proj_std = 0.02 / math.sqrt(2 * cfg.num_layers)
+        for name, shape, _ in parameter_specs(cfg):
+            t = host[name]
+            if name in ("wte", "wpe", "qkvw", "fcw"):
+                t[...] = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+            elif name in ("attprojw", "fcprojw"):
+                t[...] = rng.standard_normal(shape, dtype=np.float32) * np.float32(proj_std)
+            elif name in ("ln1w", "ln2w", "lnfw"):
+                t[...] = 1.0
+        host.wte[cfg.vocab_size:] = 0.0
+        self.load_flat(host.flat())
+
+    def load_flat(self, flat):
+        """Set every parameter from one flat array (NumPy or xp; any float dtype, cast here)."""
+        dst = self.params.flat()
+        if flat.shape != dst.shape:
+            raise ValueError(f"params: expected {dst.shape[0]} elements, got {flat.shape}")
+        if isinstance(flat, np.ndarray):
+            flat = np.ascontiguousarray(flat).astype(self.dtype, copy=False)
+            dst[...] = self.xp.asarray(flat)
+        else:
+            dst[...] = flat.astype(self.dtype, copy=False)
+
+    def allocate_grads(self):
+        if self.grads is None:
+            self.grads = allocate(self.layout, self.xp)
+        return self.grads
+
+    def zero_grad(self):
+        self.allocate_grads().zero_()
+
+    def allocate_activations(self, B: int, T: int):
+        """Activation views for a (B, T) batch.
+
+        A batch with the allocated T and a smaller B runs in the first B rows of the existing
+        buffers (validation with a smaller batch must not allocate a second set); any other
+        shape frees the buffers and allocates new ones.
+        """
+        if self._shape is None or self._shape[1] != T or self._shape[0] < B:
+            self.acts = self.grad_acts = self._acts_full = self._grad_full = None   # free first
+            self._shape = self._backward_ready = None
+            self._acts_full = allocate(TensorLayout(activation_specs(self.config, B, T, self.dtype)),
+                                       self.xp, zero=False)
+            self._grad_full = allocate(TensorLayout(grad_activation_specs(self.config, B, T, self.dtype)),
+                                       self.xp, zero=False)
+            self._shape = (B, T)
+        if self.acts is None or self.acts.encoded.shape[0] != B:
+            self.acts = _BatchViews(self._acts_full, B)
+            self.grad_acts = _BatchViews(self._grad_full, B)
+        return self.acts
+
+    def memory_plan(self, B: int, T: int) -> dict[str, int]:
+        return memory_plan(self.config, B, T, self.dtype)
+
+    # -------------------------------------------------------------- forward
+
+    def _check_tokens(self, name, x, shape=None):
+        xp = self.xp
+        if not isinstance(x, xp.ndarray):
+            raise TypeError(f"{name}: expected a {xp.__name__} array on the model's device, got {type(x).__name__}")
+        if x.dtype != np.int32:
+            raise TypeError(f"{name}: dtype must be int32, got {x.dtype}")
+        if x.ndim != 2:
+            raise ValueError(f"{name}: expected shape (B, T), got {tuple(x.shape)}")
+        if shape is not None and tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
+        if x.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"{name}: T={x.shape[1]} exceeds the model's max_seq_len {self.config.max_seq_len}")
+
+    def forward(self, tokens, targets=None, *, return_logits=False, for_backward=False, grad_scale=None,
+                check_tokens=True):
+        """Run the model on tokens (B, T) int32; return the mean loss as a 0-d fp32 array on xp.
+
+        targets (B, T) int32 (-1 = ignore): the loss; None: loss is None.
+        return_logits: also return a fresh (B, T, Vp) logits array -> (loss, logits).
+        for_backward: prepare backward() (the LM head's backward runs here, chunk by chunk);
+            the gradient is grad_scale * d(sum of losses); grad_scale defaults to 1/#targets
+            (the mean; a host sync). Gradient accumulation passes 1/(total tokens).
+        check_tokens: check every id is < vocab_size before the embedding lookup (on the GPU a
+            device reduction and a host sync); the training loop skips it because its data
+            loader validated the shards against the vocabulary already.
+        """
+        cfg, xp, p = self.config, self.xp, self.params
+        self._check_tokens("tokens", tokens)
+        B, T = tokens.shape
+        if targets is not None:
+            self._check_tokens("targets", targets, (B, T))
+        if for_backward and targets is None:
+            raise ValueError("targets: needed when for_backward=True")
+        if for_backward and return_logits:
+            raise ValueError("return_logits: not available with for_backward=True (training never "
+                             "materialises the full logits)")
+        if targets is None and not return_logits:
+            raise ValueError("targets: give targets (for the loss) or return_logits=True")
+        L, C, NH, V = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.vocab_size
+        if check_tokens and tokens.size:
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= V:
+                raise ValueError(f"tokens: ids must be in [0, vocab_size={V}), got values from {lo} to {hi}")
+        a = self.allocate_activations(B, T)
+        self._backward_ready = None
+
+        encoder_forward(tokens, p.wte, p.wpe, out=a.encoded, check_tokens=False)   # checked just above
+        layernorm_forward(a.encoded, p.ln1w[0], p.ln1b[0], out=a.ln1[0], mean=a.ln1_mean[0], rstd=a.ln1_rstd[0])
+        for l in range(L):
+            residual = a.encoded if l == 0 else a.residual3[l - 1]
+            matmul_forward(_2d(a.ln1[l]), p.qkvw[l], p.qkvb[l], out=_2d(a.qkv[l]))
+            attention_forward(a.qkv[l], NH, out=a.atty[l], lse=a.att_lse[l])
+            matmul_forward(_2d(a.atty[l]), p.attprojw[l], p.attprojb[l], out=_2d(a.proj))
+            fused_residual_layernorm_forward(residual, a.proj, p.ln2w[l], p.ln2b[l], residual=a.residual2[l],
+                                             out=a.ln2[l], mean=a.ln2_mean[l], rstd=a.ln2_rstd[l])
+            matmul_forward(_2d(a.ln2[l]), p.fcw[l], p.fcb[l], out=_2d(a.fch[l]))
+            gelu(a.fch[l], out=a.fch_gelu)
+            matmul_forward(_2d(a.fch_gelu), p.fcprojw[l], p.fcprojb[l], out=_2d(a.proj))
+            if l + 1 < L:   # the next layer's ln1, fused with this layer's second residual add
+                fused_residual_layernorm_forward(a.residual2[l], a.proj, p.ln1w[l + 1], p.ln1b[l + 1],
+                                                 residual=a.residual3[l], out=a.ln1[l + 1],
+                                                 mean=a.ln1_mean[l + 1], rstd=a.ln1_rstd[l + 1])
+            else:
+                fused_residual_layernorm_forward(a.residual2[l], a.proj, p.lnfw, p.lnfb,
+                                                 residual=a.residual3[l], out=a.lnf,
+                                                 mean=a.lnf_mean, rstd=a.lnf_rstd)
+
+        lnf = _2d(a.lnf)                                    # (BT, C)
+        losses = a.losses.reshape(-1)                      # (BT,)
+        tgt = targets.reshape(-1) if targets is not None else None
+        logits = None
+        if return_logits:
+            logits = matmul_forward(lnf, p.wte, None)       # (BT, Vp), a fresh array
+            if tgt is not None:   # the classifier overwrites its input with dlogits: use a copy
+                fused_classifier(logits.copy(), tgt, vocab_size=V, grad_scale=0.0, losses=losses)
+            logits = logits.reshape(B, T, -1)
+        else:
+            if for_backward:
+                if grad_scale is None:
+                    grad_scale = 1.0 / max(1, int((tgt != -1).sum()))
+                g = self.allocate_grads()
+                dlnf = _2d(self.grad_acts.dsmall)
+            rows = a.logits.shape[0]
+            for r0 in range(0, B * T, rows):
+                r1 = min(B * T, r0 + rows)
+                chunk = a.logits[: r1 - r0]
+                matmul_forward(lnf[r0:r1], p.wte, None, out=chunk)
+                fused_classifier(chunk, tgt[r0:r1], vocab_size=V,
+                                 grad_scale=grad_scale if for_backward else 0.0, losses=losses[r0:r1])
+                if for_backward:    # chunk now holds dlogits: the LM head's backward, at once
+                    matmul_backward(chunk, lnf[r0:r1], p.wte, dx=dlnf[r0:r1], dweight=g.wte)
+            if for_backward:
+                self._backward_ready = tokens
+
+        loss = None
+        if tgt is not None:
+            count = (tgt != -1).sum()
+            loss = (_sum(a.losses) / xp.maximum(count, 1)).astype(np.float32)
+        return (loss, logits) if return_logits else loss
+
+    # ------------------------------------------------------------- backward
+
+    def backward(self):
+        """Gradients of the last forward(..., for_backward=True) into self.grads (+=).
+
+        The LM head's backward already ran inside forward (dlnf is in grad_acts.dsmall,
+        dwte += from the head); this is the rest of gpt2_backward, in reverse order.
+        """
+        if self._backward_ready is None:
+            raise RuntimeError("backward: call forward(tokens, targets, for_backward=True) first")
+        tokens = self._backward_ready
+        self._backward_ready = None
+        cfg, p, a, g, d = self.config, self.params, self.acts, self.grads, self.grad_acts
+        L, C, NH = cfg.num_layers, cfg.channels, cfg.num_heads
+        B, T = tokens.shape
+        dres = d.dresidual
+        dres.fill(0)                                          # residual-stream grads accumulate (+=)
+        dsmall = d.dsmall                                     # (B, T, C)
+        dfch = d.dbig                                         # (B, T, 4C)
+        dqkv = d.dbig.reshape(-1)[: B * T * 3 * C].reshape(B, T, 3 * C)
+
+        layernorm_backward(dsmall, a.residual3[L - 1], p.lnfw, a.lnf_mean, a.lnf_rstd,
+                           dx=dres, dweight=g.lnfw, dbias=g.lnfb)
+        for l in reversed(range(L)):
+            residual = a.encoded if l == 0 else a.residual3[l - 1]
+            # MLP branch: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
+            gelu(a.fch[l], out=a.fch_gelu)                    # recompute (not stored per layer)
+            matmul_backward(_2d(dres), _2d(a.fch_gelu), p.fcprojw[l], dx=_2d(dfch),
+                            dweight=g.fcprojw[l], dbias=g.fcprojb[l])
+            gelu_backward(dfch, a.fch[l], dx=dfch)
+            matmul_backward(_2d(dfch), _2d(a.ln2[l]), p.fcw[l], dx=_2d(dsmall), dweight=g.fcw[l], dbias=g.fcb[l])
+            layernorm_backward(dsmall, a.residual2[l], p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l],
+                               dx=dres, dweight=g.ln2w[l], dbias=g.ln2b[l])
+            # attention branch: residual2 = residual + attproj(attention(qkv(ln1(residual))))
+            matmul_backward(_2d(dres), _2d(a.atty[l]), p.attprojw[l], dx=_2d(dsmall),
+                            dweight=g.attprojw[l], dbias=g.attprojb[l])
+            attention_backward(dsmall, a.qkv[l], a.atty[l], a.att_lse[l], NH, dqkv=dqkv)
+            matmul_backward(_2d(dqkv), _2d(a.ln1[l]), p.qkvw[l], dx=_2d(dsmall), dweight=g.qkvw[l], dbias=g.qkvb[l])
+            layernorm_backward(dsmall, residual, p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l],
+                               dx=dres, dweight=g.ln1w[l], dbias=g.ln1b[l])
+        encoder_backward(dres, tokens, g.wte, g.wpe, check_tokens=False)   # checked in forward
+        return g
+
+
+def is_gpu(model: GPT2) -> bool:
+    return model.xp is not np and runtime.cupy is not None and model.xp is runtime.cupy
