@@ -429,6 +429,8 @@ def _run(args: TrainArgs, echo, state: dict) -> dict:
     echo(f"data: train {train_loader.num_tokens:,} tokens ({train_loader.num_batches} batches/epoch)"
          + (f", val {val_loader.num_tokens:,} tokens ({val_loader.B} rows x {T})" if val_loader else ""))
     echo(format_plan(plan))
+    if device == "cpu" and n > 20_000_000:
+        echo("note: the CPU (NumPy reference) backend is slow for this model; try --model tiny")
 
     metrics_path.parent.mkdir(parents=True, exist_ok=True)
     metrics = open(metrics_path, "a" if arrays is not None else "w")
@@ -495,6 +497,7 @@ def _run(args: TrainArgs, echo, state: dict) -> dict:
             sample(args.steps)
         if device == "cuda":
             result["peak_gpu_bytes"] = _pool_bytes()
+        log({"event": "end", "step": result["step"], "peak_gpu_bytes": result["peak_gpu_bytes"]})
     finally:
         metrics.close()
     return result

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# train_d12.sh -- the GPT-2 engine's GPU acceptance run (H100/H200), then a summary last:
+#   d12 (GPT-2 124M) from scratch on Tiny Shakespeare, B=64, T=1024, lr 3e-4, bf16, 30 steps.
+#   Targets (issue 6): loss ~10.9 at step 1 and <= 6.1 at step 30; peak GPU memory <= 30 GB;
+#   report tokens/s and MFU. With DETERMINISM=1 it also trains 5 steps twice and compares
+#   the losses bit for bit.
+#
+#   tools/train_d12.sh                     # B=64, 30 steps
+#   B=32 STEPS=50 tools/train_d12.sh       # other settings
+#
+# Logs and metrics go to $OUT/train_d12 (default out/train_d12). Runs from the source tree.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+LOG=${OUT:-out}/train_d12
+B=${B:-64}
+STEPS=${STEPS:-30}
+mkdir -p "$LOG"
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1 || true
+if [ ! -f data/tinyshakespeare/tinyshakespeare_train.bin ]; then
+  $PY -m gpucore.cli prepro
+fi
+
+$PY -m gpucore.cli train --model d12 -B "$B" -T 1024 --steps "$STEPS" --lr 3e-4 --dtype bf16 --device cuda \
+  --val-every 10 --val-steps 4 --sample-every "$STEPS" --sample-tokens 32 --no-checkpoint \
+  --out-dir "$LOG" --metrics "$LOG/metrics.jsonl" 2>&1 | tee "$LOG/train.txt"
+
+if [ -n "${DETERMINISM:-}" ]; then
+  for r in 1 2; do
+    $PY -m gpucore.cli train --model d12 -B "$B" -T 1024 --steps 5 --lr 3e-4 --dtype bf16 --device cuda \
+      --val-every 0 --sample-every 0 --no-checkpoint --out-dir "$LOG/det$r" --metrics "$LOG/det$r.jsonl" > /dev/null
+  done
+fi
+
+echo
+echo "================ train_d12 summary ================"
+$PY - "$LOG" "$STEPS" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+log, steps = Path(sys.argv[1]), int(sys.argv[2])
+recs = [json.loads(l) for l in (log / "metrics.jsonl").read_text().splitlines()]
+train = [r for r in recs if "loss" in r]
+end = next((r for r in recs if r.get("event") == "end"), {})
+first, last = train[0], train[-1]
+at30 = next((r["loss"] for r in train if r["step"] == 30), None)
+tps = statistics.median(r["tokens_per_s"] for r in train[1:]) if len(train) > 1 else first["tokens_per_s"]
+ms = statistics.median(r["ms"] for r in train[1:]) if len(train) > 1 else first["ms"]
+mfu = [r["mfu"] for r in train[1:] if r.get("mfu") is not None]
+peak = end.get("peak_gpu_bytes")
+print(f"loss step 1: {first['loss']:.4f} (expect ~10.9); step {last['step']}: {last['loss']:.4f}")
+if at30 is not None:
+    print(f"loss at step 30: {at30:.4f}  target <= 6.1: {'PASS' if at30 <= 6.1 else 'FAIL'}")
+print(f"median step {ms:.1f} ms, {tps:,.0f} tokens/s" + (f", MFU {100 * statistics.median(mfu):.1f}%" if mfu else ""))
+if peak:
+    print(f"peak GPU memory (CuPy pool high-water mark): {peak / 1e9:.2f} GB  target <= 30 GB: "
+          f"{'PASS' if peak <= 30e9 else 'FAIL'}")
+vals = [r for r in recs if "val_loss" in r]
+if vals:
+    print("val loss: " + ", ".join(f"step {r['step']}: {r['val_loss']:.4f}" for r in vals))
+dets = [log / f"det{r}.jsonl" for r in (1, 2)]
+if all(p.exists() for p in dets):
+    a, b = ([json.loads(l)["loss"] for l in p.read_text().splitlines() if '"loss"' in l] for p in dets)
+    print(f"determinism (5 steps twice): {'PASS bitwise identical' if a == b else f'FAIL {a} vs {b}'}")
+PY
