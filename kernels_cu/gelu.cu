@@ -1,0 +1,111 @@
+/*
+ * gelu.cu -- GELU, tanh approximation (as GPT-2), forward and backward.
+ *
+ * Math (fp32 whatever T is, one rounding to T at the end):
+ *   u        = sqrt(2/pi) * (x + 0.044715 x^3)
+ *   gelu(x)  = 0.5 x (1 + tanh(u))              = x * s,  s = sigmoid(2u) = 1 / (1 + e), e = exp(-2u)
+ *   gelu'(x) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u'
+ *            = s * (1 + 2 x (1 - s) sqrt(2/pi) (1 + 3 * 0.044715 x^2)),   1 - s = e * s
+ *   The sigmoid form is used because it is well conditioned everywhere: no
+ *   1 + tanh(u) cancellation for negative x, one __expf and one reciprocal.
+ *   The exponent is clamped to 80 (exp(80) ~ 5.5e34): e stays finite, so
+ *   e * s is never inf * 0, and __fdividef is accurate to 2 ulp (its divisor stays
+ *   below 2^126). There (x < -9) gelu and gelu' are below 1e-33 anyway.
+ * Shapes: any, flattened to n elements.
+ * Gradient rule: dx = gelu'(x) * dout is an activation gradient (=). dx may
+ *   alias dout (or x): every element is read by the thread that writes it,
+ *   before the write (so no __restrict__ anywhere; gelu(x, out=x) works too).
+ * Memory-bound: each thread handles UNROLL 16-byte packs, all loads issued
+ * before the first store; the grid covers the data (no grid-stride loop), as
+ * in add.cu. Edge blocks and unaligned pointers go element by element.
+ */
+#include "common.cuh"
+
+#define UNROLL 4
+#define GELU_K 0.7978845608028654f      // sqrt(2 / pi)
+#define GELU_A 0.044715f
+
+// s = sigmoid(2u) and e = exp(-2u), with the exponent clamped (see above).
+__device__ __forceinline__ float gelu_sigmoid(float x, float& e) {
+    const float u = GELU_K * fmaf(GELU_A * x, x * x, x);
+    e = __expf(fminf(-2.0f * u, 80.0f));      // fminf(NaN, 80) = 80: a NaN x still gives NaN below
+    return __fdividef(1.0f, 1.0f + e);
+}
+
+__device__ __forceinline__ float gelu_f(float x) {
+    float e;
+    return x * gelu_sigmoid(x, e);
+}
+
+__device__ __forceinline__ float gelu_grad_f(float x, float dout) {
+    float e;
+    const float s = gelu_sigmoid(x, e);
+    const float du = GELU_K * fmaf(3.0f * GELU_A * x, x, 1.0f);     // du/dx
+    return dout * s * fmaf(2.0f * x * (e * s), du, 1.0f);
+}
+
+template <typename T>
+__device__ void gelu_forward(T* out, const T* x, int n) {   // (n,) (n,); out may alias x
+    constexpr int P = Pack16<T>::size;
+    const int base = blockIdx.x * blockDim.x * UNROLL + threadIdx.x;   // in packs
+    if (is_aligned16(out) && is_aligned16(x) && (base + (UNROLL - 1) * (int)blockDim.x + 1) * P <= n) {
+        Pack16<T> v[UNROLL];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; u++) v[u] = load16_cs(x + (base + u * blockDim.x) * P);
+        #pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            Pack16<T> r;
+            #pragma unroll
+            for (int k = 0; k < P; k++) r.v[k] = from_float<T>(gelu_f(to_float(v[u].v[k])));
+            store16(out + (base + u * blockDim.x) * P, r);
+        }
+        return;
+    }
+    for (int u = 0; u < UNROLL; u++)
+        for (int k = 0; k < P; k++) {
+            const int i = (base + u * blockDim.x) * P + k;
+            if (i < n) out[i] = from_float<T>(gelu_f(to_float(x[i])));
+        }
+}
+
+template <typename T>
+__device__ void gelu_backward(T* dx, const T* dout, const T* x, int n) {   // (n,) x3
+    constexpr int P = Pack16<T>::size;
+    const int base = blockIdx.x * blockDim.x * UNROLL + threadIdx.x;   // in packs
+    if (is_aligned16(dx) && is_aligned16(dout) && is_aligned16(x) &&
+        (base + (UNROLL - 1) * (int)blockDim.x + 1) * P <= n) {
+        Pack16<T> g[UNROLL], v[UNROLL];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            g[u] = load16_cs(dout + (base + u * blockDim.x) * P);
+            v[u] = load16_cs(x + (base + u * blockDim.x) * P);
+        }
+        #pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            Pack16<T> r;
+            #pragma unroll
+            for (int k = 0; k < P; k++)
+                r.v[k] = from_float<T>(gelu_grad_f(to_float(v[u].v[k]), to_float(g[u].v[k])));
+            store16(dx + (base + u * blockDim.x) * P, r);
+        }
+        return;
+    }
+    for (int u = 0; u < UNROLL; u++)
+        for (int k = 0; k < P; k++) {
+            const int i = (base + u * blockDim.x) * P + k;
+            if (i < n) dx[i] = from_float<T>(gelu_grad_f(to_float(x[i]), to_float(dout[i])));
+        }
+}
+
+extern "C" __global__ void gelu_forward_kernel_f32(float* out, const float* x, int n) {
+    gelu_forward(out, x, n);
+}
+extern "C" __global__ void gelu_forward_kernel_bf16(bf16* out, const bf16* x, int n) {
+    gelu_forward(out, x, n);
+}
+extern "C" __global__ void gelu_backward_kernel_f32(float* dx, const float* dout, const float* x, int n) {
+    gelu_backward(dx, dout, x, n);
+}
+extern "C" __global__ void gelu_backward_kernel_bf16(bf16* dx, const bf16* dout, const bf16* x, int n) {
+    gelu_backward(dx, dout, x, n);
+}
