@@ -1,0 +1,241 @@
+"""LayerNorm over the last axis, its backward, and the fused residual-add + LayerNorm
+forward (kernels_cu/layernorm.cu).
+
+    mean = x.mean(-1),  rstd = 1 / sqrt(x.var(-1) + eps)        (float32, shape x.shape[:-1])
+    out  = (x - mean) * rstd * weight + bias
+    fused: residual = a + b (rounded to the dtype), out = layernorm(residual)
+    backward (all accumulated, +=):
+      dx      += rstd * (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat)),  dnorm = weight * dout
+      dweight += sum over rows of dout * xhat,  dbias += sum over rows of dout
+
+The references compute in float64 (the backward uses the mean/rstd it is
+given, as the kernels do) and round once to the output dtype; the kernels
+accumulate in float32, so they agree to about 1e-6 relative in float32 and to
+bf16 rounding in bfloat16. dweight/dbias are a deterministic two-stage
+reduction (per-block fp32 partials in a scratch buffer, then a fixed-order
+sum), never atomics: the same inputs give the same bits.
+
+Kernel versions (see layernorm.cu): v2 keeps a row in one warp's registers
+(C a multiple of the 16-byte pack, 16-byte aligned arrays, C <= 2048 bf16 /
+1024 fp32) and reads every element once; v1 takes anything else.
+`version=None` picks v2 whenever it applies.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes, runtime
+from ._common import check_array, check_same_dtype, output
+
+WARPS = 4                 # rows (forward) / warps (backward) per block, as WARPS in layernorm.cu
+BLOCK = 32 * WARPS
+REDUCE_BLOCK = 256        # stage 2: 8 warps, 32 columns per block
+V1_DWDB_BLOCK = 256       # v1 dweight/dbias stage 1: one thread per column
+V2_N = range(1, 9)        # packs per lane instantiated in layernorm.cu
+
+
+# ------------------------------------------------------------- references ----
+
+def layernorm_forward_reference(x, weight, bias, eps=1e-5):
+    """float64 (out, mean, rstd) of LayerNorm over the last axis."""
+    x64 = np.asarray(x, dtype=np.float64)
+    mean = x64.mean(axis=-1)
+    xc = x64 - mean[..., None]
+    rstd = 1.0 / np.sqrt((xc * xc).mean(axis=-1) + eps)
+    out = xc * rstd[..., None] * np.asarray(weight, np.float64) + np.asarray(bias, np.float64)
+    return out, mean, rstd
+
+
+def layernorm_backward_reference(dout, x, weight, mean, rstd):
+    """float64 gradient contributions (dx, dweight, dbias), given the forward's mean and rstd."""
+    d64 = np.asarray(dout, dtype=np.float64)
+    xhat = (np.asarray(x, np.float64) - np.asarray(mean, np.float64)[..., None]) * \
+        np.asarray(rstd, np.float64)[..., None]
+    dnorm = d64 * np.asarray(weight, np.float64)
+    dx = (dnorm - dnorm.mean(axis=-1, keepdims=True)
+          - xhat * (dnorm * xhat).mean(axis=-1, keepdims=True)) * np.asarray(rstd, np.float64)[..., None]
+    C = d64.shape[-1]
+    dweight = (d64 * xhat).reshape(-1, C).sum(axis=0)
+    dbias = d64.reshape(-1, C).sum(axis=0)
+    return dx, dweight, dbias
+
+
+# ----------------------------------------------------------------- helpers ---
+
+def _rows_cols(x, name):
+    C = x.shape[-1]
+    if C == 0:
+        raise ValueError(f"{name}: layernorm over an empty last axis is undefined")
+    return x.size // C, C
+
+
+def _check_eps(eps):
+    if not isinstance(eps, (int, float, np.floating, np.integer)) or not np.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps: must be a finite number >= 0, got {eps!r}")
+    return np.float32(eps)
+
+
+def _aligned(*arrays) -> bool:
+    return all(a.data.ptr % 16 == 0 for a in arrays)
+
+
+def _pick(version, dtype, C, arrays):
+    """(version, N): v2 with the smallest N (packs per lane) that holds the row, else v1."""
+    P = 16 // np.dtype(dtype).itemsize
+    v2_ok = C % P == 0 and C // P <= 32 * V2_N[-1] and _aligned(*arrays)
+    if version is None:
+        version = 2 if v2_ok else 1
+    if version not in (1, 2):
+        raise ValueError(f"version: layernorm has kernel versions 1 and 2, got {version!r}")
+    if version == 2 and not v2_ok:
+        raise ValueError(f"version: v2 needs C a multiple of {P}, C <= {32 * V2_N[-1] * P} and 16-byte "
+                         f"aligned arrays (got C={C})")
+    return version, (-(-(C // P) // 32) if version == 2 else None)
+
+
+_RESIDENT: dict[int, int] = {}
+
+
+def _resident_blocks(kernel, block: int) -> int:
+    """Blocks of `block` threads one SM holds at once, from the kernel's registers and shared memory."""
+    key = id(kernel)
+    if key not in _RESIDENT:
+        a = runtime.kernel_attributes(kernel)
+        regs_per_warp = -(-max(a["registers"], 1) * 32 // 256) * 256      # allocated per warp, in 256s
+        by_regs = (65536 // regs_per_warp) // (block // 32)
+        by_smem = (227 * 1024) // (a["shared_bytes"] + 1024)                # + the 1 KB reserved per block
+        _RESIDENT[key] = max(1, min(by_regs, 2048 // block, by_smem, 32))
+    return _RESIDENT[key]
+
+
+# ----------------------------------------------------------------- forward ---
+
+def _forward_args(x, weight, bias, name):
+    check_array(name, x, min_ndim=1)
+    rows, C = _rows_cols(x, name)
+    check_array("weight", weight, ndim=1)
+    if weight.shape[0] != C:
+        raise ValueError(f"weight: expected shape ({C},) to match {name}'s last axis, got {tuple(weight.shape)}")
+    check_array("bias", bias, shape=(C,))
+    check_same_dtype(**{name: x, "weight": weight, "bias": bias})
+    return rows, C
+
+
+def layernorm_forward(x, weight, bias, eps=1e-5, out=None, mean=None, rstd=None, *, version=None):
+    """LayerNorm of x (..., C) over its last axis -> (out, mean, rstd); mean/rstd float32 (...,)."""
+    rows, C = _forward_args(x, weight, bias, "x")
+    eps = _check_eps(eps)
+    xp = runtime.array_module(x, weight, bias, out, mean, rstd)
+    out = output("out", out, xp, x.shape, x.dtype)
+    mean = output("mean", mean, xp, x.shape[:-1], np.float32)
+    rstd = output("rstd", rstd, xp, x.shape[:-1], np.float32)
+    if xp is np:
+        o, m, r = layernorm_forward_reference(x, weight, bias, float(eps))
+        out[...], mean[...], rstd[...] = o.astype(x.dtype), m, r
+        return out, mean, rstd
+    version, N = _pick(version, x.dtype, C, (x, weight, bias, out))
+    if rows == 0:
+        return out, mean, rstd
+    suf = dtypes.kernel_suffix(x.dtype)
+    name = f"layernorm_forward_kernel_v2_n{N}_{suf}" if version == 2 else f"layernorm_forward_kernel_v1_{suf}"
+    runtime.launch(runtime.get_kernel("layernorm", name), -(-rows // WARPS), BLOCK,
+                   (out, mean, rstd, x, weight, bias, np.int32(rows), np.int32(C), eps))
+    return out, mean, rstd
+
+
+def layernorm(x, weight, bias, eps=1e-5, out=None):
+    """numpy-like LayerNorm over the last axis: just the normalised output."""
+    return layernorm_forward(x, weight, bias, eps, out=out)[0]
+
+
+def fused_residual_layernorm_forward(a, b, weight, bias, eps=1e-5, residual=None, out=None, mean=None,
+                                     rstd=None, *, version=None):
+    """residual = a + b and out = layernorm(residual), in one pass -> (residual, out, mean, rstd)."""
+    rows, C = _forward_args(a, weight, bias, "a")
+    check_array("b", b, shape=a.shape)
+    check_same_dtype(a=a, b=b)
+    eps = _check_eps(eps)
+    xp = runtime.array_module(a, b, weight, bias, residual, out, mean, rstd)
+    residual = output("residual", residual, xp, a.shape, a.dtype)
+    out = output("out", out, xp, a.shape, a.dtype)
+    mean = output("mean", mean, xp, a.shape[:-1], np.float32)
+    rstd = output("rstd", rstd, xp, a.shape[:-1], np.float32)
+    if xp is np:
+        # Normalise the rounded residual, as the kernel does (and as the backward will see it).
+        res = (a.astype(np.float32) + b.astype(np.float32)).astype(a.dtype)
+        o, m, r = layernorm_forward_reference(res, weight, bias, float(eps))
+        residual[...] = res
+        out[...], mean[...], rstd[...] = o.astype(a.dtype), m, r
+        return residual, out, mean, rstd
+    version, N = _pick(version, a.dtype, C, (a, b, weight, bias, residual, out))
+    if rows == 0:
+        return residual, out, mean, rstd
+    suf = dtypes.kernel_suffix(a.dtype)
+    name = (f"layernorm_residual_forward_kernel_v2_n{N}_{suf}" if version == 2
+            else f"layernorm_residual_forward_kernel_v1_{suf}")
+    runtime.launch(runtime.get_kernel("layernorm", name), -(-rows // WARPS), BLOCK,
+                   (residual, out, mean, rstd, a, b, weight, bias, np.int32(rows), np.int32(C), eps))
+    return residual, out, mean, rstd
+
+
+# ---------------------------------------------------------------- backward ---
+
+def _grad(name, g, xp, shape, dtype, allowed):
+    """A caller's gradient buffer (checked) or a fresh zero one."""
+    if g is None:
+        return xp.zeros(shape, dtype=dtype)
+    check_array(name, g, dtypes_=allowed, shape=shape)
+    if (xp is np) != isinstance(g, np.ndarray):
+        raise TypeError(f"{name}: must live on the same device as the inputs")
+    return g
+
+
+def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias=None, *, version=None):
+    """Accumulate (+=) the LayerNorm gradients into dx (..., C), dweight (C,), dbias (C,).
+
+    None allocates a zero buffer. dx has x's dtype; dweight/dbias have the
+    weight's dtype or float32 (both the same).
+    """
+    check_array("dout", dout, min_ndim=1)
+    rows, C = _rows_cols(dout, "dout")
+    check_array("x", x, shape=dout.shape)
+    check_same_dtype(dout=dout, x=x)
+    check_array("weight", weight, shape=(C,))
+    check_same_dtype(dout=dout, weight=weight)
+    check_array("mean", mean, dtype=np.float32, shape=dout.shape[:-1])
+    check_array("rstd", rstd, dtype=np.float32, shape=dout.shape[:-1])
+    xp = runtime.array_module(dout, x, weight, mean, rstd, dx, dweight, dbias)
+    dx = _grad("dx", dx, xp, dout.shape, dout.dtype, (dout.dtype,))
+    param_dtypes = (np.dtype(np.float32), weight.dtype)
+    dweight = _grad("dweight", dweight, xp, (C,), weight.dtype, param_dtypes)
+    dbias = _grad("dbias", dbias, xp, (C,), dweight.dtype, param_dtypes)
+    check_same_dtype(dweight=dweight, dbias=dbias)
+    if xp is np:
+        ddx, ddw, ddb = layernorm_backward_reference(dout, x, weight, mean, rstd)
+        for g, d in ((dx, ddx), (dweight, ddw), (dbias, ddb)):
+            g[...] = (g.astype(np.float64) + d).astype(g.dtype)
+        return dx, dweight, dbias
+    version, N = _pick(version, dout.dtype, C, (dout, x, weight, dx))
+    if rows == 0:
+        return dx, dweight, dbias
+    suf = dtypes.kernel_suffix(dout.dtype)
+    i32 = np.int32
+    if version == 2:
+        kernel = runtime.get_kernel("layernorm", f"layernorm_backward_kernel_v2_n{N}_{suf}")
+        grid = min(runtime.sm_count() * _resident_blocks(kernel, BLOCK), -(-rows // WARPS))
+        scratch = xp.empty((grid, 2, C), dtype=np.float32)
+        runtime.launch(kernel, grid, BLOCK, (scratch, dx, dout, x, weight, mean, rstd, i32(rows), i32(C)))
+    else:
+        k_dx = runtime.get_kernel("layernorm", f"layernorm_backward_dx_kernel_v1_{suf}")
+        runtime.launch(k_dx, -(-rows // WARPS), BLOCK, (dx, dout, x, weight, mean, rstd, i32(rows), i32(C)))
+        col_blocks = -(-C // V1_DWDB_BLOCK)
+        chunks = max(1, min(rows, 1024, -(-4 * runtime.sm_count() // col_blocks)))
+        rows_per_chunk = -(-rows // chunks)
+        chunks = -(-rows // rows_per_chunk)
+        scratch = xp.empty((chunks, 2, C), dtype=np.float32)
+        k_dwdb = runtime.get_kernel("layernorm", f"layernorm_backward_dwdb_kernel_v1_{suf}")
+        runtime.launch(k_dwdb, (col_blocks, chunks), V1_DWDB_BLOCK,
+                       (scratch, dout, x, mean, rstd, i32(rows), i32(C), i32(rows_per_chunk)))
+    k_red = runtime.get_kernel("layernorm", f"layernorm_backward_reduce_kernel_{dtypes.kernel_suffix(dweight.dtype)}")
+    runtime.launch(k_red, -(-C // 32), REDUCE_BLOCK, (dweight, dbias, scratch, i32(scratch.shape[0]), i32(C)))
+    return dx, dweight, dbias

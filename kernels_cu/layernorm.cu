@@ -1,0 +1,366 @@
+/*
+ * layernorm.cu -- LayerNorm over the last axis, forward, backward, and the
+ * fused residual-add + LayerNorm forward.
+ *
+ * Math (fp32 accumulation whatever T is; one rounding to T per output):
+ *   forward:  mean = sum(x) / C,  rstd = 1 / sqrt(sum((x - mean)^2) / C + eps)
+ *             xhat = (x - mean) * rstd,  out = xhat * weight + bias
+ *             mean and rstd (fp32, one per row) are saved for the backward.
+ *   fused:    residual = round_T(a + b); out = layernorm(residual) -- of the
+ *             ROUNDED residual, so the backward (which reads residual) sees
+ *             exactly the values the forward normalised.
+ *   backward: dnorm = weight * dout
+ *             dx      += rstd * (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat))
+ *             dweight += sum over rows of dout * xhat
+ *             dbias   += sum over rows of dout
+ * Shapes: x, out, residual, a, b, dout, dx (rows, C) with leading dims
+ *   flattened to rows; weight, bias, dweight, dbias (C,); mean, rstd (rows,).
+ * Gradient rule: dx is the residual stream's gradient (+=); dweight, dbias
+ *   are parameter gradients (+=).
+ * Determinism: no atomics. dweight/dbias are a two-stage reduction: stage 1
+ *   writes per-block fp32 partial sums (a fixed row-to-warp assignment, a
+ *   fixed in-block order) to `scratch` (num_partials, 2, C); stage 2
+ *   (layernorm_backward_reduce_kernel) adds them up in partial order.
+ *
+ * Versions (the launcher picks v2 whenever it applies):
+ *   v2 (C a multiple of the 16-byte pack P, 16-byte aligned arrays, C <= 32*8*P):
+ *      one warp per row, the row kept in registers as N packs per lane
+ *      (lane l holds packs j*32 + l, so each j is one 512-byte coalesced
+ *      access per warp); N in 1..8 is a template parameter, the launcher
+ *      picks the smallest that holds the row. Every input element is read
+ *      from memory once (llm.c's layernorm kernels are the model). The
+ *      backward keeps per-lane dweight/dbias accumulators in registers over a
+ *      grid-stride loop of rows and reduces the block's warps at the end.
+ *   v1 (any C, any alignment): one warp per row, element by element, the row
+ *      re-read from L1/L2 by each pass; the backward's dweight/dbias stage 1
+ *      is a separate column kernel (one thread per column and row chunk).
+ */
+#include "common.cuh"
+
+#define WARPS 4             // rows (forward) / warps (backward) per block: blockDim.x == 128
+#define REDUCE_WARPS 8      // stage 2: blockDim.x == 256, 32 columns per block
+
+// ------------------------------------------------------------------ v1 -------
+
+// FUSED: residual = round(a + b), normalise residual; else normalise a (= x).
+template <typename T, bool FUSED>
+__device__ void layernorm_forward_v1(T* residual, T* out, float* mean, float* rstd,   // (rows,C) (rows,C) (rows,) (rows,)
+                                     const T* a, const T* b, const T* weight, const T* bias,   // (rows,C) x2 (C,) (C,)
+                                     int rows, int C, float eps) {
+    const int row = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const size_t off = (size_t)row * C;
+    // Each lane always visits the same columns (c = lane mod 32), so it reads
+    // back only what it wrote itself: no barrier needed after writing residual.
+    const T* src = FUSED ? residual + off : a + off;
+    float s = 0.0f;
+    for (int c = lane; c < C; c += 32) {
+        float v;
+        if (FUSED) {
+            const T r = from_float<T>(to_float(a[off + c]) + to_float(b[off + c]));
+            residual[off + c] = r;
+            v = to_float(r);
+        } else {
+            v = to_float(src[c]);
+        }
+        s += v;
+    }
+    const float m = warp_sum(s) / C;
+    float q = 0.0f;
+    for (int c = lane; c < C; c += 32) {
+        const float d = to_float(src[c]) - m;
+        q += d * d;
+    }
+    const float rs = rsqrtf(warp_sum(q) / C + eps);
+    for (int c = lane; c < C; c += 32)
+        out[off + c] = from_float<T>((to_float(src[c]) - m) * rs * to_float(weight[c]) + to_float(bias[c]));
+    if (lane == 0) {
+        mean[row] = m;
+        rstd[row] = rs;
+    }
+}
+
+template <typename T>
+__device__ void layernorm_backward_dx_v1(T* dx, const T* dout, const T* x, const T* weight,   // (rows,C) x3 (C,)
+                                         const float* mean, const float* rstd, int rows, int C) {   // (rows,) x2
+    const int row = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const size_t off = (size_t)row * C;
+    const float m = mean[row], rs = rstd[row];
+    float s1 = 0.0f, s2 = 0.0f;
+    for (int c = lane; c < C; c += 32) {
+        const float dn = to_float(weight[c]) * to_float(dout[off + c]);
+        s1 += dn;
+        s2 += dn * (to_float(x[off + c]) - m) * rs;
+    }
+    s1 = warp_sum(s1) / C;
+    s2 = warp_sum(s2) / C;
+    for (int c = lane; c < C; c += 32) {
+        const float xh = (to_float(x[off + c]) - m) * rs;
+        const float dn = to_float(weight[c]) * to_float(dout[off + c]);
+        dx[off + c] = from_float<T>(to_float(dx[off + c]) + (dn - s1 - xh * s2) * rs);
+    }
+}
+
+// Stage 1 of dweight/dbias for v1: thread = column c, blockIdx.y = a chunk of
+// rows summed in row order. Writes scratch[blockIdx.y][0 (dw) / 1 (db)][c].
+template <typename T>
+__device__ void layernorm_backward_dwdb_v1(float* scratch, const T* dout, const T* x,   // (chunks,2,C) (rows,C) x2
+                                           const float* mean, const float* rstd,        // (rows,) x2
+                                           int rows, int C, int rows_per_chunk) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const int r0 = blockIdx.y * rows_per_chunk, r1 = min(r0 + rows_per_chunk, rows);
+    float sw = 0.0f, sb = 0.0f;
+    for (int r = r0; r < r1; r++) {
+        const float g = to_float(dout[(size_t)r * C + c]);
+        sw += g * (to_float(x[(size_t)r * C + c]) - mean[r]) * rstd[r];
+        sb += g;
+    }
+    scratch[((size_t)blockIdx.y * 2) * C + c] = sw;
+    scratch[((size_t)blockIdx.y * 2 + 1) * C + c] = sb;
+}
+
+// ------------------------------------------------------------------ v2 -------
+
+template <typename T, int N, bool FUSED>
+__device__ void layernorm_forward_v2(T* residual, T* out, float* mean, float* rstd,   // (rows,C) (rows,C) (rows,) (rows,)
+                                     const T* a, const T* b, const T* weight, const T* bias,   // (rows,C) x2 (C,) (C,)
+                                     int rows, int C, float eps) {
+    constexpr int P = Pack16<T>::size;
+    const int row = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const int nP = C / P;
+    const size_t off = (size_t)row * C;
+    // Issue every load of the row before using any of it.
+    Pack16<T> pa[N], pb[N];
+    #pragma unroll
+    for (int j = 0; j < N; j++) {
+        const int i = j * 32 + lane;
+        if (i < nP) {
+            pa[j] = load16_cs(a + off + i * P);
+            if (FUSED) pb[j] = load16_cs(b + off + i * P);
+        }
+    }
+    float v[N][P];
+    float s = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < N; j++) {
+        const int i = j * 32 + lane;
+        if (i < nP) {
+            if (FUSED) {
+                Pack16<T> r;
+                #pragma unroll
+                for (int k = 0; k < P; k++) r.v[k] = from_float<T>(to_float(pa[j].v[k]) + to_float(pb[j].v[k]));
+                store16(residual + off + i * P, r);
+                pa[j] = r;
+            }
+            #pragma unroll
+            for (int k = 0; k < P; k++) {
+                v[j][k] = to_float(pa[j].v[k]);
+                s += v[j][k];
+            }
+        }
+    }
+    const float m = warp_sum(s) / C;
+    float q = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < N; j++)
+        if (j * 32 + lane < nP) {
+            #pragma unroll
+            for (int k = 0; k < P; k++) {
+                const float d = v[j][k] - m;
+                q += d * d;
+            }
+        }
+    const float rs = rsqrtf(warp_sum(q) / C + eps);
+    #pragma unroll
+    for (int j = 0; j < N; j++) {
+        const int i = j * 32 + lane;
+        if (i < nP) {
+            // weight and bias are shared by every row: L1/L2 hits after the first warps.
+            const Pack16<T> w = load16(weight + i * P), bb = load16(bias + i * P);
+            Pack16<T> o;
+            #pragma unroll
+            for (int k = 0; k < P; k++)
+                o.v[k] = from_float<T>((v[j][k] - m) * rs * to_float(w.v[k]) + to_float(bb.v[k]));
+            store16(out + off + i * P, o);
+        }
+    }
+    if (lane == 0) {
+        mean[row] = m;
+        rstd[row] = rs;
+    }
+}
+
+// Stage 1 of the backward, fused: dx += ... for every row, and this block's
+// partial dweight/dbias into scratch[blockIdx.x][0 / 1][:].
+template <typename T, int N>
+__device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, const T* x,   // (grid,2,C) (rows,C) x3
+                                      const T* weight, const float* mean, const float* rstd,   // (C,) (rows,) (rows,)
+                                      int rows, int C) {
+    constexpr int P = Pack16<T>::size;
+    __shared__ float red[WARPS][32 * P];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int nP = C / P;
+    float dw[N][P], db[N][P];
+    #pragma unroll
+    for (int j = 0; j < N; j++)
+        #pragma unroll
+        for (int k = 0; k < P; k++) dw[j][k] = db[j][k] = 0.0f;
+
+    // No barrier inside this loop: warps may run different numbers of rows.
+    for (int row = blockIdx.x * WARPS + warp; row < rows; row += gridDim.x * WARPS) {
+        const size_t off = (size_t)row * C;
+        Pack16<T> g[N], v[N], d[N];
+        #pragma unroll
+        for (int j = 0; j < N; j++) {
+            const int i = j * 32 + lane;
+            if (i < nP) {
+                g[j] = load16_cs(dout + off + i * P);
+                v[j] = load16_cs(x + off + i * P);
+                d[j] = load16(dx + off + i * P);
+            }
+        }
+        const float m = mean[row], rs = rstd[row];
+        float s1 = 0.0f, s2 = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < N; j++) {
+            const int i = j * 32 + lane;
+            if (i < nP) {
+                const Pack16<T> w = load16(weight + i * P);
+                #pragma unroll
+                for (int k = 0; k < P; k++) {
+                    const float dn = to_float(w.v[k]) * to_float(g[j].v[k]);
+                    s1 += dn;
+                    s2 += dn * (to_float(v[j].v[k]) - m) * rs;
+                }
+            }
+        }
+        s1 = warp_sum(s1) / C;
+        s2 = warp_sum(s2) / C;
+        #pragma unroll
+        for (int j = 0; j < N; j++) {
+            const int i = j * 32 + lane;
+            if (i < nP) {
+                const Pack16<T> w = load16(weight + i * P);
+                #pragma unroll
+                for (int k = 0; k < P; k++) {
+                    const float go = to_float(g[j].v[k]);
+                    const float xh = (to_float(v[j].v[k]) - m) * rs;
+                    const float dn = to_float(w.v[k]) * go;
+                    d[j].v[k] = from_float<T>(to_float(d[j].v[k]) + (dn - s1 - xh * s2) * rs);
+                    dw[j][k] += go * xh;
+                    db[j][k] += go;
+                }
+                store16(dx + off + i * P, d[j]);
+            }
+        }
+    }
+
+    // Reduce the block's warps, pack slot by pack slot, in warp order. Value t
+    // of slot j (t = lane * P + k) is column (j * 32 + lane) * P + k = j*32*P + t.
+    #pragma unroll
+    for (int q = 0; q < 2; q++) {
+        #pragma unroll
+        for (int j = 0; j < N; j++) {
+            __syncthreads();                  // red may still be read by the previous slot
+            #pragma unroll
+            for (int k = 0; k < P; k++) red[warp][lane * P + k] = q == 0 ? dw[j][k] : db[j][k];
+            __syncthreads();
+            for (int t = threadIdx.x; t < 32 * P; t += blockDim.x) {
+                float s = 0.0f;
+                #pragma unroll
+                for (int w = 0; w < WARPS; w++) s += red[w][t];
+                const int c = j * 32 * P + t;
+                if (c < C) scratch[((size_t)blockIdx.x * 2 + q) * C + c] = s;
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------- stage 2 -------
+
+// dweight[c] += sum_p scratch[p][0][c], dbias[c] += sum_p scratch[p][1][c], p in
+// order: warp w sums p = w, w + 8, ..., then warp 0 adds the 8 warp sums in order.
+template <typename TW>
+__device__ void layernorm_backward_reduce(TW* dweight, TW* dbias, const float* scratch,   // (C,) (C,) (np,2,C)
+                                          int num_partials, int C) {
+    __shared__ float part[2][REDUCE_WARPS][32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int c = blockIdx.x * 32 + lane;
+    float sw = 0.0f, sb = 0.0f;
+    if (c < C)
+        for (int p = warp; p < num_partials; p += REDUCE_WARPS) {
+            sw += scratch[(size_t)p * 2 * C + c];
+            sb += scratch[((size_t)p * 2 + 1) * C + c];
+        }
+    part[0][warp][lane] = sw;
+    part[1][warp][lane] = sb;
+    __syncthreads();
+    if (warp == 0 && c < C) {
+        sw = 0.0f;
+        sb = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < REDUCE_WARPS; w++) {
+            sw += part[0][w][lane];
+            sb += part[1][w][lane];
+        }
+        dweight[c] = from_float<TW>(to_float(dweight[c]) + sw);
+        dbias[c] = from_float<TW>(to_float(dbias[c]) + sb);
+    }
+}
+
+// ------------------------------------------------------------ entry points ---
+
+#define LN_V1(T, SUF)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_forward_kernel_v1_##SUF(            \
+        T* out, float* mean, float* rstd, const T* x, const T* weight, const T* bias, int rows, int C,     \
+        float eps) {                                                                                        \
+        layernorm_forward_v1<T, false>(nullptr, out, mean, rstd, x, nullptr, weight, bias, rows, C, eps);  \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_residual_forward_kernel_v1_##SUF(   \
+        T* residual, T* out, float* mean, float* rstd, const T* a, const T* b, const T* weight,            \
+        const T* bias, int rows, int C, float eps) {                                                        \
+        layernorm_forward_v1<T, true>(residual, out, mean, rstd, a, b, weight, bias, rows, C, eps);        \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_backward_dx_kernel_v1_##SUF(        \
+        T* dx, const T* dout, const T* x, const T* weight, const float* mean, const float* rstd, int rows, \
+        int C) {                                                                                            \
+        layernorm_backward_dx_v1<T>(dx, dout, x, weight, mean, rstd, rows, C);                             \
+    }                                                                                                       \
+    extern "C" __global__ void layernorm_backward_dwdb_kernel_v1_##SUF(                                    \
+        float* scratch, const T* dout, const T* x, const float* mean, const float* rstd, int rows, int C,  \
+        int rows_per_chunk) {                                                                               \
+        layernorm_backward_dwdb_v1<T>(scratch, dout, x, mean, rstd, rows, C, rows_per_chunk);              \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(REDUCE_WARPS * 32) layernorm_backward_reduce_kernel_##SUF( \
+        T* dweight, T* dbias, const float* scratch, int num_partials, int C) {                              \
+        layernorm_backward_reduce<T>(dweight, dbias, scratch, num_partials, C);                            \
+    }
+
+#define LN_V2(N, T, SUF)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_forward_kernel_v2_n##N##_##SUF(      \
+        T* out, float* mean, float* rstd, const T* x, const T* weight, const T* bias, int rows, int C,     \
+        float eps) {                                                                                        \
+        layernorm_forward_v2<T, N, false>(nullptr, out, mean, rstd, x, nullptr, weight, bias, rows, C, eps); \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_residual_forward_kernel_v2_n##N##_##SUF( \
+        T* residual, T* out, float* mean, float* rstd, const T* a, const T* b, const T* weight,            \
+        const T* bias, int rows, int C, float eps) {                                                        \
+        layernorm_forward_v2<T, N, true>(residual, out, mean, rstd, a, b, weight, bias, rows, C, eps);     \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_backward_kernel_v2_n##N##_##SUF(     \
+        float* scratch, T* dx, const T* dout, const T* x, const T* weight, const float* mean,              \
+        const float* rstd, int rows, int C) {                                                               \
+        layernorm_backward_v2<T, N>(scratch, dx, dout, x, weight, mean, rstd, rows, C);                    \
+    }
+
+#define LN_V2_ALL(T, SUF) \
+    LN_V2(1, T, SUF) LN_V2(2, T, SUF) LN_V2(3, T, SUF) LN_V2(4, T, SUF) \
+    LN_V2(5, T, SUF) LN_V2(6, T, SUF) LN_V2(7, T, SUF) LN_V2(8, T, SUF)
+
+LN_V1(float, f32)
+LN_V1(bf16, bf16)
+LN_V2_ALL(float, f32)
+LN_V2_ALL(bf16, bf16)
