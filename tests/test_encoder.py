@@ -1,0 +1,253 @@
+"""gpucore.encoder_forward / encoder_backward: reference vs float64 finite differences, the
+chunked dwte scheme (simulated on the CPU), GPU vs reference, determinism, bad input."""
+import numpy as np
+import pytest
+
+import gpucore
+from gpucore import runtime
+from gpucore.ops.encoder import DWTE_CHUNK, encoder_backward_reference, encoder_forward_reference
+from conftest import poison, rel_err, to_cpu
+from gradcheck import assert_grad_close, numerical_grad
+
+DTYPES = [np.float32, gpucore.bfloat16]
+TOL = {np.dtype(np.float32): 1e-5, np.dtype(gpucore.bfloat16): 1e-2}
+
+
+def _inputs(rng, B, T, C, V, maxT, dtype, tokens="uniform"):
+    if tokens == "uniform":
+        tok = rng.integers(0, V, size=(B, T))
+    elif tokens == "zipf":                       # a few very frequent ids, a long tail
+        tok = (rng.zipf(1.3, size=(B, T)) - 1) % V
+    elif tokens == "blocks":                     # sorted runs of exactly one and two chunks
+        tok = (np.arange(B * T) // DWTE_CHUNK % V).reshape(B, T)
+    else:
+        raise ValueError(tokens)
+    wte = rng.standard_normal((V, C)).astype(dtype)
+    wpe = rng.standard_normal((maxT, C)).astype(dtype)
+    return tok.astype(np.int32), wte, wpe
+
+
+# ------------------------------------------------------------------ CPU ------
+
+def test_forward_reference_and_public_cpu(rng):
+    tok, wte, wpe = _inputs(rng, 2, 5, 4, 11, 8, np.float32)
+    out = gpucore.encoder_forward(tok, wte, wpe)
+    assert out.shape == (2, 5, 4) and out.dtype == np.float32
+    for b in range(2):
+        for t in range(5):
+            np.testing.assert_array_equal(out[b, t], wte[tok[b, t]] + wpe[t])
+
+
+def test_backward_reference_matches_finite_differences(rng):
+    B, T, C, V, maxT = 2, 3, 4, 5, 6
+    tok, wte, wpe = _inputs(rng, B, T, C, V, maxT, np.float64)
+    tok[0, :] = 2                                # a repeated token
+    probe = rng.standard_normal((B, T, C))
+    dwte, dwpe = encoder_backward_reference(probe, tok, V, maxT)
+    assert_grad_close(dwte, numerical_grad(lambda w: encoder_forward_reference(tok, w, wpe), wte, probe),
+                      rtol=1e-7, name="dwte")
+    assert_grad_close(dwpe, numerical_grad(lambda p: encoder_forward_reference(tok, wte, p), wpe, probe),
+                      rtol=1e-7, name="dwpe")
+    assert np.all(dwpe[T:] == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_public_cpu_accumulates(rng, dtype):
+    B, T, C, V = 3, 4, 8, 6
+    tok, wte, wpe = _inputs(rng, B, T, C, V, T, dtype)
+    dout = rng.standard_normal((B, T, C)).astype(dtype)
+    dwte0 = rng.standard_normal((V, C)).astype(dtype)
+    dwte, dwpe = gpucore.encoder_backward(dout, tok, dwte=dwte0.copy())
+    assert dwpe.shape == (T, C) and dwte.dtype == dtype
+    rte, rpe = encoder_backward_reference(dout, tok, V, T)
+    np.testing.assert_allclose(dwte.astype(np.float64), dwte0.astype(np.float64) + rte, rtol=1e-2, atol=2e-2)
+    np.testing.assert_allclose(dwpe.astype(np.float64), rpe, rtol=1e-2, atol=2e-2)
+    dwte2, dwpe2 = gpucore.encoder_backward(dout, tok, V=V, maxT=T + 3)
+    assert dwte2.shape == (V, C) and dwpe2.shape == (T + 3, C) and not dwpe2[T:].astype(np.float32).any()
+
+
+def _simulate_dwte(tokens, values):
+    """The dwte scheme of encoder.cu (stage 1 chunks + merge), line by line, on one column.
+
+    Runs on the CPU so that the bookkeeping of runs that cross chunk boundaries
+    is tested here, not only on a GPU.
+    """
+    N, K = tokens.size, DWTE_CHUNK
+    keys = np.sort(tokens.reshape(-1).astype(np.int64) * N + np.arange(N))
+    order, stok = keys % N, keys // N
+    num_chunks = -(-N // K)
+    V = int(tokens.max()) + 1
+    dwte = np.zeros(V)
+    scratch = np.full((num_chunks, 2), np.nan)           # unwritten slots must never be read
+
+    def tok_at(p):                                       # s_tok with its -1 sentinels
+        return stok[p] if 0 <= p < N else -1
+
+    for chunk in range(num_chunks):
+        start = chunk * K
+        length = min(K, N - start)
+        head_cont = tok_at(start - 1) == tok_at(start)
+        acc = 0.0
+        for li in range(length):
+            acc += values[order[start + li]]
+            tok = tok_at(start + li)
+            last = li + 1 == length
+            cont_after = tok_at(start + li + 1) == tok
+            if not last and cont_after:
+                continue
+            cont_before = head_cont and tok == tok_at(start)
+            if not cont_before and not cont_after:
+                dwte[tok] += acc
+            else:
+                scratch[chunk, 0 if cont_before else 1] = acc
+            acc = 0.0
+    for chunk in range(num_chunks):                      # the merge kernel
+        start, end = chunk * K, min(chunk * K + K, N)
+        if end >= N:
+            continue
+        tok = stok[end - 1]
+        if stok[end] != tok or (start > 0 and stok[start] == tok and stok[start - 1] == tok):
+            continue
+        acc = scratch[chunk, 1]
+        j = chunk + 1
+        while True:
+            acc += scratch[j, 0]
+            jend = min((j + 1) * K, N)
+            if not (jend < N and stok[jend] == tok):
+                break
+            j += 1
+        dwte[tok] += acc
+    return dwte
+
+
+@pytest.mark.parametrize("N,V", [(1, 1), (63, 2), (64, 1), (65, 1), (128, 2), (200, 3), (1000, 5),
+                                 (1000, 1000), (4096 + 17, 40), (3000, 2)])
+@pytest.mark.parametrize("dist", ["uniform", "zipf", "blocks"])
+def test_dwte_chunk_scheme_simulated(rng, N, V, dist):
+    tok, _, _ = _inputs(rng, 1, N, 1, V, N, np.float64, dist)
+    values = rng.standard_normal(N)
+    got = _simulate_dwte(tok, values)
+    ref = np.zeros(V)
+    np.add.at(ref, tok.reshape(-1), values)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, ref[:got.size], rtol=1e-12, atol=1e-12)
+
+
+def test_bad_input(rng):
+    tok, wte, wpe = _inputs(rng, 2, 5, 4, 11, 8, np.float32)
+    dout = rng.standard_normal((2, 5, 4)).astype(np.float32)
+    with pytest.raises(TypeError, match="tokens: dtype"):
+        gpucore.encoder_forward(tok.astype(np.int64), wte, wpe)
+    with pytest.raises(ValueError, match="tokens: expected 2 dimensions"):
+        gpucore.encoder_forward(tok.reshape(-1), wte, wpe)
+    with pytest.raises(ValueError, match="wte: expected 2 dimensions"):
+        gpucore.encoder_forward(tok, wte.reshape(-1), wpe)
+    with pytest.raises(TypeError, match="wpe: dtype"):
+        gpucore.encoder_forward(tok, wte, wpe.astype(gpucore.bfloat16))
+    with pytest.raises(ValueError, match="wpe: expected 4 columns"):
+        gpucore.encoder_forward(tok, wte, wpe[:, :3].copy())
+    with pytest.raises(ValueError, match="tokens: sequence length 5 exceeds"):
+        gpucore.encoder_forward(tok, wte, wpe[:4].copy())
+    with pytest.raises(ValueError, match="wte: array must be C-contiguous"):
+        gpucore.encoder_forward(tok, np.ones((4, 11), np.float32).T, wpe)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        gpucore.encoder_forward(tok, wte, wpe, out=np.empty((2, 5, 3), np.float32))
+    bad = tok.copy()
+    bad[1, 2] = 11
+    with pytest.raises(ValueError, match=r"tokens: id 11 is out of range \[0, 11\)"):
+        gpucore.encoder_forward(bad, wte, wpe)
+    bad[1, 2] = -1
+    with pytest.raises(ValueError, match="tokens: id -1 is out of range"):
+        gpucore.encoder_forward(bad, wte, wpe)
+    with pytest.raises(ValueError, match="tokens: id -1 is out of range"):
+        gpucore.encoder_backward(dout, bad, V=11)
+    with pytest.raises(ValueError, match="V: needed to allocate dwte"):
+        gpucore.encoder_backward(dout, tok)
+    with pytest.raises(ValueError, match="dout: expected 3 dimensions"):
+        gpucore.encoder_backward(dout.reshape(10, 4), tok, V=11)
+    with pytest.raises(ValueError, match="tokens: expected shape"):
+        gpucore.encoder_backward(dout, tok[:, :4].copy(), V=11)
+    with pytest.raises(ValueError, match="dwte: expected 4 columns"):
+        gpucore.encoder_backward(dout, tok, dwte=np.zeros((11, 3), np.float32))
+    with pytest.raises(ValueError, match="dwte: expected 12 rows"):
+        gpucore.encoder_backward(dout, tok, dwte=np.zeros((11, 4), np.float32), V=12)
+    with pytest.raises(TypeError, match="dwte: dtype"):
+        gpucore.encoder_backward(dout, tok, dwte=np.zeros((11, 4), gpucore.bfloat16))
+    with pytest.raises(ValueError, match="dwpe: 4 positions is fewer"):
+        gpucore.encoder_backward(dout, tok, V=11, dwpe=np.zeros((4, 4), np.float32))
+    with pytest.raises(ValueError, match="tokens: id 10 is out of range"):
+        gpucore.encoder_backward(dout, np.full((2, 5), 10, np.int32), V=10)
+
+
+# ------------------------------------------------------------------ GPU ------
+
+# (B, T, C, V, maxT): C in {768, 1024, 1600} plus odd C (v1 only); B*T not a multiple of the block.
+SHAPES = [(1, 1, 768, 5, 1), (2, 37, 768, 100, 64), (4, 256, 768, 5003, 1024), (3, 100, 1024, 300, 128),
+          (2, 77, 1600, 1000, 77), (5, 13, 37, 7, 20), (1, 300, 8, 3, 300)]
+
+
+def _versions(C, dtype):
+    return [1, 2] if C % (16 // np.dtype(dtype).itemsize) == 0 else [1]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,C,V,maxT", SHAPES)
+def test_gpu_forward(rng, dtype, B, T, C, V, maxT):
+    cp = runtime.cupy
+    tok, wte, wpe = _inputs(rng, B, T, C, V, maxT, dtype)
+    ref = gpucore.encoder_forward(tok, wte, wpe)          # NumPy: one rounding of wte + wpe, exact
+    for version in _versions(C, dtype):
+        out = poison((B, T, C), dtype)
+        gpucore.encoder_forward(cp.asarray(tok), cp.asarray(wte), cp.asarray(wpe), out=out, version=version)
+        np.testing.assert_array_equal(to_cpu(out).astype(np.float64), ref.astype(np.float64))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,C,V,maxT", SHAPES)
+@pytest.mark.parametrize("dist", ["uniform", "zipf", "blocks"])
+def test_gpu_backward(rng, dtype, B, T, C, V, maxT, dist):
+    cp = runtime.cupy
+    tok, _, _ = _inputs(rng, B, T, C, V, maxT, dtype, dist)
+    dout = rng.standard_normal((B, T, C)).astype(dtype)
+    dwte0 = rng.standard_normal((V, C)).astype(dtype)
+    dwpe0 = rng.standard_normal((maxT, C)).astype(dtype)
+    rte, rpe = encoder_backward_reference(dout, tok, V, maxT)
+    tol = TOL[np.dtype(dtype)]
+    for version in _versions(C, dtype):
+        results = []
+        for _ in range(2):                                   # twice: bitwise identical
+            dwte, dwpe = cp.asarray(dwte0), cp.asarray(dwpe0)
+            gpucore.encoder_backward(cp.asarray(dout), cp.asarray(tok), dwte=dwte, dwpe=dwpe, version=version)
+            results.append((to_cpu(dwte), to_cpu(dwpe)))
+        for name, got, ref, g0 in (("dwte", results[0][0], rte, dwte0), ("dwpe", results[0][1], rpe, dwpe0)):
+            got = got.astype(np.float64)
+            assert not np.isnan(got).any(), f"v{version} {name} has NaN"
+            want = g0.astype(np.float64) + ref
+            assert rel_err(got, want) < tol, f"v{version} {name}: rel err {rel_err(got, want):.2e}"
+            # rows no token touched are unchanged, bit for bit
+            untouched = ~np.any(ref != 0, axis=1)
+            np.testing.assert_array_equal(got[untouched], g0.astype(np.float64)[untouched])
+            # the gradient part alone (bf16: compare where the sum dominates the start value)
+            assert rel_err(got - g0.astype(np.float64), ref) < (1e-5 if dtype == np.float32 else 5e-2)
+        assert results[0][0].tobytes() == results[1][0].tobytes(), f"v{version} dwte not deterministic"
+        assert results[0][1].tobytes() == results[1][1].tobytes(), f"v{version} dwpe not deterministic"
+
+
+@pytest.mark.cuda
+def test_gpu_backward_fresh_buffers_and_bad_tokens(rng):
+    cp = runtime.cupy
+    B, T, C, V = 8, 64, 768, 50
+    tok, _, _ = _inputs(rng, B, T, C, V, T, np.float32, "zipf")
+    dout = rng.standard_normal((B, T, C)).astype(np.float32)
+    dwte, dwpe = gpucore.encoder_backward(cp.asarray(dout), cp.asarray(tok), V=V)
+    rte, rpe = encoder_backward_reference(dout, tok, V, T)
+    assert dwte.shape == (V, C) and dwpe.shape == (T, C)
+    assert rel_err(to_cpu(dwte), rte) < 1e-5 and rel_err(to_cpu(dwpe), rpe) < 1e-5
+    bad = tok.copy()
+    bad[3, 7] = V
+    with pytest.raises(ValueError, match="tokens: id 50 is out of range"):
+        gpucore.encoder_backward(cp.asarray(dout), cp.asarray(bad), V=V)
+    with pytest.raises(ValueError, match="tokens: id 50 is out of range"):
+        gpucore.encoder_forward(cp.asarray(bad), cp.zeros((V, C), np.float32), cp.zeros((T, C), np.float32))
