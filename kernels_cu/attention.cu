@@ -12,7 +12,7 @@
  *              offset packs separate q, k, v into one qkv for gpucore.attention)
  *   softmax forward, one row (b, h, i) of preatt (already scaled by 1/sqrt(HD)):
  *     att_ij = exp(preatt_ij - max) / sum   for j <= i (causal) or all j, else 0
- *     lse_i  = max + log(sum)                (optional: lse may be null)
+ *     lse_i  = max + log(sum)
  *   softmax backward (activation gradient, [=]):
  *     dpreatt_ij = att_ij * (datt_ij - sum_k att_ik datt_ik)   (0 where att is masked)
  * Shapes: preatt, datt (B*NH, T, T) float32; att, dpreatt (B*NH, T, T) of the input
@@ -62,7 +62,7 @@ __device__ __forceinline__ void unpermute(T* out,        // (B, T, stride), head
 
 template <typename Tatt>
 __device__ __forceinline__ void softmax_forward(Tatt* att,            // (B*NH, T, T)
-                                                float* lse,           // (B*NH, T) or null
+                                                float* lse,           // (B*NH, T)
                                                 const float* preatt,  // (B*NH, T, T)
                                                 int rows, int Tn, int causal) {
     const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -80,7 +80,7 @@ __device__ __forceinline__ void softmax_forward(Tatt* att,            // (B*NH, 
     sum = warp_sum(sum);
     const float inv = 1.f / sum;
     for (int j = lane; j < Tn; j += 32) y[j] = from_float<Tatt>(j < n ? expf(x[j] - mx) * inv : 0.f);
-    if (lse != nullptr && lane == 0) lse[row] = mx + logf(sum);
+    if (lane == 0) lse[row] = mx + logf(sum);
 }
 
 template <typename Tatt>

@@ -222,8 +222,8 @@ def _backward_v1(dout, qkv, NH, dqkv, causal=True):
     _permute(qkvp, qkv, 3, B, T, NH, hd, C3)
     dy = cp.empty((1, B * NH, T, hd), dtype=qkv.dtype)
     _permute(dy, dout, 1, B, T, NH, hd, C)
-    # Recompute the probabilities (lse is not needed: the same kernel as the forward, same bits).
-    att, preatt = _scores(qkvp, qkv.dtype, T, hd, causal, None)
+    # Recompute the probabilities with the forward's kernel (same bits); its lse goes to scratch.
+    att, preatt = _scores(qkvp, qkv.dtype, T, hd, causal, cp.empty((B * NH * T,), dtype=F32))
     datt = preatt if qkv.dtype != F32 else cp.empty_like(preatt)   # bf16: the score buffer is free again
     batched_matmul(dy[0], qkvp[2], out=datt, transpose_b=True)     # dP = dO V^T
     dqkvp = cp.empty((3, B * NH, T, hd), dtype=qkv.dtype)
