@@ -184,15 +184,20 @@ __device__ __forceinline__ void flash_forward(bf16* out,          // (B, T, C)
     store_rows16<HD, LDS>(out + (size_t)b * T * C + h * HD, so, wm0, T, C, lane);
 }
 
-// Configurations: (HD, warps per block, keys per KV tile). Dynamic shared memory
-// = (16 * NWARPS + 4 * BN) * (HD + 8) * 2 bytes; gpucore/ops/attention.py holds the
-// same table (FWD_CONFIGS) and computes the launch from it.
+// Configurations: (HD, warps per block, keys per KV tile); kernel names carry them
+// (..._hd64_w8_n64_bf16). gpucore/ops/attention.py lists the same in FWD_CONFIGS, the
+// first of each HD being the default; `gpucore bench attention --opt sweep=1` times all.
+// Dynamic shared memory = (16 * NWARPS + 4 * BN) * (HD + 8) * 2 bytes.
 #define FLASH_FWD(HD, NWARPS, BN)                                                               \
     extern "C" __global__ void __launch_bounds__(32 * NWARPS)                                   \
-    attention_forward_kernel_v2_hd##HD##_bf16(bf16* out, float* lse, const bf16* qkv,           \
-                                              int T, int NH, float scale) {                     \
+    attention_forward_kernel_v2_hd##HD##_w##NWARPS##_n##BN##_bf16(                              \
+            bf16* out, float* lse, const bf16* qkv, int T, int NH, float scale) {               \
         flash_forward<HD, NWARPS, BN>(out, lse, qkv, T, NH, scale);                             \
     }
 
 FLASH_FWD(64, 8, 64)
+FLASH_FWD(64, 4, 64)
+FLASH_FWD(64, 8, 128)
 FLASH_FWD(128, 8, 64)
+FLASH_FWD(128, 4, 64)
+FLASH_FWD(128, 8, 32)

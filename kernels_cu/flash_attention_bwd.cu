@@ -345,26 +345,44 @@ __device__ __forceinline__ void flash_bwd_dq(bf16* dqkv,          // (B, T, 3C)
     store_rows16<HD, LDS>(dqkv + (size_t)b * T * stride + h * HD, sdq, wm0, T, stride, lane);
 }
 
-// Configurations (gpucore/ops/attention.py mirrors them in BWD_CONFIGS). HD = 128 uses
-// 32-row / 32-key tiles so dK + dV (128 f32 registers per thread) fit without spills.
-// (.., 2): two blocks per SM; without it ptxas trims to 168 registers and spills.
-//   dkdv (HD, warps, Q-tile rows): smem = (32 * NWARPS + 4 * BM) * (HD + 8) * 2 + 16 * BM bytes
-//   dq   (HD, warps, KV-tile keys): smem = (32 * NWARPS + 4 * BN) * (HD + 8) * 2 bytes
-#define FLASH_BWD(HD, KV_WARPS, BM, Q_WARPS, BN)                                                 \
+// Configurations; kernel names carry them. gpucore/ops/attention.py lists the same in
+// DKDV_CONFIGS / DQ_CONFIGS, the first of each HD being the default.
+//   dkdv (HD, warps, Q-tile rows): KV tile = 16 * warps keys;
+//        smem = (32 * NWARPS + 4 * BM) * (HD + 8) * 2 + 16 * BM bytes
+//   dq   (HD, warps, KV-tile keys): Q tile = 16 * warps rows;
+//        smem = (32 * NWARPS + 4 * BN) * (HD + 8) * 2 bytes
+// HD = 128 defaults to 32-row / 32-key tiles so dK + dV (128 f32 registers per thread)
+// fit without spills. (.., 2): without a minimum of two blocks per SM ptxas trims the
+// 4-warp kernels to 168 registers and spills.
+#define FLASH_BWD_PRE(HD)                                                                        \
     extern "C" __global__ void attention_backward_preprocess_kernel_v2_hd##HD##_bf16(          \
-            float* D, const bf16* dout, const bf16* out, int rows, int T, int NH) {             \
+            float* D, const bf16* dout, const bf16* out, int rows, int T, int NH) {            \
         flash_bwd_preprocess<HD>(D, dout, out, rows, T, NH);                                   \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * KV_WARPS, 2)                                \
-    attention_backward_dkdv_kernel_v2_hd##HD##_bf16(bf16* dqkv, const bf16* qkv,               \
-            const bf16* dout, const float* lse, const float* D, int T, int NH, float scale) {  \
-        flash_bwd_dkdv<HD, KV_WARPS, BM>(dqkv, qkv, dout, lse, D, T, NH, scale);               \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * Q_WARPS, 2)                                 \
-    attention_backward_dq_kernel_v2_hd##HD##_bf16(bf16* dqkv, const bf16* qkv,                 \
-            const bf16* dout, const float* lse, const float* D, int T, int NH, float scale) {  \
-        flash_bwd_dq<HD, Q_WARPS, BN>(dqkv, qkv, dout, lse, D, T, NH, scale);                  \
+    }
+#define FLASH_BWD_DKDV(HD, NWARPS, BM)                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * NWARPS, 8 / NWARPS)                      \
+    attention_backward_dkdv_kernel_v2_hd##HD##_w##NWARPS##_m##BM##_bf16(bf16* dqkv,            \
+            const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
+            int T, int NH, float scale) {                                                      \
+        flash_bwd_dkdv<HD, NWARPS, BM>(dqkv, qkv, dout, lse, D, T, NH, scale);                 \
+    }
+#define FLASH_BWD_DQ(HD, NWARPS, BN)                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * NWARPS, 8 / NWARPS)                      \
+    attention_backward_dq_kernel_v2_hd##HD##_w##NWARPS##_n##BN##_bf16(bf16* dqkv,              \
+            const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
+            int T, int NH, float scale) {                                                      \
+        flash_bwd_dq<HD, NWARPS, BN>(dqkv, qkv, dout, lse, D, T, NH, scale);                   \
     }
 
-FLASH_BWD(64, 4, 64, 4, 64)
-FLASH_BWD(128, 4, 32, 4, 32)
+FLASH_BWD_PRE(64)
+FLASH_BWD_PRE(128)
+FLASH_BWD_DKDV(64, 4, 64)
+FLASH_BWD_DKDV(64, 8, 64)
+FLASH_BWD_DKDV(64, 4, 32)
+FLASH_BWD_DKDV(128, 4, 32)
+FLASH_BWD_DKDV(128, 8, 32)
+FLASH_BWD_DQ(64, 4, 64)
+FLASH_BWD_DQ(64, 8, 64)
+FLASH_BWD_DQ(64, 4, 32)
+FLASH_BWD_DQ(128, 4, 32)
+FLASH_BWD_DQ(128, 8, 32)

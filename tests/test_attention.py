@@ -160,15 +160,28 @@ def _instantiations(path, macro):
 
 def test_python_tables_match_kernel_instantiations():
     kdir = runtime.KERNEL_DIR
-    fwd = _instantiations(kdir / "flash_attention.cu", "FLASH_FWD")
-    assert {hd: (w, bn) for hd, w, bn in fwd} == attn.FWD_CONFIGS
-    bwd = _instantiations(kdir / "flash_attention_bwd.cu", "FLASH_BWD")
-    assert {hd: ((kw, bm), (qw, bn)) for hd, kw, bm, qw, bn in bwd} == attn.BWD_CONFIGS
-    for hd, (w, bn) in attn.FWD_CONFIGS.items():
-        assert attn._fwd_smem(hd, w, bn) <= 227 * 1024
-        assert (16 * w * hd // 8) % (32 * w) == 0 and (bn * hd // 8) % (32 * w) == 0
-    for hd, ((kw, bm), (qw, bn)) in attn.BWD_CONFIGS.items():
-        assert attn._dkdv_smem(hd, kw, bm) <= 163 * 1024 and attn._dq_smem(hd, qw, bn) <= 163 * 1024
+
+    def table(rows):
+        t = {}
+        for hd, *cfg in rows:
+            t.setdefault(hd, []).append(tuple(cfg))
+        return t
+
+    assert table(_instantiations(kdir / "flash_attention.cu", "FLASH_FWD")) == attn.FWD_CONFIGS
+    bwd = kdir / "flash_attention_bwd.cu"
+    assert table(_instantiations(bwd, "FLASH_BWD_DKDV")) == attn.DKDV_CONFIGS
+    assert table(_instantiations(bwd, "FLASH_BWD_DQ")) == attn.DQ_CONFIGS
+    assert {hd for (hd,) in _instantiations(bwd, "FLASH_BWD_PRE")} == set(attn.FWD_CONFIGS)
+    assert set(attn.DKDV_CONFIGS) == set(attn.DQ_CONFIGS) == set(attn.FWD_CONFIGS)
+    for hd, cfgs in attn.FWD_CONFIGS.items():
+        for w, bn in cfgs:
+            assert attn._fwd_smem(hd, w, bn) <= 163 * 1024      # fits sm_80 too
+            assert (16 * w * hd // 8) % (32 * w) == 0 and (bn * hd // 8) % (32 * w) == 0
+    for hd in attn.DKDV_CONFIGS:
+        for w, bm in attn.DKDV_CONFIGS[hd]:
+            assert attn._dkdv_smem(hd, w, bm) <= 163 * 1024 and (bm * hd // 8) % (32 * w) == 0
+        for w, bn in attn.DQ_CONFIGS[hd]:
+            assert attn._dq_smem(hd, w, bn) <= 163 * 1024 and (bn * hd // 8) % (32 * w) == 0
 
 
 def test_scratch_is_linear_in_T_for_flash():
@@ -186,9 +199,10 @@ def test_attention_kernels_compile_without_spills():
     assert not [r for r in rows if not r["ok"]]
     names = {r["kernel"] for r in rows}
     for hd in attn.FWD_CONFIGS:
-        assert {f"attention_forward_kernel_v2_hd{hd}_bf16", f"attention_backward_dkdv_kernel_v2_hd{hd}_bf16",
-                f"attention_backward_dq_kernel_v2_hd{hd}_bf16",
-                f"attention_backward_preprocess_kernel_v2_hd{hd}_bf16"} <= names
+        assert {f"attention_forward_kernel_v2_hd{hd}_w{w}_n{n}_bf16" for w, n in attn.FWD_CONFIGS[hd]} <= names
+        assert {f"attention_backward_dkdv_kernel_v2_hd{hd}_w{w}_m{m}_bf16" for w, m in attn.DKDV_CONFIGS[hd]} <= names
+        assert {f"attention_backward_dq_kernel_v2_hd{hd}_w{w}_n{n}_bf16" for w, n in attn.DQ_CONFIGS[hd]} <= names
+        assert f"attention_backward_preprocess_kernel_v2_hd{hd}_bf16" in names
     assert {"attention_softmax_forward_kernel_v1_bf16", "attention_permute_kernel_v1_f32"} <= names
 
 
@@ -278,6 +292,34 @@ def test_gpu_backward(rng, case):
         part, rpart = d[..., s * C:(s + 1) * C], ref[..., s * C:(s + 1) * C]
         err = rel_err(part, rpart)
         assert err < tol, f"d{name} rel err {err:.3e}\n{_locate(d, ref, B, T, NH, hd, S=3)}"
+
+
+FLASH_VARIANTS = ([("fwd", hd, c) for hd, cs in attn.FWD_CONFIGS.items() for c in cs[1:]]
+                  + [("dkdv", hd, c) for hd, cs in attn.DKDV_CONFIGS.items() for c in cs[1:]]
+                  + [("dq", hd, c) for hd, cs in attn.DQ_CONFIGS.items() for c in cs[1:]])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", FLASH_VARIANTS, ids=lambda v: f"{v[0]}-hd{v[1]}-w{v[2][0]}-{v[2][1]}")
+def test_gpu_flash_tile_variants(rng, variant):
+    """The non-default tile configurations (timed by `bench attention --opt sweep=1`) are correct too."""
+    cp = runtime.cupy
+    kind, hd, cfg = variant
+    B, NH, T = 2, 2, 301
+    C = NH * hd
+    qkv = _qkv(rng, B, T, NH, hd, BF16, sigma=1.5)
+    dout = rng.standard_normal((B, T, C)).astype(BF16)
+    qkv_g, dout_g = cp.asarray(qkv), cp.asarray(dout)
+    out, lse = poison((B, T, C), BF16), poison((B, NH, T), np.float32)
+    attn._forward_v2(qkv_g, NH, out, lse, cfg=cfg if kind == "fwd" else None)
+    ref_out, _ = attn.attention_forward_reference(qkv, NH)
+    assert rel_err(to_cpu(out), ref_out) < 1e-2, _locate(to_cpu(out), ref_out, B, T, NH, hd)
+    dqkv = poison(qkv.shape, BF16)
+    attn._backward_v2(dout_g, qkv_g, out, lse, NH, dqkv, dkdv_cfg=cfg if kind == "dkdv" else None,
+                      dq_cfg=cfg if kind == "dq" else None)
+    ref = attn.attention_backward_reference(dout, qkv, NH)
+    d = to_cpu(dqkv)
+    assert rel_err(d, ref) < 1e-2, _locate(d, ref, B, T, NH, hd, S=3)
 
 
 @pytest.mark.cuda

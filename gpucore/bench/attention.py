@@ -11,13 +11,16 @@ rows show them as the reference ("% of ref", PASS/FAIL at 100%).
 inputs and outputs, measured with a memory hook: v1 holds (B, NH, T, T) score
 matrices, v2 only D = rowsum(dout * out) (B, NH, T) in the backward.
 Options: --version all|1|2, --dtype bfloat16|float32 (float32 runs v1 only),
---opt B=.. NH=.. T=.. hd=..
+--opt B=.. NH=.. T=.. hd=.., --opt sweep=1 also times every v2 tile configuration
+(gpucore.ops.attention FWD_CONFIGS / DKDV_CONFIGS / DQ_CONFIGS; the first of each is
+the default) so the best can be made the default from one run.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .. import dtypes
+from ..ops import attention as attn
 from . import Result, benchmark, time_ms
 
 FWD_TARGET_TFLOPS = 300.0
@@ -58,7 +61,7 @@ def _mib(n):
 
 @benchmark("attention")
 def bench_attention(B: int = 64, NH: int = 12, T: int = 1024, hd: int = 64, version="all",
-                    dtype: str = "bfloat16", **_):
+                    dtype: str = "bfloat16", sweep: int = 0, **_):
     import cupy
 
     import gpucore
@@ -90,4 +93,23 @@ def bench_attention(B: int = 64, NH: int = 12, T: int = 1024, hd: int = 64, vers
         results.append(Result(f"attention v{v} backward {shape}", ms_b, flops=flops_b,
                               ref_tflops=BWD_TARGET_TFLOPS, extra={"scratch": _mib(s_b)}, **tgt))
         cupy.get_default_memory_pool().free_all_blocks()   # v1's score matrices are GBs
+    if sweep and 2 in versions and hd in attn.FWD_CONFIGS:
+        results += _sweep(qkv, dout, out, lse, dqkv, NH, hd, flops_f, flops_b)
     return results
+
+
+def _sweep(qkv, dout, out, lse, dqkv, NH, hd, flops_f, flops_b):
+    """Every v2 tile configuration: forward per FWD_CONFIGS entry, backward varying one pass at a time."""
+    rows = []
+    for cfg in attn.FWD_CONFIGS[hd]:
+        ms = time_ms(lambda: attn._forward_v2(qkv, NH, out, lse, cfg=cfg))
+        rows.append(Result(f"  v2 forward warps={cfg[0]} BN={cfg[1]}", ms, flops=flops_f,
+                           ref_tflops=FWD_TARGET_TFLOPS, target=1.0))
+    for kind, table in (("dkdv", attn.DKDV_CONFIGS), ("dq", attn.DQ_CONFIGS)):
+        for cfg in table[hd]:
+            kw = {"dkdv_cfg" if kind == "dkdv" else "dq_cfg": cfg}
+            ms = time_ms(lambda: attn._backward_v2(dout, qkv, out, lse, NH, dqkv, **kw))
+            tile = "BM" if kind == "dkdv" else "BN"
+            rows.append(Result(f"  v2 backward {kind} warps={cfg[0]} {tile}={cfg[1]}", ms, flops=flops_b,
+                               ref_tflops=BWD_TARGET_TFLOPS, target=1.0))
+    return rows

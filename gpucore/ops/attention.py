@@ -40,12 +40,15 @@ from .matmul import batched_matmul
 F32, BF16 = dtypes.float32, dtypes.bfloat16
 VERSIONS = (1, 2)
 
-# Flash kernel configurations; must match the FLASH_FWD / FLASH_BWD instantiations.
-# forward: head dim -> (warps per block, keys per KV tile); Q tile = 16 * warps rows
-FWD_CONFIGS = {64: (8, 64), 128: (8, 64)}
-# backward: head dim -> ((dkdv warps, Q-tile rows), (dq warps, keys per KV tile))
-#   dkdv: KV tile = 16 * warps keys; dq: Q tile = 16 * warps rows
-BWD_CONFIGS = {64: ((4, 64), (4, 64)), 128: ((4, 32), (4, 32))}
+# Flash kernel configurations; must match the FLASH_FWD / FLASH_BWD_DKDV / FLASH_BWD_DQ
+# instantiations (tests/test_attention.py checks). The first entry per head dim is the
+# default; the others are there for `gpucore bench attention --opt sweep=1`.
+# forward: head dim -> [(warps per block, keys per KV tile)]; Q tile = 16 * warps rows
+FWD_CONFIGS = {64: [(8, 64), (4, 64), (8, 128)], 128: [(8, 64), (4, 64), (8, 32)]}
+# backward dK/dV pass: head dim -> [(warps, Q-tile rows)]; KV tile = 16 * warps keys
+DKDV_CONFIGS = {64: [(4, 64), (8, 64), (4, 32)], 128: [(4, 32), (8, 32)]}
+# backward dQ pass: head dim -> [(warps, keys per KV tile)]; Q tile = 16 * warps rows
+DQ_CONFIGS = {64: [(4, 64), (8, 64), (4, 32)], 128: [(4, 32), (8, 32)]}
 PREPROCESS_BLOCK = 256
 V1_SOFTMAX_BLOCK = 256     # 8 warps = 8 rows per block
 V1_PERMUTE_BLOCK = 256
@@ -238,22 +241,22 @@ def _backward_v1(dout, qkv, NH, dqkv, causal=True):
 
 # -------------------------------------------------------------- version 2 ----
 
-def _forward_v2(qkv, NH, out, lse):
+def _forward_v2(qkv, NH, out, lse, cfg=None):
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
-    warps, bn = FWD_CONFIGS[hd]
-    bm = 16 * warps
-    k = runtime.get_kernel("flash_attention", f"attention_forward_kernel_v2_hd{hd}_bf16")
-    runtime.launch(k, (B * NH, -(-T // bm)), 32 * warps,
+    warps, bn = cfg or FWD_CONFIGS[hd][0]
+    k = runtime.get_kernel("flash_attention", f"attention_forward_kernel_v2_hd{hd}_w{warps}_n{bn}_bf16")
+    runtime.launch(k, (B * NH, -(-T // (16 * warps))), 32 * warps,
                    (out, lse, qkv, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd))),
                    shared_mem=_fwd_smem(hd, warps, bn))
 
 
-def _backward_v2(dout, qkv, out, lse, NH, dqkv):
+def _backward_v2(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None):
     cp = runtime.cupy
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
-    (kv_warps, bm), (q_warps, bn) = BWD_CONFIGS[hd]
+    kv_warps, bm = dkdv_cfg or DKDV_CONFIGS[hd][0]
+    q_warps, bn = dq_cfg or DQ_CONFIGS[hd][0]
     scale = np.float32(1.0 / math.sqrt(hd))
     D = cp.empty((B, NH, T), dtype=F32)
     rows = B * T * NH
@@ -261,10 +264,11 @@ def _backward_v2(dout, qkv, out, lse, NH, dqkv):
     runtime.launch(k0, -(-rows * (hd // 8) // PREPROCESS_BLOCK), PREPROCESS_BLOCK,
                    (D, dout, out, np.int32(rows), np.int32(T), np.int32(NH)))
     args = (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), scale)
-    k1 = runtime.get_kernel("flash_attention_bwd", f"attention_backward_dkdv_kernel_v2_hd{hd}_bf16")
+    k1 = runtime.get_kernel("flash_attention_bwd",
+                            f"attention_backward_dkdv_kernel_v2_hd{hd}_w{kv_warps}_m{bm}_bf16")
     runtime.launch(k1, (B * NH, -(-T // (16 * kv_warps))), 32 * kv_warps, args,
                    shared_mem=_dkdv_smem(hd, kv_warps, bm))
-    k2 = runtime.get_kernel("flash_attention_bwd", f"attention_backward_dq_kernel_v2_hd{hd}_bf16")
+    k2 = runtime.get_kernel("flash_attention_bwd", f"attention_backward_dq_kernel_v2_hd{hd}_w{q_warps}_n{bn}_bf16")
     runtime.launch(k2, (B * NH, -(-T // (16 * q_warps))), 32 * q_warps, args,
                    shared_mem=_dq_smem(hd, q_warps, bn))
 
