@@ -11,8 +11,8 @@
  * lse is all the backward (flash_attention_bwd.cu) needs to recompute P = exp(s - lse).
  * No gradients here (see the backward file: dqkv is written, [=]).
  *
- * Algorithm (FlashAttention-2, Dao 2023): one block per (Q tile of BM = 16 * NWARPS
- * rows, head); each warp owns 16 query rows and keeps them in registers as mma A
+ * Algorithm (FlashAttention-2, Dao 2023): one block per (Q tile of BM = 16 * MT * NWARPS
+ * rows, head); each warp owns 16 * MT query rows and keeps them in registers as mma A
  * fragments. K/V tiles of BN keys stream through shared memory (cp.async,
  * double-buffered: tile j+1 loads while tile j is used). Per tile, per warp:
  *   S = Q K^T (mma, f32) -> causal mask on the diagonal -> online softmax in the
@@ -31,12 +31,13 @@
  */
 #include "flash_attention.cuh"
 
-template <int HD, int NWARPS, int BN>
+template <int HD, int NWARPS, int MT, int BN>
 __device__ __forceinline__ void flash_forward(bf16* out,          // (B, T, C)
                                               float* lse,         // (B, NH, T)
                                               const bf16* qkv,    // (B, T, 3C)
                                               int T, int NH, float scale) {
-    constexpr int BM = 16 * NWARPS, NT = 32 * NWARPS, LDS = HD + 8;
+    constexpr int WM = 16 * MT;            // query rows per warp: MT m16 tiles share each K/V fragment
+    constexpr int BM = WM * NWARPS, NT = 32 * NWARPS, LDS = HD + 8;
     constexpr int KT = HD / 16;    // 16-wide k slabs of the head dim (S = Q K^T)
     constexpr int NS = BN / 8;     // 8-wide key tiles of S
     constexpr int ND = HD / 8;     // 8-wide column tiles of O
@@ -61,22 +62,28 @@ __device__ __forceinline__ void flash_forward(bf16* out,          // (B, T, C)
     load_tile_async<BN, HD, NT>(sV, v_g, 0, T, stride);
     cp_async_commit();                                        // group: KV tile 0
 
-    const int wm0 = m0 + 16 * warp;                           // this warp's first row
-    const int row0 = wm0 + g, row1 = wm0 + g + 8;             // this thread's two rows
+    const int wm0 = m0 + WM * warp;                           // this warp's first row
     const bool warp_active = wm0 < T;
     const float sl2 = scale * FA_LOG2E;                       // scores in log2 units
 
     cp_async_wait<1>();                                       // Q has landed
     __syncthreads();
-    u32 qf[KT][4];
+    u32 qf[MT][KT][4];
     #pragma unroll
-    for (int kk = 0; kk < KT; kk++) ldsm_a<LDS>(qf[kk], sQ, 16 * warp, kk * 16, lane);
+    for (int mt = 0; mt < MT; mt++)
+        #pragma unroll
+        for (int kk = 0; kk < KT; kk++) ldsm_a<LDS>(qf[mt][kk], sQ, WM * warp + 16 * mt, kk * 16, lane);
 
-    float o[ND][4];
+    // Per m-tile mt, this thread owns rows wm0 + 16*mt + g (r = 0) and + 8 (r = 1).
+    float o[MT][ND][4];
+    float m_run[MT][2], l_run[MT][2];                         // running max (log2 units), sum
     #pragma unroll
-    for (int dt = 0; dt < ND; dt++) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
-    float m_0 = FA_NEG_INF, m_1 = FA_NEG_INF;                 // running max (log2 units)
-    float l_0 = 0.f, l_1 = 0.f;                               // running sum (this thread's columns)
+    for (int mt = 0; mt < MT; mt++) {
+        #pragma unroll
+        for (int dt = 0; dt < ND; dt++) o[mt][dt][0] = o[mt][dt][1] = o[mt][dt][2] = o[mt][dt][3] = 0.f;
+        m_run[mt][0] = m_run[mt][1] = FA_NEG_INF;
+        l_run[mt][0] = l_run[mt][1] = 0.f;
+    }
 
     for (int j = 0; j < n_tiles; j++) {
         const int buf = j & 1;
@@ -88,78 +95,86 @@ __device__ __forceinline__ void flash_forward(bf16* out,          // (B, T, C)
         cp_async_wait<1>();                                   // tile j has landed
         __syncthreads();
         const int n0 = j * BN;
-        if (warp_active && n0 <= wm0 + 15) {                  // some key of the tile <= some row of the warp
+        if (warp_active && n0 <= wm0 + WM - 1) {              // some key of the tile <= some row of the warp
             const bf16* k_s = sK + buf * BN * LDS;
             const bf16* v_s = sV + buf * BN * LDS;
-            float s[NS][4];
+            float s[MT][NS][4];
             #pragma unroll
-            for (int nt = 0; nt < NS; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            for (int mt = 0; mt < MT; mt++)
+                #pragma unroll
+                for (int nt = 0; nt < NS; nt++) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
             #pragma unroll
             for (int kk = 0; kk < KT; kk++) {
                 #pragma unroll
                 for (int np = 0; np < NS / 2; np++) {
                     u32 kb[4];
                     ldsm_b<LDS>(kb, k_s, np * 16, kk * 16, lane);
-                    mma_bf16(s[2 * np], qf[kk], kb[0], kb[1]);
-                    mma_bf16(s[2 * np + 1], qf[kk], kb[2], kb[3]);
+                    #pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        mma_bf16(s[mt][2 * np], qf[mt][kk], kb[0], kb[1]);
+                        mma_bf16(s[mt][2 * np + 1], qf[mt][kk], kb[2], kb[3]);
+                    }
                 }
             }
             if (n0 + BN - 1 > wm0) {                          // the tile crosses the diagonal: mask j > i
                 #pragma unroll
-                for (int nt = 0; nt < NS; nt++) {
+                for (int mt = 0; mt < MT; mt++) {
+                    const int row0 = wm0 + 16 * mt + g, row1 = row0 + 8;
                     #pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const int key = n0 + nt * 8 + 2 * t4 + e;
-                        if (key > row0) s[nt][e] = FA_NEG_INF;
-                        if (key > row1) s[nt][2 + e] = FA_NEG_INF;
+                    for (int nt = 0; nt < NS; nt++) {
+                        #pragma unroll
+                        for (int e = 0; e < 2; e++) {
+                            const int key = n0 + nt * 8 + 2 * t4 + e;
+                            if (key > row0) s[mt][nt][e] = FA_NEG_INF;
+                            if (key > row1) s[mt][nt][2 + e] = FA_NEG_INF;
+                        }
                     }
                 }
             }
-            // Online softmax. A row's 16 x BN scores live in the 4 lanes of a quad.
-            float mx0 = FA_NEG_INF, mx1 = FA_NEG_INF;
+            // Online softmax. A row's scores live in the 4 lanes of a quad.
             #pragma unroll
-            for (int nt = 0; nt < NS; nt++) {
-                mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
-                mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+            for (int mt = 0; mt < MT; mt++) {
+                #pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    float mx = FA_NEG_INF;
+                    #pragma unroll
+                    for (int nt = 0; nt < NS; nt++) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    const float mn = fmaxf(m_run[mt][r], mx * sl2);
+                    const float ref = mn == FA_NEG_INF ? 0.f : mn;   // all masked so far: avoid -inf - -inf
+                    const float alpha = fast_exp2(m_run[mt][r] - ref);
+                    m_run[mt][r] = mn;
+                    float rs = 0.f;
+                    #pragma unroll
+                    for (int nt = 0; nt < NS; nt++) {
+                        s[mt][nt][2 * r] = fast_exp2(fmaf(s[mt][nt][2 * r], sl2, -ref));
+                        s[mt][nt][2 * r + 1] = fast_exp2(fmaf(s[mt][nt][2 * r + 1], sl2, -ref));
+                        rs += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
+                    }
+                    l_run[mt][r] = l_run[mt][r] * alpha + rs;
+                    #pragma unroll
+                    for (int dt = 0; dt < ND; dt++) {
+                        o[mt][dt][2 * r] *= alpha;
+                        o[mt][dt][2 * r + 1] *= alpha;
+                    }
+                }
             }
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-            const float mn0 = fmaxf(m_0, mx0 * sl2), mn1 = fmaxf(m_1, mx1 * sl2);
-            const float ref0 = mn0 == FA_NEG_INF ? 0.f : mn0;   // all masked so far: avoid -inf - -inf
-            const float ref1 = mn1 == FA_NEG_INF ? 0.f : mn1;
-            const float al0 = fast_exp2(m_0 - ref0), al1 = fast_exp2(m_1 - ref1);
-            m_0 = mn0;
-            m_1 = mn1;
-            float rs0 = 0.f, rs1 = 0.f;
-            #pragma unroll
-            for (int nt = 0; nt < NS; nt++) {
-                s[nt][0] = fast_exp2(fmaf(s[nt][0], sl2, -ref0));
-                s[nt][1] = fast_exp2(fmaf(s[nt][1], sl2, -ref0));
-                s[nt][2] = fast_exp2(fmaf(s[nt][2], sl2, -ref1));
-                s[nt][3] = fast_exp2(fmaf(s[nt][3], sl2, -ref1));
-                rs0 += s[nt][0] + s[nt][1];
-                rs1 += s[nt][2] + s[nt][3];
-            }
-            l_0 = l_0 * al0 + rs0;
-            l_1 = l_1 * al1 + rs1;
-            #pragma unroll
-            for (int dt = 0; dt < ND; dt++) {
-                o[dt][0] *= al0; o[dt][1] *= al0;
-                o[dt][2] *= al1; o[dt][3] *= al1;
-            }
-            // O += P V: P (16 x BN) from registers, V (BN x HD) via ldmatrix.trans.
+            // O += P V: P (WM x BN) from registers, V (BN x HD) via ldmatrix.trans.
             #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++) {
-                u32 pa[4];
-                frag_a_from_acc(pa, s[2 * kk], s[2 * kk + 1]);
+                u32 pa[MT][4];
+                #pragma unroll
+                for (int mt = 0; mt < MT; mt++) frag_a_from_acc(pa[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
                 #pragma unroll
                 for (int dp = 0; dp < HD / 16; dp++) {
                     u32 vb[4];
                     ldsm_b_trans<LDS>(vb, v_s, kk * 16, dp * 16, lane);
-                    mma_bf16(o[2 * dp], pa, vb[0], vb[1]);
-                    mma_bf16(o[2 * dp + 1], pa, vb[2], vb[3]);
+                    #pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        mma_bf16(o[mt][2 * dp], pa[mt], vb[0], vb[1]);
+                        mma_bf16(o[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+                    }
                 }
             }
         }
@@ -167,37 +182,43 @@ __device__ __forceinline__ void flash_forward(bf16* out,          // (B, T, C)
     }
 
     // Epilogue: full row sums across the quad, normalise, stage O in this warp's
-    // own 16 rows of sQ (no other warp reads them), then coalesced 16-byte stores.
-    l_0 += __shfl_xor_sync(0xffffffffu, l_0, 1);
-    l_0 += __shfl_xor_sync(0xffffffffu, l_0, 2);
-    l_1 += __shfl_xor_sync(0xffffffffu, l_1, 1);
-    l_1 += __shfl_xor_sync(0xffffffffu, l_1, 2);
-    const float inv0 = l_0 > 0.f ? 1.f / l_0 : 0.f;
-    const float inv1 = l_1 > 0.f ? 1.f / l_1 : 0.f;
-    if (t4 == 0) {
-        if (row0 < T) lse[(size_t)bh * T + row0] = (m_0 + log2f(l_0)) * FA_LN2;
-        if (row1 < T) lse[(size_t)bh * T + row1] = (m_1 + log2f(l_1)) * FA_LN2;
+    // own rows of sQ (no other warp reads them), then coalesced 16-byte stores.
+    #pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        float inv[2];
+        #pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float l = l_run[mt][r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            inv[r] = l > 0.f ? 1.f / l : 0.f;
+            const int row = wm0 + 16 * mt + g + 8 * r;
+            if (t4 == 0 && row < T) lse[(size_t)bh * T + row] = (m_run[mt][r] + log2f(l)) * FA_LN2;
+        }
+        bf16* so = sQ + (WM * warp + 16 * mt) * LDS;
+        stage_acc_bf16<HD, LDS>(so, o[mt], inv[0], inv[1], lane);
+        __syncwarp();
+        store_rows16<HD, LDS>(out + (size_t)b * T * C + h * HD, so, wm0 + 16 * mt, T, C, lane);
     }
-    bf16* so = sQ + 16 * warp * LDS;
-    stage_acc_bf16<HD, LDS>(so, o, inv0, inv1, lane);
-    __syncwarp();
-    store_rows16<HD, LDS>(out + (size_t)b * T * C + h * HD, so, wm0, T, C, lane);
 }
 
-// Configurations: (HD, warps per block, keys per KV tile); kernel names carry them
-// (..._hd64_w8_n64_bf16). gpucore/ops/attention.py lists the same in FWD_CONFIGS, the
-// first of each HD being the default; `gpucore bench attention --opt sweep=1` times all.
-// Dynamic shared memory = (16 * NWARPS + 4 * BN) * (HD + 8) * 2 bytes.
-#define FLASH_FWD(HD, NWARPS, BN)                                                               \
+// Configurations: (HD, warps per block, m16 tiles per warp, keys per KV tile); kernel
+// names carry them (..._hd64_w8_mt1_n64_bf16). gpucore/ops/attention.py lists the same in
+// FWD_CONFIGS, the first of each HD being the default; `gpucore bench attention --opt
+// sweep=1` times all. MT = 2 (FlashAttention-2's hd 64 choice: 4 warps x 32 rows) reuses
+// every K/V fragment read from smem for two mma, halving smem traffic per mma.
+// Dynamic shared memory = (16 * MT * NWARPS + 4 * BN) * (HD + 8) * 2 bytes.
+#define FLASH_FWD(HD, NWARPS, MT, BN)                                                           \
     extern "C" __global__ void __launch_bounds__(32 * NWARPS)                                   \
-    attention_forward_kernel_v2_hd##HD##_w##NWARPS##_n##BN##_bf16(                              \
+    attention_forward_kernel_v2_hd##HD##_w##NWARPS##_mt##MT##_n##BN##_bf16(                     \
             bf16* out, float* lse, const bf16* qkv, int T, int NH, float scale) {               \
-        flash_forward<HD, NWARPS, BN>(out, lse, qkv, T, NH, scale);                             \
+        flash_forward<HD, NWARPS, MT, BN>(out, lse, qkv, T, NH, scale);                         \
     }
 
-FLASH_FWD(64, 8, 64)
-FLASH_FWD(64, 4, 64)
-FLASH_FWD(64, 8, 128)
-FLASH_FWD(128, 8, 64)
-FLASH_FWD(128, 4, 64)
-FLASH_FWD(128, 8, 32)
+FLASH_FWD(64, 8, 1, 64)
+FLASH_FWD(64, 4, 2, 64)
+FLASH_FWD(64, 4, 1, 64)
+FLASH_FWD(64, 8, 1, 128)
+FLASH_FWD(128, 8, 1, 64)
+FLASH_FWD(128, 4, 1, 64)
+FLASH_FWD(128, 8, 1, 32)

@@ -174,9 +174,9 @@ def test_python_tables_match_kernel_instantiations():
     assert {hd for (hd,) in _instantiations(bwd, "FLASH_BWD_PRE")} == set(attn.FWD_CONFIGS)
     assert set(attn.DKDV_CONFIGS) == set(attn.DQ_CONFIGS) == set(attn.FWD_CONFIGS)
     for hd, cfgs in attn.FWD_CONFIGS.items():
-        for w, bn in cfgs:
-            assert attn._fwd_smem(hd, w, bn) <= 163 * 1024      # fits sm_80 too
-            assert (16 * w * hd // 8) % (32 * w) == 0 and (bn * hd // 8) % (32 * w) == 0
+        for w, mt, bn in cfgs:
+            assert attn._fwd_smem(hd, w, mt, bn) <= 163 * 1024      # fits sm_80 too
+            assert (16 * mt * w * hd // 8) % (32 * w) == 0 and (bn * hd // 8) % (32 * w) == 0
     for hd in attn.DKDV_CONFIGS:
         for w, bm in attn.DKDV_CONFIGS[hd]:
             assert attn._dkdv_smem(hd, w, bm) <= 163 * 1024 and (bm * hd // 8) % (32 * w) == 0
@@ -199,7 +199,8 @@ def test_attention_kernels_compile_without_spills():
     assert not [r for r in rows if not r["ok"]]
     names = {r["kernel"] for r in rows}
     for hd in attn.FWD_CONFIGS:
-        assert {f"attention_forward_kernel_v2_hd{hd}_w{w}_n{n}_bf16" for w, n in attn.FWD_CONFIGS[hd]} <= names
+        assert {f"attention_forward_kernel_v2_hd{hd}_w{w}_mt{mt}_n{n}_bf16"
+                for w, mt, n in attn.FWD_CONFIGS[hd]} <= names
         assert {f"attention_backward_dkdv_kernel_v2_hd{hd}_w{w}_m{m}_bf16" for w, m in attn.DKDV_CONFIGS[hd]} <= names
         assert {f"attention_backward_dq_kernel_v2_hd{hd}_w{w}_n{n}_bf16" for w, n in attn.DQ_CONFIGS[hd]} <= names
         assert f"attention_backward_preprocess_kernel_v2_hd{hd}_bf16" in names
@@ -300,7 +301,7 @@ FLASH_VARIANTS = ([("fwd", hd, c) for hd, cs in attn.FWD_CONFIGS.items() for c i
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", FLASH_VARIANTS, ids=lambda v: f"{v[0]}-hd{v[1]}-w{v[2][0]}-{v[2][1]}")
+@pytest.mark.parametrize("variant", FLASH_VARIANTS, ids=lambda v: f"{v[0]}-hd{v[1]}-" + "-".join(map(str, v[2])))
 def test_gpu_flash_tile_variants(rng, variant):
     """The non-default tile configurations (timed by `bench attention --opt sweep=1`) are correct too."""
     cp = runtime.cupy

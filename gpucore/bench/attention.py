@@ -103,7 +103,7 @@ def _sweep(qkv, dout, out, lse, dqkv, NH, hd, flops_f, flops_b):
     rows = []
     for cfg in attn.FWD_CONFIGS[hd]:
         ms = time_ms(lambda: attn._forward_v2(qkv, NH, out, lse, cfg=cfg))
-        rows.append(Result(f"  v2 forward warps={cfg[0]} BN={cfg[1]}", ms, flops=flops_f,
+        rows.append(Result(f"  v2 forward warps={cfg[0]} rows/warp={16 * cfg[1]} BN={cfg[2]}", ms, flops=flops_f,
                            ref_tflops=FWD_TARGET_TFLOPS, target=1.0))
     for kind, table in (("dkdv", attn.DKDV_CONFIGS), ("dq", attn.DQ_CONFIGS)):
         for cfg in table[hd]:

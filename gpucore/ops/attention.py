@@ -43,8 +43,10 @@ VERSIONS = (1, 2)
 # Flash kernel configurations; must match the FLASH_FWD / FLASH_BWD_DKDV / FLASH_BWD_DQ
 # instantiations (tests/test_attention.py checks). The first entry per head dim is the
 # default; the others are there for `gpucore bench attention --opt sweep=1`.
-# forward: head dim -> [(warps per block, keys per KV tile)]; Q tile = 16 * warps rows
-FWD_CONFIGS = {64: [(8, 64), (4, 64), (8, 128)], 128: [(8, 64), (4, 64), (8, 32)]}
+# forward: head dim -> [(warps per block, m16 tiles per warp, keys per KV tile)];
+#   Q tile = 16 * tiles * warps rows
+FWD_CONFIGS = {64: [(8, 1, 64), (4, 2, 64), (4, 1, 64), (8, 1, 128)],
+               128: [(8, 1, 64), (4, 1, 64), (8, 1, 32)]}
 # backward dK/dV pass: head dim -> [(warps, Q-tile rows)]; KV tile = 16 * warps keys
 DKDV_CONFIGS = {64: [(4, 64), (8, 64), (4, 32)], 128: [(4, 32), (8, 32)]}
 # backward dQ pass: head dim -> [(warps, keys per KV tile)]; Q tile = 16 * warps rows
@@ -54,8 +56,8 @@ V1_SOFTMAX_BLOCK = 256     # 8 warps = 8 rows per block
 V1_PERMUTE_BLOCK = 256
 
 
-def _fwd_smem(hd, warps, bn):
-    return (16 * warps + 4 * bn) * (hd + 8) * 2
+def _fwd_smem(hd, warps, mt, bn):
+    return (16 * mt * warps + 4 * bn) * (hd + 8) * 2
 
 
 def _dkdv_smem(hd, warps, bm):
@@ -244,11 +246,11 @@ def _backward_v1(dout, qkv, NH, dqkv, causal=True):
 def _forward_v2(qkv, NH, out, lse, cfg=None):
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
-    warps, bn = cfg or FWD_CONFIGS[hd][0]
-    k = runtime.get_kernel("flash_attention", f"attention_forward_kernel_v2_hd{hd}_w{warps}_n{bn}_bf16")
-    runtime.launch(k, (B * NH, -(-T // (16 * warps))), 32 * warps,
+    warps, mt, bn = cfg or FWD_CONFIGS[hd][0]
+    k = runtime.get_kernel("flash_attention", f"attention_forward_kernel_v2_hd{hd}_w{warps}_mt{mt}_n{bn}_bf16")
+    runtime.launch(k, (B * NH, -(-T // (16 * mt * warps))), 32 * warps,
                    (out, lse, qkv, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd))),
-                   shared_mem=_fwd_smem(hd, warps, bn))
+                   shared_mem=_fwd_smem(hd, warps, mt, bn))
 
 
 def _backward_v2(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None):
