@@ -2,12 +2,13 @@
  * matmul.cu -- the small kernels around the cuBLAS matmuls of the training path.
  *
  * The GEMMs themselves are cuBLAS (gpucore/ops/matmul.py); the GEMM ladder we
- * write ourselves lives in gemm_simt.cu (v1-v3) and gemm_tc.cu (v4).
+ * write ourselves lives in gemm_simt.cu (v1-v3), gemm_tc.cu (v4) and
+ * gemm_tc2.cu (v4b, v4c).
  *
  * Linear layer:  out (N, M) = x (N, K) @ weight (M, K)^T + bias (M,)
  *   d x      = dout @ weight                      [=]   (cuBLAS)
  *   d weight += dout^T @ x                        [+=]  (cuBLAS, beta = 1)
- *   d bias   += sum over rows of dout             [+=]  (here)
+ *   d bias   += sum over rows of dout             [+=]  (cuBLASLt epilogue + here)
  *
  * matmul_bias_fill_kernel_*: out[r, c] = bias[c], so that the GEMM that
  *   follows with beta = 1 adds x @ W^T on top (the bias lands in cuBLAS'
@@ -21,6 +22,13 @@
  *   per column adds the chunks in order 0..chunks-1 and does dbias += sum.
  *   The chunk count depends only on N (the Python side picks it), so the
  *   same input gives the same bits. Accumulation is float32 throughout.
+ *   Used when cuBLASLt cannot fuse the bias gradient (see below).
+ *
+ * matmul_bias_accumulate_kernel_<dbias>_<scratch>: dbias += scratch. The
+ *   training path's usual dbias: cuBLASLt's BGRADB epilogue computes the
+ *   column sums of dout inside the dW GEMM (which reads dout anyway) but
+ *   writes them, and the gradient rule is +=, so they land in a scratch
+ *   vector that this one-pass kernel adds.
  */
 #include "common.cuh"
 
@@ -127,3 +135,18 @@ BIAS_BWD1(bf16, bf16)
     }
 BIAS_BWD2(float, f32)
 BIAS_BWD2(bf16, bf16)
+
+// dbias (M,) += scratch (M,), one thread per element.
+template <typename Tout, typename Ts>
+__device__ void bias_accumulate(Tout* dbias, const Ts* scratch, int M) {   // (M,) (M,)
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < M) dbias[i] = from_float<Tout>(to_float(dbias[i]) + to_float(scratch[i]));
+}
+
+#define BIAS_ACC(Tout, Ts, SUF)                                                                   \
+    extern "C" __global__ void matmul_bias_accumulate_kernel_##SUF(Tout* dbias, const Ts* scratch, int M) { \
+        bias_accumulate<Tout, Ts>(dbias, scratch, M);                                             \
+    }
+BIAS_ACC(float, float, f32_f32)
+BIAS_ACC(bf16, float, bf16_f32)
+BIAS_ACC(bf16, bf16, bf16_bf16)

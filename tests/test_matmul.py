@@ -104,6 +104,33 @@ def test_gemm_reference(rng):
     np.testing.assert_array_equal(gpucore.gemm(a, b), (a.astype(np.float64) @ b).astype(np.float32))
 
 
+def test_gemm_default_bf16_is_a_tensor_core_version():
+    assert mm.GEMM_DEFAULT_BF16 in mm.TC_VERSIONS
+    for v in mm.TC_VERSIONS:
+        family, dt, (BM, BN), threads, smem = mm.GEMM_VERSIONS[v]
+        assert dt == BF16 and smem <= 227 * 1024 and threads % 32 == 0, v
+
+
+def test_lt_pick_keeps_the_heuristic_first_choice_unless_clearly_faster():
+    assert mm._pick([1.0, 0.99, 1.2], margin=0.02) == 0        # 1% faster: not worth a different algorithm
+    assert mm._pick([1.0, 0.97, 0.95], margin=0.02) == 2       # the fastest, when clearly faster
+    assert mm._pick([1.0, 0.90, 0.90], margin=0.02) == 1       # ties: the earlier candidate
+    assert mm._pick([0.5], margin=0.02) == 0
+
+
+def test_lt_tune_cache_roundtrip(tmp_path, monkeypatch):
+    """Choices persist across processes (the next process reads the file) and merge with other writers."""
+    path = tmp_path / "sub" / "algos.json"
+    monkeypatch.setattr(mm, "LT_TUNE_CACHE", path)
+    monkeypatch.setattr(mm, "_TUNE_CACHE", None)
+    mm._tune_cache_put("gpu|key1", "ab" * 64)
+    path.write_text(path.read_text().replace("}", ', "gpu|other": "gemmex"}'))   # another process's entry
+    mm._tune_cache_put("gpu|key2", mm.GEMMEX)
+    monkeypatch.setattr(mm, "_TUNE_CACHE", None)                 # a fresh process
+    cache = mm._tune_cache()
+    assert cache == {"gpu|key1": "ab" * 64, "gpu|key2": "gemmex", "gpu|other": "gemmex"}
+
+
 def test_matmul_bad_input(rng):
     f = np.float32
     a, b = _rand(rng, (2, 3, 4), f), _rand(rng, (2, 4, 5), f)
@@ -336,12 +363,140 @@ def test_gpu_matmul_runs_on_current_stream(rng, gemm_path):
     _check_close(res, mm.matmul_forward_reference(x, w, b, np.float64), BF16, "on a side stream")
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("in_dt,grad_dt", [(BF16, BF16), (BF16, np.float32), (np.float32, np.float32)])
+@pytest.mark.parametrize("N,K,M", [(257, 96, 136), (1000, 768, 2304), (16384, 768, 768)])
+def test_gpu_matmul_backward_fused_dbias(rng, monkeypatch, in_dt, grad_dt, N, K, M):
+    """dbias from the dW GEMM's cuBLASLt BGRADB epilogue: taken for the bf16 layouts of training,
+    right (dW and dbias), += kept, bitwise repeatable (the reduction order must not vary)."""
+    cp = runtime.cupy
+    monkeypatch.setattr(mm, "USE_CUBLASLT", True)
+    monkeypatch.setattr(mm, "LT_BGRAD", True)
+    dout, x = _rand(rng, (N, M), in_dt), _rand(rng, (N, K), in_dt)
+    dw0, db0 = _rand(rng, (M, K), grad_dt), _rand(rng, (M,), grad_dt)
+    g_dout, g_x = cp.asarray(dout), cp.asarray(x)
+    dw, db = cp.asarray(dw0), cp.asarray(db0)
+    scratch = mm._dweight_dbias_fused(db, g_dout, g_x, dw, M, K, N, 1.0)
+    if in_dt == BF16:
+        assert scratch is not None, f"cuBLASLt has no BGRADB algorithm for bf16 in, {np.dtype(grad_dt)} grads " \
+                                    f"(LT_STATUS: {mm.LT_STATUS}); the dbias kernel would run instead"
+    elif scratch is None:
+        pytest.skip("no float32 BGRADB algorithm in this cuBLASLt: the dbias kernel covers it")
+    d64 = dout.astype(np.float64)
+    _check_close(dw, dw0.astype(np.float64) + d64.T @ x.astype(np.float64), grad_dt, f"dweight += ({scratch} scratch)")
+    _check_close(db, db0.astype(np.float64) + d64.sum(0), grad_dt, f"dbias += ({scratch} scratch)")
+    # bitwise repeatable, twice from the same state
+    outs = []
+    for _ in range(2):
+        dw2, db2 = cp.asarray(dw0), cp.asarray(db0)
+        assert mm._dweight_dbias_fused(db2, g_dout, g_x, dw2, M, K, N, 1.0) == scratch
+        outs.append((to_cpu(dw2).tobytes(), to_cpu(db2).tobytes()))
+    assert outs[0][0] == outs[1][0], "dweight (BGRADB GEMM) not deterministic"
+    assert outs[0][1] == outs[1][1], "dbias from the BGRADB epilogue not deterministic"
+    # and through the public API: same bits as the direct call
+    w = cp.asarray(_rand(rng, (M, K), in_dt))
+    dw3, db3 = cp.asarray(dw0), cp.asarray(db0)
+    gpucore.matmul_backward(g_dout, g_x, w, dweight=dw3, dbias=db3, need_dx=False)
+    assert to_cpu(db3).tobytes() == outs[0][1] and to_cpu(dw3).tobytes() == outs[0][0]
+
+
+def _fresh_lt(monkeypatch, tmp_path):
+    """cuBLASLt on, timing race on for every size, an empty plan cache and a private tune cache."""
+    monkeypatch.setattr(mm, "USE_CUBLASLT", True)
+    monkeypatch.setattr(mm, "LT_AUTOTUNE", True)
+    monkeypatch.setattr(mm, "LT_BGRAD", True)
+    monkeypatch.setattr(mm, "LT_AUTOTUNE_MIN_FLOPS", 0)
+    monkeypatch.setattr(mm, "LT_TUNE_CACHE", tmp_path / "algos.json")
+    monkeypatch.setattr(mm, "_TUNE_CACHE", None)
+    lt = mm._lt()
+    assert lt is not None, mm.LT_STATUS
+    monkeypatch.setattr(lt, "plans", {})
+    return lt
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["forward", "forward_bias", "dweight_dbias"])
+def test_gpu_lt_every_candidate_algorithm(rng, monkeypatch, tmp_path, case):
+    """The timing race runs, remembers its winner on disk, and every algorithm it may pick
+    (each heuristic candidate, and gemmEx for epilogue-free GEMMs) is forced in turn and checked."""
+    cp = runtime.cupy
+    lt = _fresh_lt(monkeypatch, tmp_path)
+    N, K, M = 300, 256, 136
+    x, w, b = _rand(rng, (N, K), BF16), _rand(rng, (M, K), BF16, 0.05), _rand(rng, (M,), BF16)
+    dout = _rand(rng, (N, M), BF16)
+    gx, gw, gb, gd = (cp.asarray(a) for a in (x, w, b, dout))
+    x64, d64 = x.astype(np.float64), dout.astype(np.float64)
+
+    def run_and_check(label):
+        if case == "dweight_dbias":
+            dw, db = poison((M, K), np.float32), cp.zeros(M, np.float32)
+            assert mm._dweight_dbias_fused(db, gd, gx, dw, M, K, N, 0.0) is not None, "no BGRADB plan"
+            _check_close(dw, d64.T @ x64, np.float32, f"dweight, {label}", tol=1e-5)
+            _check_close(db, d64.sum(0), np.float32, f"dbias, {label}", tol=1e-5)
+        else:
+            bias = gb if case == "forward_bias" else None
+            out = poison((N, M), BF16)
+            gpucore.matmul_forward(gx, gw, bias, out=out)
+            _check_close(out, mm.matmul_forward_reference(x, w, b if bias is not None else None, np.float64),
+                         BF16, f"matmul_forward, {label}")
+
+    run_and_check("after the race")
+    plans = [p for p in lt.plans.values() if p is not None]
+    assert len(plans) == 1, f"expected one plan, got {len(plans)}"
+    plan = plans[0]
+    assert plan.choice is not None
+    raced = len(plan.candidates) > 1 or case == "forward"       # gemmEx races epilogue-free GEMMs
+    if raced:
+        assert plan.times is not None and len(plan.times) == len(plan.candidates) + (case == "forward")
+        assert len(mm._tune_cache()) == 1 and (tmp_path / "algos.json").is_file()
+    choices = list(plan.candidates) + ([mm.GEMMEX] if case == "forward" else [])
+    for c in choices:
+        plan.choice = c
+        run_and_check(f"algorithm {c} of {choices}")
+    # A new process (empty plan and tune caches in memory) reads the winner from disk, times nothing.
+    if raced:
+        winner = mm._tune_cache()
+        monkeypatch.setattr(lt, "plans", {})
+        monkeypatch.setattr(mm, "_TUNE_CACHE", None)
+        run_and_check("choice read from disk")
+        plan2 = [p for p in lt.plans.values() if p is not None][0]
+        assert plan2.times is None, "timed again instead of reading the tune cache"
+        saved = list(winner.values())[0]
+        assert (plan2.choice == mm.GEMMEX) if saved == mm.GEMMEX else (plan2.algo_hex(plan2.choice) == saved)
+
+
+@pytest.mark.cuda
+def test_gpu_lt_no_timing_during_graph_capture(rng, monkeypatch, tmp_path):
+    """A plan first seen inside a CUDA-graph capture runs the heuristic's first choice untimed
+    (events and synchronisation are illegal there) and is timed on the first call outside."""
+    cp = runtime.cupy
+    lt = _fresh_lt(monkeypatch, tmp_path)
+    x, w = cp.asarray(_rand(rng, (256, 128), BF16)), cp.asarray(_rand(rng, (192, 128), BF16))
+    b = cp.asarray(_rand(rng, (192,), BF16))
+    out = cp.empty((256, 192), BF16)
+    lt.device_state()                                   # handle + workspace exist before the capture
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        gpucore.matmul_forward(x, w, b, out=out)      # bias: an Lt-only GEMM, capturable
+        graph = s.end_capture()
+        graph.launch(stream=s)
+        s.synchronize()
+    plan = [p for p in lt.plans.values() if p is not None][0]
+    assert plan.times is None
+    _check_close(out, mm.matmul_forward_reference(to_cpu(x), to_cpu(w), to_cpu(b), np.float64), BF16, "captured")
+    gpucore.matmul_forward(x, w, b, out=out)
+    assert plan.choice is not None and (plan.times is not None or len(plan.candidates) == 1)
+
+
 # --------------------------------------------------------- the GEMM ladder ---
 
 SIMT_SHAPES = [(1, 1, 1), (7, 5, 3), (33, 17, 65), (128, 128, 128), (129, 257, 131), (300, 64, 1000),
                (512, 1024, 256)]
 TC_SHAPES = [(1, 8, 8), (7, 16, 24), (129, 40, 136), (256, 256, 256), (300, 1000, 520), (128, 8, 128),
-             (1024, 768, 2304)]
+             (1024, 768, 2304),
+             (65, 128, 264),       # K = 2 tiles of 64 = STAGES - 1 of v4b/v4c: the main loop loads nothing
+             (1100, 200, 1288)]    # 9 block-rows: a second, ragged GROUP_M raster group; ragged K, N
 
 
 def _check_gemm(version, a, b, out_dtype):
@@ -360,7 +515,7 @@ def test_gpu_gemm_simt(rng, version, M, K, N):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("version", [4, "4w"])
+@pytest.mark.parametrize("version", [4, "4w", "4b", "4c"])
 @pytest.mark.parametrize("out_dtype", [np.float32, BF16])
 @pytest.mark.parametrize("M,K,N", TC_SHAPES)
 def test_gpu_gemm_tc(rng, version, out_dtype, M, K, N):
@@ -374,12 +529,12 @@ def _assert_exact(out, want, what):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("version", [1, 2, 3, 4, "4w"])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, "4w", "4b", "4c"])
 def test_gpu_gemm_structured(version):
     """Identity-like and index-coded inputs (small integers: exact in bf16 and fp32),
     so a wrong fragment, swizzle or tile offset shows up as a named (row, col)."""
     cp = runtime.cupy
-    dt = BF16 if version in (4, "4w") else np.float32
+    dt = BF16 if version in mm.TC_VERSIONS else np.float32
     M, K, N = 200, 136, 264          # several tiles, ragged in M (and K, N for the 128-wide tiles)
     rows, cols = np.arange(M), np.arange(N)
 

@@ -8,14 +8,20 @@ fcproj 65536x3072x768, lm_head 65536x768x50304 (the attention projection
 Rows printed (--version all, the default):
   cublas gemmEx bf16 NT        raw cuBLAS on the forward's layout x @ W^T: the reference
   matmul_forward (+bias / -)   our training path vs that reference      target 95%
-                               (path=cublasLt: bias fused in the epilogue; also shown:
-                               the gemmEx fallback, bias-fill kernel + GEMM with beta=1)
+                               (path=cublasLt: bias fused in the epilogue, algorithm chosen
+                               by a one-time timing race, algo= says which won; also shown:
+                               the heuristic's first choice untimed, and the gemmEx fallback,
+                               bias-fill kernel + GEMM with beta=1)
   matmul_backward (dx+dW [+db]) vs raw cuBLAS dx and dW GEMMs          target 95%
+                               (+dbias: the bias gradient from the dW GEMM's BGRADB epilogue,
+                               dbias= says with which scratch; also shown: the separate dbias
+                               kernel, and the model's layout with bf16 dW / dbias)
   gemm v1..v3 fp32             vs cuBLAS fp32 (SGEMM, no TF32) at 4096^3; v3 must reach
                                15 TFLOP/s, so its target is 15 / cuBLAS-fp32 TFLOP/s
-  gemm v4 / v4w bf16           vs cuBLAS bf16 on the same NN layout    target 50% (4096^3)
-                               (v4w: the 128x256-tile, 64x64-warp variant of v4)
-Options: --version all|train|1|2|3|4|4w (comma lists work), --opt shapes=MxKxN,...
+  gemm v4 / v4w / v4b / v4c    vs cuBLAS bf16 on the same NN layout    target 50% (4096^3)
+                               (v4w: the 128x256-tile, 64x64-warp variant of v4; v4b, v4c:
+                               gemm_tc2.cu, 64x64 warps with register-double-buffered fragments)
+Options: --version all|train|1|2|3|4|4w|4b|4c (comma lists work), --opt shapes=MxKxN,...
 v1/v2 run at 4096^3 only (at the GPT-2 shapes they take seconds per call).
 """
 from __future__ import annotations
@@ -45,11 +51,11 @@ def _parse_shapes(shapes):
 
 def _parse_versions(version):
     if version in (None, "all"):
-        return ["train", 1, 2, 3, 4, "4w"]
+        return ["train", 1, 2, 3, 4, "4w", "4b", "4c"]
     out = []
     for v in str(version).split(","):
         v = v.strip()
-        out.append(v if v in ("train", "4w") else int(v))
+        out.append(int(v) if v.isdigit() else v)
     return out
 
 
@@ -60,6 +66,22 @@ def _flops(M, K, N):
 def _free():
     import cupy
     cupy.get_default_memory_pool().free_all_blocks()
+
+
+def _lt_choice(mm, M, K, N):
+    """Which algorithm the timing race picked for the no-bias forward GEMM x (M, K) @ W (N, K)^T."""
+    lt = mm._lt()
+    if lt is None:
+        return "-"
+    for key, plan in lt.plans.items():
+        # key = (dev, op_a, op_b, M, N, K, ..., epilogue (11), ..., beta != 0 (last)); forward: op_b = T
+        if plan is None or key[1:6] != (0, 1, M, N, K) or key[11] != mm._LT_EPILOGUE_DEFAULT or key[-1]:
+            continue
+        c = plan.choice
+        if c is None:
+            return "untuned"
+        return "gemmEx" if c == mm.GEMMEX else f"lt#{plan.candidates.index(c) + 1}/{len(plan.candidates)}"
+    return "?"
 
 
 def _bench_train(M, K, N, with_bias):
@@ -77,8 +99,19 @@ def _bench_train(M, K, N, with_bias):
     rows.append(raw)
     ms = time_ms(lambda: gpucore.matmul_forward(x, w, b, out=out))
     path = "cublasLt" if mm._lt() is not None else f"gemmEx ({mm.LT_STATUS})"
+    extra = {"path": path}
+    if not with_bias:
+        extra["algo"] = _lt_choice(mm, M, K, N)
     rows.append(Result(f"matmul_forward {'+bias' if with_bias else 'no bias'} {shape}", ms, flops=fl,
-                       ref_tflops=raw.tflops, target=0.95, extra={"path": path}))
+                       ref_tflops=raw.tflops, target=0.95, extra=extra))
+    if mm._lt() is not None and mm.LT_AUTOTUNE:     # what the timing race gains over the heuristic
+        mm.LT_AUTOTUNE = False
+        try:
+            ms = time_ms(lambda: gpucore.matmul_forward(x, w, b, out=out))
+        finally:
+            mm.LT_AUTOTUNE = True
+        rows.append(Result(f"matmul_forward {'+bias' if with_bias else 'no bias'} {shape} (Lt heuristic #1)",
+                           ms, flops=fl, ref_tflops=raw.tflops))
     if with_bias and mm._lt() is not None:       # what the Lt bias epilogue saves over the fallback
         mm.USE_CUBLASLT = False
         try:
@@ -89,18 +122,34 @@ def _bench_train(M, K, N, with_bias):
                            ref_tflops=raw.tflops))
     # backward: dx (M, K) = dout @ W, dW (N, K) += dout^T @ x, db += colsum(dout)
     dout = out
-    dx, dw = _rand((M, K), "bf16"), _rand((N, K), "float32")
-    db = _rand((N,), "float32") if with_bias else None
-    raw_dx = time_ms(lambda: mm._gemm_rowmajor(dout, w, dx, M, K, N))
-    raw_dw = time_ms(lambda: mm._gemm_rowmajor(dout, x, dw, N, K, M, transpose_a=True, beta=1.0))
-    raw_bwd = Result(f"cublas gemmEx bf16 dx+dW {shape}", raw_dx + raw_dw, flops=2 * fl,
-                     extra={"dx_ms": f"{raw_dx:.3f}", "dW_ms": f"{raw_dw:.3f}"})
-    rows.append(raw_bwd)
-    ms = time_ms(lambda: gpucore.matmul_backward(dout, x, w, dx=dx, dweight=dw, dbias=db,
-                                                 need_dbias=with_bias))
-    rows.append(Result(f"matmul_backward {'+dbias' if with_bias else 'no bias'} {shape}", ms, flops=2 * fl,
-                       ref_tflops=raw_bwd.tflops, target=0.95))
-    del x, w, b, out, dx, dw, db
+    dx = _rand((M, K), "bf16")
+    for gdt in ("float32", "bf16") if with_bias else ("float32",):
+        dw = _rand((N, K), gdt)
+        db = _rand((N,), gdt) if with_bias else None
+        tag = "" if gdt == "float32" else " bf16 grads"
+        raw_dx = time_ms(lambda: mm._gemm_rowmajor(dout, w, dx, M, K, N))
+        raw_dw = time_ms(lambda: mm._gemm_rowmajor(dout, x, dw, N, K, M, transpose_a=True, beta=1.0))
+        raw_bwd = Result(f"cublas gemmEx bf16 dx+dW{tag} {shape}", raw_dx + raw_dw, flops=2 * fl,
+                         extra={"dx_ms": f"{raw_dx:.3f}", "dW_ms": f"{raw_dw:.3f}"})
+        rows.append(raw_bwd)
+        ms = time_ms(lambda: gpucore.matmul_backward(dout, x, w, dx=dx, dweight=dw, dbias=db,
+                                                     need_dbias=with_bias))
+        extra = {}
+        if with_bias:                   # one more call, to learn which dbias path it took
+            scratch = mm._dweight_dbias_fused(db, dout, x, dw, N, K, M, 1.0)
+            extra["dbias"] = f"BGRADB-epilogue,{scratch}-scratch" if scratch else "kernel"
+        rows.append(Result(f"matmul_backward {'+dbias' if with_bias else 'no bias'}{tag} {shape}", ms,
+                           flops=2 * fl, ref_tflops=raw_bwd.tflops, target=0.95, extra=extra))
+        if with_bias and mm._lt() is not None and mm.LT_BGRAD:   # the fused dbias against the dbias kernel
+            mm.LT_BGRAD = False
+            try:
+                ms = time_ms(lambda: gpucore.matmul_backward(dout, x, w, dx=dx, dweight=dw, dbias=db))
+            finally:
+                mm.LT_BGRAD = True
+            rows.append(Result(f"matmul_backward +dbias{tag} {shape} (dbias kernel)", ms, flops=2 * fl,
+                               ref_tflops=raw_bwd.tflops))
+        del dw, db
+    del x, w, b, out, dx
     _free()
     return rows
 
@@ -109,7 +158,7 @@ def _bench_ladder(version, M, K, N, refs):
     """Our gemm vN against cuBLAS on the same (NN) layout and dtype; refs caches cuBLAS timings."""
     import gpucore
     from ..ops import matmul as mm
-    dt = "bf16" if version in (4, "4w") else "float32"
+    dt = "bf16" if version in mm.TC_VERSIONS else "float32"
     a, b = _rand((M, K), dt), _rand((K, N), dt)
     c = _rand((M, N), dt)
     shape = f"{M}x{K}x{N}"
@@ -124,7 +173,7 @@ def _bench_ladder(version, M, K, N, refs):
     reps = 3 if version in (1, 2) else 20
     ms = time_ms(lambda: gpucore.gemm(a, b, out=c, version=version), warmup=1 if reps == 3 else 3, repeat=reps)
     target, extra = None, {}
-    if version in (4, "4w") and (M, K, N) == SQUARE:
+    if version in mm.TC_VERSIONS and (M, K, N) == SQUARE:
         target = 0.5
     if version == 3:
         target = V3_GOAL_TFLOPS / ref.tflops if ref.tflops else None

@@ -3,6 +3,7 @@
 Training path (cuBLASLt when it loads, else cuBLAS `gemmEx`; batched: `gemmStridedBatchedEx`):
   matmul_forward   out (N, M) = x (N, K) @ weight (M, K)^T + bias (M,)
   matmul_backward  dx = dout @ weight [=], dweight += dout^T @ x [+=], dbias += dout.sum(0) [+=]
+                   (dbias comes out of the dW GEMM's epilogue when cuBLASLt can)
   batched_matmul   (Bt, M, N) = alpha * op(a) @ op(b) + beta * out   (attention baseline)
   matmul           numpy-like 2-D / 3-D a @ b
 Our own kernels (kernels_cu/gemm_simt.cu, gemm_tc.cu):
@@ -25,7 +26,19 @@ Fallback (no libcublasLt, GPUCORE_CUBLASLT=0, or a bf16 bias into a float32
 out): a small kernel writes the broadcast bias into `out`, then gemmEx runs
 with beta = 1 -- one pure-write pass over out plus the epilogue's read of it,
 about +30% time at 65536 x 768 x 2304 (tools/notes/matmul.md has the numbers).
-The Lt path also works under CUDA-graph capture; CuPy's cuBLAS wrappers don't.
+The Lt path also works under CUDA-graph capture; CuPy's cuBLAS wrappers don't
+(so a GEMM whose timing race plain gemmEx won -- see the cuBLASLt section --
+is not capturable; GPUCORE_LT_AUTOTUNE=0 or LT_TRY_GEMMEX = False avoids that).
+
+Bias gradient in the backward: fused into the dW GEMM by cuBLASLt's
+CUBLASLT_EPILOGUE_BGRADB (column sums of dout into a float32 scratch vector,
+then a one-pass kernel does dbias += scratch, keeping the += rule); without
+Lt, a deterministic two-stage column-sum kernel reads dout once more.
+
+Algorithms: each cuBLASLt plan times the heuristic's candidates (and gemmEx)
+once, on first use, and remembers the winner on disk, so that every process
+on the same GPU and library runs the same algorithms (bitwise-reproducible
+training runs).
 
 Every argument is validated before any launch. Arrays bigger than 2^31
 elements are allowed on the cuBLAS path (the logits are 65536 x 50304); the
@@ -34,7 +47,10 @@ kernels of matmul.cu index with 64-bit where that matters.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -181,25 +197,66 @@ def _scale_inplace(out, beta):
 
 
 # -------------------------------------------------------------- cuBLASLt ----
-# CuPy binds cuBLAS but not cuBLASLt, whose matmul takes a fused bias epilogue
-# (CUBLASLT_EPILOGUE_BIAS: the bias costs nothing) and, unlike CuPy's cuBLAS
-# wrappers, can be captured into a CUDA graph. We call the handful of functions
-# we need through ctypes from the libcublasLt that CuPy has already loaded.
-# Enum values and the heuristic-result layout are from cublasLt.h (CUDA 12.x;
-# the ABI is unchanged since 11.0). Every plan (descriptors + the heuristic's
-# algorithm) is built once per shape/dtype/alignment and cached; a call then
-# costs two ctypes calls. If the library is missing or a shape has no Lt
-# algorithm, the training path falls back to gemmEx (+ the bias-fill kernel).
-# GPUCORE_CUBLASLT=0 turns the Lt path off.
+# CuPy binds cuBLAS but not cuBLASLt, whose matmul takes fused epilogues
+# (CUBLASLT_EPILOGUE_BIAS: the forward bias costs nothing; CUBLASLT_EPILOGUE_BGRADB:
+# the bias gradient comes out of the dW GEMM, which reads dout anyway) and,
+# unlike CuPy's cuBLAS wrappers, can be captured into a CUDA graph. We call the
+# handful of functions we need through ctypes from the libcublasLt that CuPy has
+# already loaded. Enum values and the heuristic-result layout are from
+# cublasLt.h (CUDA 12.x; the ABI is unchanged since 11.0).
+#
+# Plans: descriptors + up to LT_ALGO_CANDIDATES algorithms from the heuristic,
+# built once per (shape, dtypes, alignments, epilogue) and cached; a call then
+# costs two ctypes calls. The algorithm (autotuning): the heuristic's first
+# choice is not always the fastest (measured: no-bias forward 65536x3072x768,
+# 0.457 ms vs gemmEx 0.428 ms), so on the first call of a plan big enough to
+# matter, every candidate -- and plain gemmEx when there is no epilogue -- is
+# timed a few times on the real operands and the fastest wins (the heuristic's
+# first choice keeps its place unless another is LT_TUNE_MARGIN faster). The
+# choice is stored on disk (LT_TUNE_CACHE, keyed by GPU, cuBLASLt version and
+# plan key) so that the next process runs the *same* algorithms: different
+# algorithms round differently, and two training runs must agree bit for bit.
+# Inside a CUDA-graph capture nothing is timed (the first candidate is used).
+# If the library is missing or a shape has no Lt algorithm, the training path
+# falls back to gemmEx (+ the bias-fill kernel / the dbias kernel).
+# GPUCORE_CUBLASLT=0 turns the Lt path off, GPUCORE_LT_AUTOTUNE=0 the timing,
+# GPUCORE_LT_BGRAD=0 the fused bias gradient.
 
 USE_CUBLASLT = os.environ.get("GPUCORE_CUBLASLT", "1") != "0"
+LT_AUTOTUNE = os.environ.get("GPUCORE_LT_AUTOTUNE", "1") != "0"
+LT_BGRAD = os.environ.get("GPUCORE_LT_BGRAD", "1") != "0"
+LT_TRY_GEMMEX = True                    # gemmEx races the Lt algorithms of epilogue-free GEMMs
+LT_ALGO_CANDIDATES = 8                  # heuristic results requested per plan
+LT_AUTOTUNE_MIN_FLOPS = 2e9             # below: the heuristic's first choice (timing costs more than it saves)
+LT_TUNE_MARGIN = 0.02                   # another algorithm must be 2% faster to replace the first choice
+LT_TUNE_CACHE = runtime.CACHE_DIR / "cublaslt_algos.json"   # next to the compiled kernels
 LT_WORKSPACE_BYTES = 32 << 20           # cuBLAS' recommendation for Hopper
 _LT_DESC_TRANSA, _LT_DESC_TRANSB, _LT_DESC_EPILOGUE, _LT_DESC_BIAS_POINTER = 3, 4, 7, 8
-_LT_EPILOGUE_DEFAULT, _LT_EPILOGUE_BIAS = 1, 4
+_LT_DESC_BIAS_DATA_TYPE = 26
+_LT_EPILOGUE_DEFAULT, _LT_EPILOGUE_BIAS, _LT_EPILOGUE_BGRADB = 1, 4, 512
 _LT_PREF_MAX_WORKSPACE_BYTES = 1
 _LT_PREF_MIN_ALIGNMENT = (5, 6, 7, 8)   # A, B, C, D
 _LT_HEURISTIC_BYTES = 96                # cublasLtMatmulHeuristicResult_t: algo[64] ws(8) state(4) waves(4) int[4]
+_LT_ALGO_BYTES = 64
 _CUBLAS_COMPUTE_32F = 68
+GEMMEX = "gemmex"                       # a plan's choice when plain gemmEx won the race
+
+
+class _Plan:
+    """Descriptors, the heuristic's candidate algorithms and (once decided) the choice."""
+
+    def __init__(self, desc, lay_b, lay_a, lay_c, results, candidates):
+        self.desc, self.lay_b, self.lay_a, self.lay_c = desc, lay_b, lay_a, lay_c
+        self.results = results          # the heuristic-result array (kept alive: algos point into it)
+        self.candidates = candidates    # indices of the usable results, heuristic order
+        self.choice = None              # an index into results, GEMMEX, or None (not decided yet)
+        self.times = None               # ms per candidate (+ gemmEx) when it was timed
+
+    def algo_ptr(self, i):
+        return ctypes.addressof(self.results) + i * _LT_HEURISTIC_BYTES
+
+    def algo_hex(self, i):
+        return bytes(self.results[i * _LT_HEURISTIC_BYTES:i * _LT_HEURISTIC_BYTES + _LT_ALGO_BYTES]).hex()
 
 
 class _CublasLt:
@@ -228,7 +285,9 @@ class _CublasLt:
                 "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp]}.items():
             f = getattr(lib, fname)
             f.argtypes, f.restype = args, i32
+        lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], sz
         self.lib = lib
+        self.version = int(lib.cublasLtGetVersion())
         self.handles, self.workspaces, self.plans = {}, {}, {}
 
     def _ok(self, status, what):
@@ -250,8 +309,8 @@ class _CublasLt:
             self.workspaces[dev] = runtime.cupy.empty(LT_WORKSPACE_BYTES, dtype=np.uint8)
         return dev, self.handles[dev], self.workspaces[dev]
 
-    def plan(self, key, dev, handle, op_b, op_a, N, M, K, ldb, lda, tb, ta, tc, epilogue, bias_ptr, aligns):
-        """(desc, layouts, heuristic buffer) for C^T = op(B)^T op(A)^T, or None if Lt has no algorithm."""
+    def plan(self, key, handle, op_b, op_a, N, M, K, ldb, lda, tb, ta, tc, epilogue, bias_ptr, bias_type, aligns):
+        """The _Plan for C^T = op(B)^T op(A)^T (+ epilogue), or None if Lt has no algorithm."""
         if key in self.plans:
             return self.plans[key]
         lib = self.lib
@@ -259,8 +318,10 @@ class _CublasLt:
         self._set(lib.cublasLtMatmulDescSetAttribute, desc, _LT_DESC_TRANSA, ctypes.c_int32(op_b))
         self._set(lib.cublasLtMatmulDescSetAttribute, desc, _LT_DESC_TRANSB, ctypes.c_int32(op_a))
         self._set(lib.cublasLtMatmulDescSetAttribute, desc, _LT_DESC_EPILOGUE, ctypes.c_uint32(epilogue))
-        if epilogue == _LT_EPILOGUE_BIAS:   # the heuristic reads the pointer's alignment
+        if epilogue != _LT_EPILOGUE_DEFAULT:    # the heuristic reads the pointer's alignment
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, _LT_DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
+        if bias_type is not None:
+            self._set(lib.cublasLtMatmulDescSetAttribute, desc, _LT_DESC_BIAS_DATA_TYPE, ctypes.c_int32(bias_type))
         # Column-major layouts of the stored matrices: (rows, cols, ld) = (row length, row count, row length).
         lay_b = self._create(lib.cublasLtMatrixLayoutCreate, tb, *((N, K) if op_b == 0 else (K, N)), ldb)
         lay_a = self._create(lib.cublasLtMatrixLayoutCreate, ta, *((K, M) if op_a == 0 else (M, K)), lda)
@@ -270,12 +331,20 @@ class _CublasLt:
                   ctypes.c_uint64(LT_WORKSPACE_BYTES))
         for attr, al in zip(_LT_PREF_MIN_ALIGNMENT, aligns):
             self._set(lib.cublasLtMatmulPreferenceSetAttribute, pref, attr, ctypes.c_uint32(al))
-        result = (ctypes.c_ubyte * (4 * _LT_HEURISTIC_BYTES))()    # room to spare for one result
+        n_req = max(1, LT_ALGO_CANDIDATES)
+        results = (ctypes.c_ubyte * (n_req * _LT_HEURISTIC_BYTES))()
         count = ctypes.c_int(0)
-        status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, lay_b, lay_a, lay_c, lay_c, pref, 1,
-                                                    ctypes.addressof(result), ctypes.byref(count))
-        state = int.from_bytes(bytes(result[72:76]), "little", signed=True)
-        plan = (desc, lay_b, lay_a, lay_c, result) if status == 0 and count.value > 0 and state == 0 else None
+        status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, lay_b, lay_a, lay_c, lay_c, pref, n_req,
+                                                    ctypes.addressof(results), ctypes.byref(count))
+        candidates = []
+        if status == 0:
+            for i in range(min(count.value, n_req)):
+                off = i * _LT_HEURISTIC_BYTES
+                state = int.from_bytes(bytes(results[off + 72:off + 76]), "little", signed=True)
+                ws = int.from_bytes(bytes(results[off + 64:off + 72]), "little")
+                if state == 0 and ws <= LT_WORKSPACE_BYTES:
+                    candidates.append(i)
+        plan = _Plan(desc, lay_b, lay_a, lay_c, results, candidates) if candidates else None
         self.plans[key] = plan
         return plan
 
@@ -301,11 +370,131 @@ def _alignment(ptr: int) -> int:
     return min(256, ptr & -ptr) if ptr else 256
 
 
-def _lt_gemm_rowmajor(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0, bias=None):
+# ---- autotuning: pick, time, remember ----
+
+def _pick(times, margin=None):
+    """Index of the candidate to use: the fastest, unless it beats candidate 0 by less than `margin`."""
+    margin = LT_TUNE_MARGIN if margin is None else margin
+    best = min(range(len(times)), key=lambda i: (times[i], i))
+    return best if times[best] < times[0] * (1.0 - margin) else 0
+
+
+_TUNE_CACHE = None
+
+
+def _tune_cache() -> dict:
+    global _TUNE_CACHE
+    if _TUNE_CACHE is None:
+        _TUNE_CACHE = _read_json_dict(Path(LT_TUNE_CACHE))
+    return _TUNE_CACHE
+
+
+def _read_json_dict(path) -> dict:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def _tune_cache_put(key: str, value: str) -> None:
+    """Remember a choice in memory and on disk (merged with what other processes wrote; atomic)."""
+    cache = _tune_cache()
+    cache[key] = value
+    path = Path(LT_TUNE_CACHE)
+    try:
+        merged = _read_json_dict(path)
+        merged.update(cache)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(merged, f, indent=0, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass                            # a read-only cache dir: the choice still holds for this process
+
+
+def _tune_key(lt, key) -> str:
+    """The plan key without the device index, with what makes timings and algorithms differ."""
+    name = runtime.device_properties()["name"]
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    return f"{name}|sm{runtime.sm_count()}|lt{lt.version}|{key[1:]}".replace(" ", "")
+
+
+def _capturing() -> bool:
+    try:
+        return bool(runtime.cupy.cuda.get_current_stream().is_capturing())
+    except Exception:  # noqa: BLE001 - the legacy stream under a global capture raises: treat as capturing
+        return True
+
+
+def _time_each(fns, rounds=3, reps=3):
+    """ms per call of each fn: one warm-up call each, then `rounds` interleaved rounds of `reps`; min.
+    A candidate whose warm-up call raises (an algorithm Lt offered but then refuses) gets inf."""
+    cp = runtime.cupy
+    best = [float("inf")] * len(fns)
+    ok = []
+    for i, fn in enumerate(fns):
+        try:
+            fn()
+            ok.append(i)
+        except RuntimeError:
+            pass
+    for _ in range(rounds):
+        for i in ok:
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            for _ in range(reps):
+                fns[i]()
+            stop.record()
+            stop.synchronize()
+            best[i] = min(best[i], cp.cuda.get_elapsed_time(start, stop) / reps)
+    return best
+
+
+def _choose(lt, plan, key, launch, out, beta, flops, gemmex):
+    """Decide plan.choice (see the section comment). launch(i, c_ptr) runs candidate i into c_ptr;
+    gemmex(c) runs plain gemmEx into array c, or is None when gemmEx is no candidate."""
+    if flops < LT_AUTOTUNE_MIN_FLOPS or (len(plan.candidates) == 1 and gemmex is None):
+        plan.choice = plan.candidates[0]
+        return
+    tkey = _tune_key(lt, key)
+    saved = _tune_cache().get(tkey)
+    if saved == GEMMEX and gemmex is not None:
+        plan.choice = GEMMEX
+        return
+    for i in plan.candidates:
+        if saved == plan.algo_hex(i):
+            plan.choice = i
+            return
+    if _capturing():
+        return                          # undecided: candidate 0 now, timed on a later call outside capture
+    # beta == 0: the output is only written, and the chosen algorithm rewrites it last -> time in place.
+    # beta != 0: out is read (+=); time on a scratch copy of its shape so out is untouched.
+    target = out if beta == 0.0 else runtime.cupy.empty_like(out)
+    fns = [lambda i=i: launch(i, target.data.ptr) for i in plan.candidates]
+    if gemmex is not None:
+        fns.append(lambda: gemmex(target))
+    times = _time_each(fns)
+    best = _pick(times)
+    plan.times = times
+    plan.choice = GEMMEX if best == len(plan.candidates) else plan.candidates[best]
+    _tune_cache_put(tkey, GEMMEX if plan.choice == GEMMEX else plan.algo_hex(plan.choice))
+    del target
+
+
+def _lt_gemm_rowmajor(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0, bias=None,
+                      bgrad=None):
     """Row-major out = alpha * op(a) @ op(b) + beta * out [+ bias over rows] by cublasLtMatmul.
 
-    Returns False (nothing launched) when cuBLASLt is unavailable or has no
-    algorithm for this case; the caller then uses gemmEx.
+    bgrad (instead of bias): a float32 or bf16 (N,) array that receives, for
+    the dW GEMM of a linear layer (a = dout (rows, M') with transpose_a=True,
+    out = dW (M', K')), the column sums of dout: bgrad[j] = sum_r dout[r, j].
+    That is Lt's CUBLASLT_EPILOGUE_BGRADB (Lt computes C^T = op(B)^T op(A)^T
+    with our a as its B); it is written, not added.
+    Returns False (nothing launched) when cuBLASLt is unavailable, has no
+    algorithm for this case, or plain gemmEx won the timing race; the caller
+    then uses gemmEx (or, for bgrad, the dbias kernel).
     """
     lt = _lt()
     if lt is None:
@@ -313,24 +502,45 @@ def _lt_gemm_rowmajor(a, b, out, M, N, K, transpose_a=False, transpose_b=False, 
     dev, handle, ws = lt.device_state()
     op_a, op_b = int(transpose_a), int(transpose_b)          # CUBLAS_OP_N = 0, CUBLAS_OP_T = 1
     ta, tb, tc = _cuda_type(a.dtype), _cuda_type(b.dtype), _cuda_type(out.dtype)
-    epilogue = _LT_EPILOGUE_BIAS if bias is not None else _LT_EPILOGUE_DEFAULT
-    bias_ptr = bias.data.ptr if bias is not None else 0
+    if bgrad is not None:
+        epilogue, vec, vec_type = _LT_EPILOGUE_BGRADB, bgrad, _cuda_type(bgrad.dtype)
+    elif bias is not None:
+        epilogue, vec, vec_type = _LT_EPILOGUE_BIAS, bias, None      # Lt's bias has D's type
+    else:
+        epilogue, vec, vec_type = _LT_EPILOGUE_DEFAULT, None, None
+    vec_ptr = vec.data.ptr if vec is not None else 0
     aligns = tuple(_alignment(p) for p in (b.data.ptr, a.data.ptr, out.data.ptr, out.data.ptr))
-    key = (dev, op_a, op_b, M, N, K, a.shape[-1], b.shape[-1], ta, tb, tc, epilogue,
-           _alignment(bias_ptr) if bias is not None else 0, aligns, beta != 0.0)
-    plan = lt.plan(key, dev, handle, op_b, op_a, N, M, K, b.shape[-1], a.shape[-1], tb, ta, tc,
-                   epilogue, bias_ptr, aligns)
+    key = (dev, op_a, op_b, M, N, K, a.shape[-1], b.shape[-1], ta, tb, tc, epilogue, vec_type,
+           _alignment(vec_ptr) if vec is not None else 0, aligns, beta != 0.0)
+    plan = lt.plan(key, handle, op_b, op_a, N, M, K, b.shape[-1], a.shape[-1], tb, ta, tc,
+                   epilogue, vec_ptr, vec_type, aligns)
     if plan is None:
         return False
-    desc, lay_b, lay_a, lay_c, result = plan
-    if bias is not None:
-        lt._set(lt.lib.cublasLtMatmulDescSetAttribute, desc, _LT_DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
+    if vec is not None:
+        lt._set(lt.lib.cublasLtMatmulDescSetAttribute, plan.desc, _LT_DESC_BIAS_POINTER, ctypes.c_void_p(vec_ptr))
     al, be = ctypes.c_float(alpha), ctypes.c_float(beta)
     stream = runtime.cupy.cuda.get_current_stream().ptr
-    lt._ok(lt.lib.cublasLtMatmul(handle, desc, ctypes.addressof(al), b.data.ptr, lay_b, a.data.ptr, lay_a,
-                                 ctypes.addressof(be), out.data.ptr, lay_c, out.data.ptr, lay_c,
-                                 ctypes.addressof(result), ws.data.ptr, LT_WORKSPACE_BYTES, stream),
-           "cublasLtMatmul")
+    pa, pb = a.data.ptr, b.data.ptr
+
+    def launch(i, c_ptr):
+        lt._ok(lt.lib.cublasLtMatmul(handle, plan.desc, ctypes.addressof(al), pb, plan.lay_b, pa, plan.lay_a,
+                                     ctypes.addressof(be), c_ptr, plan.lay_c, c_ptr, plan.lay_c,
+                                     plan.algo_ptr(i), ws.data.ptr, LT_WORKSPACE_BYTES, stream),
+               "cublasLtMatmul")
+
+    if not LT_AUTOTUNE:
+        choice = plan.candidates[0]
+    else:
+        if plan.choice is None:
+            gemmex = None
+            if epilogue == _LT_EPILOGUE_DEFAULT and LT_TRY_GEMMEX:
+                def gemmex(c):
+                    _gemm_rowmajor(a, b, c, M, N, K, transpose_a, transpose_b, alpha, beta)
+            _choose(lt, plan, key, launch, out, beta, 2.0 * M * N * K, gemmex)
+        choice = plan.choice if plan.choice is not None else plan.candidates[0]
+    if choice == GEMMEX:
+        return False
+    launch(choice, out.data.ptr)
     return True
 
 
@@ -346,8 +556,6 @@ def _train_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, beta=0
         _bias_fill(out, bias)
         beta = 1.0
     _gemm_rowmajor(a, b, out, M, N, K, transpose_a, transpose_b, 1.0, beta)
-
-
 # ------------------------------------------------------------ public: cuBLAS ---
 
 def batched_matmul(a, b, out=None, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0):
@@ -486,6 +694,31 @@ def _bias_backward(dbias, dout2d):
     runtime.launch(k2, -(-M // 256), 256, (dbias, partials, np.int32(M), np.int32(chunks)))
 
 
+def _dweight_dbias_fused(dbias, dout2d, x2d, dweight, M, K, N, beta):
+    """dweight (M, K) = dout2d^T @ x2d + beta * dweight with cuBLASLt's BGRADB epilogue writing
+    dout2d's column sums into a scratch vector, then dbias (M,) += scratch (a tiny kernel: the
+    epilogue overwrites, the gradient rule is +=). Saves the dbias kernel's pass over dout
+    (~0.1 ms of ~0.7 at 65536 x 768 x 2304). Deterministic as long as the algorithm is (the
+    GPU tests check it bitwise). The scratch is float32; if Lt has no algorithm for a float32
+    bias gradient next to a bf16 dweight, a bf16 scratch is tried when dbias is bf16 anyway.
+    Returns the scratch dtype's name ("float32" / "bfloat16"), or None, having launched
+    nothing, when Lt cannot do it (or LT_BGRAD is off): the caller then runs the plain dW
+    GEMM and the two-stage dbias kernel.
+    """
+    if not LT_BGRAD or _lt() is None:
+        return None
+    cp = runtime.cupy
+    scratch_types = [F32] + ([BF16] if dbias.dtype == BF16 and dweight.dtype == BF16 else [])
+    for st in scratch_types:
+        scratch = cp.empty((M,), dtype=st)
+        if _lt_gemm_rowmajor(dout2d, x2d, dweight, M, K, N, transpose_a=True, beta=beta, bgrad=scratch):
+            k = runtime.get_kernel("matmul", f"matmul_bias_accumulate_kernel_{dtypes.kernel_suffix(dbias.dtype)}_"
+                                             f"{dtypes.kernel_suffix(st)}")
+            runtime.launch(k, -(-M // 256), 256, (dbias, scratch, np.int32(M)))
+            return dtypes.name(st)
+    return None
+
+
 def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=True, *,
                     need_dweight=True, need_dbias=True):
     """Gradients of out = x @ weight^T + bias. Returns (dx, dweight, dbias).
@@ -496,8 +729,9 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
     dbias (M,)     += dout summed over rows      [+=]  (zeros allocated when None)
     With bfloat16 inputs, dx/dweight/dbias may be float32 or bfloat16 (default:
     the input dtype). need_dweight=False / need_dbias=False skip those (None is
-    returned): a layer without bias should pass need_dbias=False -- the column
-    sum reads all of dout.
+    returned): a layer without bias should pass need_dbias=False. dbias comes
+    from the dW GEMM's cuBLASLt epilogue (BGRADB) when Lt can, else from a
+    two-stage column-sum kernel that reads all of dout once more.
     """
     _check("dout", dout)
     _check("x", x)
@@ -548,14 +782,18 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
             dx.fill(0)
         else:
             _train_gemm(dout2d, weight, dx.reshape(N, K), N, K, M)               # (N,M) @ (M,K)
+    dbias_done = False
     if dweight is not None and M and K:
         if N == 0:
             if fresh_dw:
                 dweight.fill(0)
         else:
-            _train_gemm(dout2d, x2d, dweight, M, K, N, transpose_a=True,       # (N,M)^T @ (N,K)
-                        beta=0.0 if fresh_dw else 1.0)
-    if dbias is not None and M and N:
+            beta = 0.0 if fresh_dw else 1.0
+            if dbias is not None:           # dW GEMM + the bias gradient from its epilogue
+                dbias_done = _dweight_dbias_fused(dbias, dout2d, x2d, dweight, M, K, N, beta) is not None
+            if not dbias_done:
+                _train_gemm(dout2d, x2d, dweight, M, K, N, transpose_a=True, beta=beta)   # (N,M)^T @ (N,K)
+    if dbias is not None and M and N and not dbias_done:
         _bias_backward(dbias, dout2d)
     return dx, dweight, dbias
 
@@ -568,31 +806,40 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
 # v3 register blocking: 128x128x8 block tile, 256 threads each own an 8x8 C tile, float4 loads.
 # v4 tensor cores: 128x128x32 block tile, 8 warps of 64x32, mma.sync m16n8k16 bf16, ldmatrix,
 #    4-stage cp.async pipeline, XOR-swizzled smem.
+# v4b/v4c (gemm_tc2.cu): 64x64 warp tiles, fragments double-buffered in registers, BK = 64,
+#    3 stages; v4b a 128x256 block of 8 warps (1 block/SM), v4c a 128x128 block of 4 warps
+#    (2 blocks/SM). See the header of gemm_tc2.cu for why.
 GEMM_VERSIONS = {
     1: ("gemm_simt", F32, (16, 16), 256, 0),
     2: ("gemm_simt", F32, (32, 32), 1024, 0),
     3: ("gemm_simt", F32, (128, 128), 256, 0),
     4: ("gemm_tc", BF16, (128, 128), 256, 4 * (128 * 32 + 32 * 128) * 2),
     # "4w": the same kernel with a 128x256 block of 8 warps x (64x64), 3 stages (236 regs,
-    # 1 block/SM): fewer ldmatrix per mma. Benchmarked next to 4; the faster becomes the default.
+    # 1 block/SM): fewer ldmatrix per mma. Measured slower than 4 (312 vs 334 TFLOP/s, H200).
     "4w": ("gemm_tc", BF16, (128, 256), 256, 3 * (128 * 32 + 32 * 256) * 2),
+    "4b": ("gemm_tc2", BF16, (128, 256), 256, 3 * (128 * 64 + 64 * 256) * 2),
+    "4c": ("gemm_tc2", BF16, (128, 128), 128, 3 * (128 * 64 + 64 * 128) * 2),
 }
+TC_VERSIONS = tuple(v for v, spec in GEMM_VERSIONS.items() if spec[1] == BF16)
+# The bf16 default: the fastest measured at 4096^3 (set after each bench run; v4b predicted).
+GEMM_DEFAULT_BF16 = "4b"
+_CARVEOUT_SET = set()
 
 
 def gemm(a, b, out=None, version=None):
     """C (M, N) = A (M, K) @ B (K, N), all row-major, with our own kernels.
 
-    version 1-3: float32 in and out (SIMT). version 4 (and "4w", a 128x256-tile
-    variant of it): bfloat16 in, bfloat16
-    (default) or float32 out, tensor cores; needs N and K multiples of 8 (16-byte
-    rows for cp.async), M any. Default: 4 for bfloat16 inputs, 3 for float32.
+    version 1-3: float32 in and out (SIMT). version 4, "4w", "4b", "4c" (tensor
+    cores, see GEMM_VERSIONS): bfloat16 in, bfloat16 (default) or float32 out;
+    need N and K multiples of 8 (16-byte rows for cp.async), M any.
+    Default: GEMM_DEFAULT_BF16 for bfloat16 inputs, 3 for float32.
     NumPy inputs run the float64 reference (any version).
     """
     _check("a", a, ndim=2)
     _check("b", b, ndim=2)
     _same_dtype(a=a, b=b)
     if version is None:
-        version = 4 if a.dtype == BF16 else 3
+        version = GEMM_DEFAULT_BF16 if a.dtype == BF16 else 3
     if version not in GEMM_VERSIONS:
         raise ValueError(f"version: must be one of {list(GEMM_VERSIONS)}, got {version!r}")
     family, in_dt, (BM, BN), threads, smem = GEMM_VERSIONS[version]
@@ -603,7 +850,7 @@ def gemm(a, b, out=None, version=None):
     xp = runtime.array_module(a, b, out)
     if xp is not np and a.dtype != in_dt:
         raise TypeError(f"a: gemm version {version} takes {dtypes.name(in_dt)}, got {dtypes.name(a.dtype)}")
-    tc = version in (4, "4w")
+    tc = version in TC_VERSIONS
     if xp is not np and tc and (K % 8 or N % 8):
         raise ValueError(f"b: gemm version {version} needs K and N multiples of 8 (16-byte rows), got K={K}, N={N}")
     out = _output("out", out, xp, (M, N), a.dtype, a.dtype)
@@ -630,5 +877,10 @@ def gemm(a, b, out=None, version=None):
     # v4 rasterises its own 1-D grid (grouped along M for L2 reuse); the others are 2-D.
     grid = (tiles_m * tiles_n,) if tc else (tiles_n, tiles_m)
     block = (threads,) if version != 1 else (BN, BM)
+    if tc and kernel not in _CARVEOUT_SET:
+        # Ask for the largest shared-memory carveout once per kernel: v4c's two 96 KB blocks
+        # per SM need 192 KB of the 228 KB unified L1/shared array.
+        kernel.preferred_shared_memory_carveout = 100
+        _CARVEOUT_SET.add(kernel)
     runtime.launch(kernel, grid, block, (out, a, b, np.int32(M), np.int32(N), np.int32(K)), shared_mem=smem)
     return out
