@@ -499,8 +499,15 @@ TC_SHAPES = [(1, 8, 8), (7, 16, 24), (129, 40, 136), (256, 256, 256), (300, 1000
              (1100, 200, 1288)]    # 9 block-rows: a second, ragged GROUP_M raster group; ragged K, N
 
 
+def _skip_unless_supported(version):
+    arch = mm._ARCH.get(version)
+    if arch is not None and runtime.device_arch() != arch[:-1]:
+        pytest.skip(f"gemm version {version} needs sm_{arch[:-1]}")
+
+
 def _check_gemm(version, a, b, out_dtype):
     cp = runtime.cupy
+    _skip_unless_supported(version)
     out = poison((a.shape[0], b.shape[1]), out_dtype)
     gpucore.gemm(cp.asarray(a), cp.asarray(b), out=out, version=version)
     _check_close(out, a.astype(np.float64) @ b.astype(np.float64), out_dtype,
@@ -515,7 +522,7 @@ def test_gpu_gemm_simt(rng, version, M, K, N):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("version", [4, "4w", "4b", "4c"])
+@pytest.mark.parametrize("version", [4, "4w", "4b", "4c", 5])
 @pytest.mark.parametrize("out_dtype", [np.float32, BF16])
 @pytest.mark.parametrize("M,K,N", TC_SHAPES)
 def test_gpu_gemm_tc(rng, version, out_dtype, M, K, N):
@@ -529,11 +536,12 @@ def _assert_exact(out, want, what):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("version", [1, 2, 3, 4, "4w", "4b", "4c"])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, "4w", "4b", "4c", 5])
 def test_gpu_gemm_structured(version):
     """Identity-like and index-coded inputs (small integers: exact in bf16 and fp32),
     so a wrong fragment, swizzle or tile offset shows up as a named (row, col)."""
     cp = runtime.cupy
+    _skip_unless_supported(version)
     dt = BF16 if version in mm.TC_VERSIONS else np.float32
     M, K, N = 200, 136, 264          # several tiles, ragged in M (and K, N for the 128-wide tiles)
     rows, cols = np.arange(M), np.arange(N)

@@ -18,10 +18,11 @@ Rows printed (--version all, the default):
                                kernel, and the model's layout with bf16 dW / dbias)
   gemm v1..v3 fp32             vs cuBLAS fp32 (SGEMM, no TF32) at 4096^3; v3 must reach
                                15 TFLOP/s, so its target is 15 / cuBLAS-fp32 TFLOP/s
-  gemm v4 / v4w / v4b / v4c    vs cuBLAS bf16 on the same NN layout    target 50% (4096^3)
+  gemm v4 / v4w / v4b / v4c / v5  vs cuBLAS bf16 on the same NN layout    target 50% (4096^3)
                                (v4w: the 128x256-tile, 64x64-warp variant of v4; v4b, v4c:
-                               gemm_tc2.cu, 64x64 warps with register-double-buffered fragments)
-Options: --version all|train|1|2|3|4|4w|4b|4c (comma lists work), --opt shapes=MxKxN,...
+                               gemm_tc2.cu, 64x64 warps with register-double-buffered fragments;
+                               v5: gemm_wgmma.cu, Hopper wgmma, skipped on other GPUs)
+Options: --version all|train|1|2|3|4|4w|4b|4c|5 (comma lists work), --opt shapes=MxKxN,...
 v1/v2 run at 4096^3 only (at the GPT-2 shapes they take seconds per call).
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _parse_shapes(shapes):
 
 def _parse_versions(version):
     if version in (None, "all"):
-        return ["train", 1, 2, 3, 4, "4w", "4b", "4c"]
+        return ["train", 1, 2, 3, 4, "4w", "4b", "4c", 5]
     out = []
     for v in str(version).split(","):
         v = v.strip()
@@ -187,6 +188,8 @@ def _bench_ladder(version, M, K, N, refs):
 
 @benchmark("matmul")
 def bench_matmul(version=None, shapes=None, **_):
+    from .. import runtime
+    from ..ops import matmul as mm
     versions = _parse_versions(version)
     shape_list = _parse_shapes(shapes)
     results, refs = [], {}
@@ -201,6 +204,8 @@ def bench_matmul(version=None, shapes=None, **_):
             if v in (1, 2) and (M, K, N) != SQUARE:
                 continue
             if max(M * K, K * N, M * N) >= 2**31:   # our kernels index with 32-bit ints
+                continue
+            if v in mm._ARCH and runtime.device_arch() != mm._ARCH[v][:-1]:
                 continue
             results += _bench_ladder(v, M, K, N, refs)
     return results

@@ -809,6 +809,7 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
 # v4b/v4c (gemm_tc2.cu): 64x64 warp tiles, fragments double-buffered in registers, BK = 64,
 #    3 stages; v4b a 128x256 block of 8 warps (1 block/SM), v4c a 128x128 block of 4 warps
 #    (2 blocks/SM). See the header of gemm_tc2.cu for why.
+# v5 (gemm_wgmma.cu): Hopper warpgroup MMA; see its header.
 GEMM_VERSIONS = {
     1: ("gemm_simt", F32, (16, 16), 256, 0),
     2: ("gemm_simt", F32, (32, 32), 1024, 0),
@@ -819,7 +820,11 @@ GEMM_VERSIONS = {
     "4w": ("gemm_tc", BF16, (128, 256), 256, 3 * (128 * 32 + 32 * 256) * 2),
     "4b": ("gemm_tc2", BF16, (128, 256), 256, 3 * (128 * 64 + 64 * 256) * 2),
     "4c": ("gemm_tc2", BF16, (128, 128), 128, 3 * (128 * 64 + 64 * 128) * 2),
+    # v5 (gemm_wgmma.cu, sm_90 only): wgmma.m64n256k16 from 128B-swizzled shared memory, 2
+    # warpgroups on a 128x256x64 block, 4 cp.async stages (+1 KB to align the base to 1024).
+    5: ("gemm_wgmma", BF16, (128, 256), 256, 4 * (128 * 64 + 64 * 256) * 2 + 1024),
 }
+_ARCH = {5: "90a"}                      # compiled for sm_90a (wgmma); runs on sm_90 devices only
 TC_VERSIONS = tuple(v for v, spec in GEMM_VERSIONS.items() if spec[1] == BF16)
 # The bf16 default: the fastest measured at 4096^3 (set after each bench run; v4b predicted).
 GEMM_DEFAULT_BF16 = "4b"
@@ -829,9 +834,10 @@ _CARVEOUT_SET = set()
 def gemm(a, b, out=None, version=None):
     """C (M, N) = A (M, K) @ B (K, N), all row-major, with our own kernels.
 
-    version 1-3: float32 in and out (SIMT). version 4, "4w", "4b", "4c" (tensor
-    cores, see GEMM_VERSIONS): bfloat16 in, bfloat16 (default) or float32 out;
-    need N and K multiples of 8 (16-byte rows for cp.async), M any.
+    version 1-3: float32 in and out (SIMT). version 4, "4w", "4b", "4c", 5 (tensor
+    cores, see GEMM_VERSIONS; 5 = wgmma, Hopper only): bfloat16 in, bfloat16
+    (default) or float32 out; need N and K multiples of 8 (16-byte rows for
+    cp.async), M any.
     Default: GEMM_DEFAULT_BF16 for bfloat16 inputs, 3 for float32.
     NumPy inputs run the float64 reference (any version).
     """
@@ -871,8 +877,12 @@ def gemm(a, b, out=None, version=None):
         for name, arr in (("a", a), ("b", b), ("out", out)):
             if arr.data.ptr % 16:
                 raise ValueError(f"{name}: gemm version {version} needs a 16-byte aligned array")
+    arch = _ARCH.get(version)
+    if arch is not None and runtime.device_arch() != arch[:-1]:
+        raise ValueError(f"version: gemm version {version} needs an sm_{arch[:-1]} GPU (Hopper), "
+                         f"this one is sm_{runtime.device_arch()}")
     suf = f"bf16_{dtypes.kernel_suffix(out.dtype)}" if tc else dtypes.kernel_suffix(a.dtype)
-    kernel = runtime.get_kernel(family, f"gemm_forward_kernel_v{version}_{suf}")
+    kernel = runtime.get_kernel(family, f"gemm_forward_kernel_v{version}_{suf}", arch=arch)
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
     # v4 rasterises its own 1-D grid (grouped along M for L2 reuse); the others are 2-D.
     grid = (tiles_m * tiles_n,) if tc else (tiles_n, tiles_m)
