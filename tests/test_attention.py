@@ -193,9 +193,10 @@ def test_scratch_is_linear_in_T_for_flash():
 
 
 @pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
-def test_attention_kernels_compile_without_spills():
+def test_attention_kernel_names_match_the_launchers():
+    """Every name ops/attention.py launches exists (sm_90 only: tests/test_runtime.py covers archs and spills)."""
     files = [runtime.KERNEL_DIR / f for f in ("attention.cu", "flash_attention.cu", "flash_attention_bwd.cu")]
-    rows = runtime.check_kernels(("80", "90"), files)
+    rows = runtime.check_kernels(("90",), files)
     assert not [r for r in rows if not r["ok"]]
     names = {r["kernel"] for r in rows}
     for hd in attn.FWD_CONFIGS:
