@@ -414,7 +414,8 @@ class GPT2:
         if return_logits:
             logits = matmul_forward(lnf, p.wte, None)       # (BT, Vp), a fresh array
             if tgt is not None:   # the classifier overwrites its input with dlogits: use a copy
-                fused_classifier(logits.copy(), tgt, vocab_size=V, grad_scale=0.0, losses=losses)
+                fused_classifier(logits.copy(), tgt, vocab_size=V, grad_scale=0.0, losses=losses,
+                                 check_targets=check_tokens)
             logits = logits.reshape(B, T, -1)
         else:
             if for_backward:
@@ -428,7 +429,8 @@ class GPT2:
                 chunk = a.logits[: r1 - r0]
                 matmul_forward(lnf[r0:r1], p.wte, None, out=chunk)
                 fused_classifier(chunk, tgt[r0:r1], vocab_size=V,
-                                 grad_scale=grad_scale if for_backward else 0.0, losses=losses[r0:r1])
+                                 grad_scale=grad_scale if for_backward else 0.0, losses=losses[r0:r1],
+                                 check_targets=check_tokens)
                 if for_backward:    # chunk now holds dlogits: the LM head's backward, at once
                     matmul_backward(chunk, lnf[r0:r1], p.wte, dx=dlnf[r0:r1], dweight=g.wte)
             if for_backward:

@@ -24,9 +24,22 @@
  *   v2 (Vp a multiple of the pack, 16-byte aligned, Vp/P <= 1024*CLS_CACHE):
  *      the row is held in registers (CACHE packs per thread, 1024 threads),
  *      read from memory once; the price is one block per SM.
+ *   v3 (Vp a multiple of the pack, 16-byte aligned, row <= the device's
+ *      shared memory per block): v1 and v2 were instruction-bound (~40
+ *      instructions per element: __expf's denormal fix-up twice,
+ *      float_to_bf16, per-element column tests). v3 copies the row into shared
+ *      memory with cp.async (all of it in flight, no registers held; read from
+ *      DRAM once), runs the online max/sum over it in fp32 with ex2.approx,
+ *      and writes dlogits with the hardware bf16x2 rounding; the target and
+ *      padding columns are patched only in the 1-2 packs that hold them: ~10
+ *      instructions + 2 MUFU per element. 512 threads; a bf16 row of 50304
+ *      columns is 98 KiB, so two rows (blocks) share an SM: one loads while
+ *      the other computes and writes. Rows with NaN/inf take the exact
+ *      conversion (NaN bits as float_to_bf16 writes them).
  * Determinism: fixed element-to-thread mapping and reduction trees.
  */
 #include "common.cuh"
+#include "fast_packs.cuh"
 
 #define CLS_BLOCK 1024
 #define CLS_CACHE 7   // 7 x 16 B per thread: 57344 bf16 / 28672 fp32 columns; 8 spills at 64 regs (sm_80)
@@ -232,6 +245,155 @@ __device__ void classifier_backward_v2(float* losses, T* logits, const int* targ
     }
 }
 
+// ------------------------------------------------------ fused, v3 ----------
+
+#define CLS3_BLOCK 512
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const u32 dst = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Merge (m2, s2) into (m, s), where s = sum exp(x - shift(m)), shift(-inf) = 0
+// (so an all -inf stretch holds s = 0 and a NaN stays NaN). Commutative bit
+// for bit, so both lanes of a butterfly step agree.
+__device__ __forceinline__ void combine_ms(float& m, float& s, float m2, float s2) {
+    const float M = fmaxf(m, m2);
+    const float sh = (M == neg_inf()) ? 0.0f : M;
+    const float a = (m == neg_inf()) ? s : s * ex2_ftz((m - sh) * LOG2E);
+    const float b = (m2 == neg_inf()) ? s2 : s2 * ex2_ftz((m2 - sh) * LOG2E);
+    m = M;
+    s = a + b;
+}
+
+// Online max/sum over one pack of nv (<= P) valid columns. fmaxf skips NaN,
+// but a NaN still poisons s through its exp term.
+template <typename T, bool FULL>
+__device__ __forceinline__ void online_pack_n(float& m, float& s, const float (&f)[Raw<T>::P], int nv) {
+    constexpr int P = Raw<T>::P;
+    float pm = neg_inf();
+    #pragma unroll
+    for (int e = 0; e < P; e++)
+        if (FULL || e < nv) pm = fmaxf(pm, f[e]);
+    if (pm > m) {                                   // rare after the first packs
+        if (m != neg_inf()) s *= ex2_ftz((m - pm) * LOG2E);
+        m = pm;
+    }
+    const float sh = (m == neg_inf()) ? 0.0f : m;
+    #pragma unroll
+    for (int e = 0; e < P; e++)
+        if (FULL || e < nv) s += ex2_ftz((f[e] - sh) * LOG2E);
+}
+
+template <typename T>
+__device__ __forceinline__ void online_pack(float& m, float& s, const uint4& r, int nv) {
+    float f[Raw<T>::P];
+    Raw<T>::unpack(r, f);
+    if (nv >= Raw<T>::P) online_pack_n<T, true>(m, s, f, nv);   // all but the pack holding column V
+    else online_pack_n<T, false>(m, s, f, nv);
+}
+
+// K packs per thread at most (the launcher picks K >= ceil(Vp / P / 512)); the row
+// sits in dynamic shared memory, n_packs x 16 bytes.
+template <typename T, int K>
+__device__ void classifier_backward_v3(float* losses, T* logits, const int* targets,   // (N,) (N, Vp) in/out; (N,)
+                                       float grad_scale, int N, int V, int Vp) {
+    extern __shared__ uint4 s_row[];
+    __shared__ float s_m[CLS3_BLOCK / 32], s_s[CLS3_BLOCK / 32], s_res[2];
+    using R = Raw<T>;
+    constexpr int P = R::P;
+    const int row = blockIdx.x;
+    if (row >= N) return;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int n_packs = Vp / P;
+    const int t = targets[row];
+    uint4* xr = reinterpret_cast<uint4*>(logits + (size_t)row * Vp);
+    if (t == -1) {                                  // uniform over the block
+        if (tid == 0) losses[row] = 0.0f;
+        for (int i = tid; i < n_packs; i += CLS3_BLOCK) __stcs(xr + i, make_uint4(0u, 0u, 0u, 0u));
+        return;
+    }
+    const bool valid = t >= 0 && t < V;
+    // Two commit groups: the first half of each thread's packs is summed while the second arrives.
+    constexpr int KH = (K + 1) / 2;
+    #pragma unroll
+    for (int k = 0; k < KH; k++) {
+        const int i = tid + k * CLS3_BLOCK;
+        if (i < n_packs) cp_async16(s_row + i, xr + i);
+    }
+    cp_async_commit();
+    #pragma unroll
+    for (int k = KH; k < K; k++) {
+        const int i = tid + k * CLS3_BLOCK;
+        if (i < n_packs) cp_async16(s_row + i, xr + i);
+    }
+    cp_async_commit();
+    // Each thread reads back only the packs it copied until the barriers below.
+    float m = neg_inf(), s = 0.0f;
+    cp_async_wait<1>();
+    #pragma unroll
+    for (int k = 0; k < KH; k++) {
+        const int i = tid + k * CLS3_BLOCK;
+        if (i < n_packs && i * P < V) online_pack<T>(m, s, s_row[i], V - i * P);
+    }
+    cp_async_wait<0>();
+    #pragma unroll
+    for (int k = KH; k < K; k++) {
+        const int i = tid + k * CLS3_BLOCK;
+        if (i < n_packs && i * P < V) online_pack<T>(m, s, s_row[i], V - i * P);
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        combine_ms(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+    if (lane == 0) { s_m[warp] = m; s_s[warp] = s; }
+    __syncthreads();                                // also publishes every thread's cp.async data
+    if (warp == 0) {
+        m = lane < CLS3_BLOCK / 32 ? s_m[lane] : neg_inf();
+        s = lane < CLS3_BLOCK / 32 ? s_s[lane] : 0.0f;
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            combine_ms(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+        if (lane == 0) {
+            s_res[0] = m;
+            s_res[1] = s;
+            const float xt = valid ? to_float(reinterpret_cast<const T*>(s_row)[t]) : 0.0f;
+            losses[row] = row_loss(m, s, xt, valid);
+        }
+    }
+    __syncthreads();
+    const float M = s_res[0], S = s_res[1];
+    const float sh = (M == neg_inf()) ? 0.0f : M;
+    const float scale = grad_scale / S;
+    const bool exact = !(isfinite(scale) && isfinite(grad_scale));   // NaN/inf rows: canonical NaN bits
+    const int tpack = valid ? t / P : -1;
+    #pragma unroll
+    for (int k = 0; k < K; k++) {
+        const int i = tid + k * CLS3_BLOCK;
+        if (i < n_packs) {
+            float f[P];
+            R::unpack(s_row[i], f);
+            #pragma unroll
+            for (int e = 0; e < P; e++) f[e] = ex2_ftz((f[e] - sh) * LOG2E) * scale;
+            if (i == tpack) {                       // the one pack holding the target
+                // a bit mask, not f[t - i * P]: a dynamic index would put f in local memory
+                const u32 hit = 1u << (t - i * P);
+                #pragma unroll
+                for (int e = 0; e < P; e++)
+                    if (hit & (1u << e)) f[e] -= grad_scale;
+            }
+            if ((i + 1) * P > V) {                  // padding columns [V, Vp)
+                #pragma unroll
+                for (int e = 0; e < P; e++)
+                    if (i * P + e >= V) f[e] = 0.0f;
+            }
+            __stcs(xr + i, exact ? R::pack_exact(f) : R::pack_fast(f));
+        }
+    }
+}
+
 // ------------------------------------------------------ target check -------
 
 // One block: out = (min(targets), max(targets), count(targets != -1)).
@@ -285,3 +447,20 @@ extern "C" __global__ void classifier_check_targets_kernel(int* out, const int* 
 
 CLASSIFIER_KERNELS(float, f32)
 CLASSIFIER_KERNELS(bf16, bf16)
+
+// v3 names carry K (packs per thread): classifier_backward_kernel_v3_k13_bf16, ...
+#define CLASSIFIER_V3(T, SUF, K)                                                                    \
+    extern "C" __global__ void __launch_bounds__(CLS3_BLOCK, 2)                                     \
+    classifier_backward_kernel_v3_k##K##_##SUF(float* losses, T* logits, const int* targets,        \
+                                               float grad_scale, int N, int V, int Vp) {           \
+        classifier_backward_v3<T, K>(losses, logits, targets, grad_scale, N, V, Vp);               \
+    }
+
+CLASSIFIER_V3(float, f32, 1)
+CLASSIFIER_V3(float, f32, 4)
+CLASSIFIER_V3(float, f32, 13)
+CLASSIFIER_V3(float, f32, 25)
+CLASSIFIER_V3(bf16, bf16, 1)
+CLASSIFIER_V3(bf16, bf16, 4)
+CLASSIFIER_V3(bf16, bf16, 13)
+CLASSIFIER_V3(bf16, bf16, 25)

@@ -103,8 +103,12 @@ GPU_CASES = [((4, 16), 50257, 50304), ((7,), 50304, 50304), ((300,), 1000, 1024)
 
 
 def _gpu_versions(dtype, Vp):
+    """None (the default), v1 always, v2 and v3 where their layout conditions hold (v3: rows of up
+    to 512 * 25 packs that fit an H100/H200's 227 KiB of shared memory per block)."""
     P = 16 // np.dtype(dtype).itemsize
-    return [None, 1] + ([2] if Vp % P == 0 and Vp // P <= 1024 * 7 else [])
+    whole = Vp % P == 0
+    return ([None, 1] + ([2] if whole and Vp // P <= 1024 * 7 else [])
+            + ([3] if whole and Vp // P <= 512 * 25 and Vp // P * 16 <= 227 * 1024 - 1024 else []))
 
 
 CASES = [(shape, V, Vp, d, ver) for shape, V, Vp in GPU_CASES for d in DTYPES for ver in _gpu_versions(d, Vp)]
@@ -195,3 +199,72 @@ def test_gpu_target_check_counts_many_targets(rng):
     from gpucore.ops.classifier import _target_stats
     t = rng.integers(-1, 50257, size=65536 + 3).astype(np.int32)
     assert _target_stats(cp.asarray(t), cp) == (int(t.min()), int(t.max()), int((t != -1).sum()))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("version", [1, 3])
+def test_gpu_targets_at_pack_edges_and_nonfinite_rows(rng, dtype, version):
+    """Targets in the first/last column and in the pack that straddles V; rows with NaN, +inf and
+    all -inf logits give NaN losses and NaN dlogits (bf16: the NaN bits v1 writes), other rows
+    are untouched by them."""
+    cp = runtime.cupy
+    V, Vp = 50257, 50304
+    logits = (rng.standard_normal((9, Vp)) * 3).astype(np.float32)
+    t = np.array([0, V - 1, V - 2, (V // 8) * 8, 12345, 7, 8, 9, 10], np.int32)
+    logits[6, 100] = np.nan
+    logits[7, 200] = np.inf
+    logits[8, :] = -np.inf
+    logits = logits.astype(dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ref_losses, ref_d = classifier_reference(logits, t, V, grad_scale=0.25)
+    work = cp.asarray(logits)
+    losses = to_cpu(gpucore.fused_classifier(work, cp.asarray(t), vocab_size=V, grad_scale=0.25, version=version))
+    got = to_cpu(work)
+    assert rel_err(losses[:6], ref_losses[:6]) < 1e-5
+    assert rel_err(got[:6], ref_d[:6]) < (1e-5 if dtype == np.float32 else 1e-2)
+    assert np.all(got[:6, V:].astype(np.float32) == 0)
+    assert np.isnan(losses[6:]).all(), "rows with NaN / inf / all -inf logits must give a NaN loss"
+    assert np.isnan(got[6:, :V].astype(np.float32)).all()
+    if version == 3 and dtype != np.float32:
+        ref1 = cp.asarray(logits)
+        gpucore.fused_classifier(ref1, cp.asarray(t), vocab_size=V, grad_scale=0.25, version=1)
+        assert to_cpu(ref1)[6:, :V].tobytes() == got[6:, :V].tobytes(), "NaN bits differ from v1's"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("version", [None, 1, 3])
+def test_gpu_check_targets_false_skips_the_check(rng, version):
+    cp = runtime.cupy
+    V, Vp = 1000, 1024
+    logits = rng.standard_normal((6, Vp)).astype(gpucore.bfloat16)
+    t = _targets(rng, (6,), V)
+    ref_losses, ref_d = classifier_reference(logits, t, V, grad_scale=0.5)
+    work = cp.asarray(logits)
+    losses = gpucore.fused_classifier(work, cp.asarray(t), vocab_size=V, grad_scale=0.5, version=version,
+                                      check_targets=False)
+    assert rel_err(to_cpu(losses), ref_losses) < 1e-5 and rel_err(to_cpu(work), ref_d) < 1e-2
+    # a bad target is not caught: its row's loss is NaN, the kernels stay in bounds, other rows are right
+    bad = t.copy()
+    bad[2] = V + 5
+    work = cp.asarray(logits)
+    losses = to_cpu(gpucore.fused_classifier(work, cp.asarray(bad), vocab_size=V, grad_scale=0.5,
+                                             version=version, check_targets=False))
+    assert np.isnan(losses[2]) and rel_err(np.delete(losses, 2), np.delete(ref_losses, 2)) < 1e-5
+    assert np.all(to_cpu(work)[2, V:].astype(np.float32) == 0)
+    # the default grad_scale needs the count of targets: the check runs anyway
+    with pytest.raises(ValueError, match="targets: every target"):
+        gpucore.fused_classifier(cp.asarray(logits), cp.asarray(bad), vocab_size=V, check_targets=False)
+    ce = gpucore.cross_entropy(cp.asarray(logits), cp.asarray(t), vocab_size=V, check_targets=False)
+    assert rel_err(to_cpu(ce), ref_losses) < 1e-5
+
+
+@pytest.mark.cuda
+def test_gpu_v3_rejects_what_it_cannot_hold(rng):
+    cp = runtime.cupy
+    logits = cp.asarray(rng.standard_normal((2, 1001)).astype(np.float32))
+    with pytest.raises(ValueError, match="version: v3 needs"):
+        gpucore.fused_classifier(logits, cp.zeros(2, np.int32), version=3)
+    big = cp.zeros((1, 512 * 25 * 4 + 4), np.float32)          # more packs than v3 instantiates
+    with pytest.raises(ValueError, match="version: v3 needs"):
+        gpucore.fused_classifier(big, cp.zeros(1, np.int32), version=3)

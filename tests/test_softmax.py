@@ -85,10 +85,10 @@ SHAPES = [(1, 1), (3, 7), (5, 8), (64, 768), (33, 1024), (17, 1600), (2, 3, 100)
 
 
 def _versions(shape, dtype):
-    """Every version that applies: v1 always; v2 when C is whole packs and short enough."""
+    """Every version that applies: v1 always; v2 and v3 when C is whole packs and short enough."""
     C = shape[-1]
     P = 16 // np.dtype(dtype).itemsize
-    return [1, 2] if C % P == 0 and C // P <= 256 else [1]
+    return [1, 2, 3] if C % P == 0 and C // P <= 256 else [1]
 
 
 CASES = [(s, d, ver) for s in SHAPES for d in DTYPES for ver in [None] + _versions(s, d)]
@@ -151,6 +151,8 @@ def test_gpu_unaligned_rows_use_v1(rng, dtype):
     assert rel_err(to_cpu(y), softmax_reference(x[1:].reshape(7, 64))) < _tol(dtype)
     with pytest.raises(ValueError, match="version: v2 needs"):
         gpucore.softmax(xg, version=2)
+    with pytest.raises(ValueError, match="version: v3 needs"):
+        gpucore.softmax(xg, version=3)
 
 
 @pytest.mark.cuda
@@ -163,3 +165,31 @@ def test_gpu_masked_and_large_values(rng):
         y = to_cpu(gpucore.softmax(cp.asarray(x)))
         assert np.isfinite(y).all()
         assert rel_err(y, softmax_reference(x)) < 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("C", [64, 768, 1024])
+def test_gpu_v3_matches_v2_and_propagates_nan_inf(rng, dtype, C):
+    """v3 agrees with v2 on finite rows (same rounding; only the exp instruction differs), and a
+    row holding NaN, +inf or only -inf comes out all NaN -- in bf16 with the NaN bits v2 writes
+    (v3 switches to the exact conversion for such rows)."""
+    cp = runtime.cupy
+    x = (rng.standard_normal((12, C)) * 4).astype(np.float32)
+    x[0, 5] = np.nan                                    # NaN anywhere: the whole row is NaN (numpy too)
+    x[1, 7] = np.inf                                    # +inf: inf - inf = NaN, the whole row NaN
+    x[2, :] = -np.inf                                   # all -inf: 0/0, the whole row NaN
+    x[3, ::2] = -np.inf                                 # masked half: finite
+    x = x.astype(dtype)
+    xg = cp.asarray(x)
+    y2 = to_cpu(gpucore.softmax(xg, version=2))
+    y3 = to_cpu(gpucore.softmax(xg, version=3))
+    with np.errstate(invalid="ignore"):
+        ref = softmax_reference(x)
+    for r in range(3):
+        assert np.isnan(ref[r]).all() and np.isnan(y3[r].astype(np.float32)).all(), f"row {r} must be NaN"
+        if dtype != np.float32:
+            assert y3[r].tobytes() == y2[r].tobytes(), f"row {r}: NaN bits differ from v2's"
+    assert np.isfinite(y3[3:].astype(np.float32)).all() and np.all(y3[3, ::2].astype(np.float32) == 0)
+    assert rel_err(y3[3:], ref[3:]) < _tol(dtype)
+    assert rel_err(y3[3:], y2[3:]) < (1e-6 if dtype == np.float32 else 1e-2)

@@ -14,10 +14,21 @@ Targets must lie in [0, V) or be -1. An out-of-range target raises ValueError
 *before* anything is written: on the GPU one tiny kernel computes (min, max,
 count of non-ignored) of the targets and the host reads those three ints back
 (one synchronisation per call; the count is also what the default
-grad_scale = 1 / number of non-ignored targets needs).
+grad_scale = 1 / number of non-ignored targets needs). `check_targets=False`
+skips that check and its synchronisation on the GPU -- for the training loop,
+whose data loader validated the token ids already; the kernels then stay in
+bounds and write a NaN loss for a bad target. With grad_scale=None the count
+is needed, so the check runs anyway.
 
 The reference computes in float64 and rounds once; the kernels accumulate in
-float32 (exp via __expf, log via logf).
+float32 (exp via ex2.approx / __expf, log via logf).
+
+Kernel versions of the fused classifier (classifier.cu): v1 online pass + L2
+re-read (any Vp, any alignment), v2 row in registers (one block per SM), v3
+row in shared memory via cp.async with lean per-element code (Vp a multiple of
+16 bytes' worth of elements, 16-byte aligned, the row within the device's
+shared memory per block: bf16 up to ~116k columns, fp32 up to ~58k on an
+H100/H200). `version=None` picks v3 where it applies, else v1.
 """
 from __future__ import annotations
 
@@ -31,10 +42,11 @@ from ._common import check_array, output
 INT32 = np.dtype(np.int32)
 CLS_BLOCK = 1024          # threads per row (one block per row), as CLS_BLOCK in classifier.cu
 V2_CACHE = 7              # packs per thread held in registers by v2, = CLS_CACHE in classifier.cu
+V3_BLOCK = 512            # v3 threads per row, = CLS3_BLOCK in classifier.cu
+V3_K = (1, 4, 13, 25)     # v3 packs per thread instantiated in classifier.cu
+V3_STATIC_SMEM = 1024     # margin for v3's static shared memory (136 B) below the per-block limit
 FORWARD_BLOCK_SHORT = 256  # cross_entropy on short rows (< 8192 columns)
-# v1 (online pass + re-read from L2) by default; v2 (row in registers, one
-# block per SM) is the alternative -- `gpucore bench classifier` times both.
-DEFAULT_VERSION = 1
+VERSIONS = (1, 2, 3)
 
 
 # ----------------------------------------------------------- references ----
@@ -109,16 +121,43 @@ def _check_targets(targets, xp, V):
     return cnt
 
 
+_SMEM_OPTIN: dict[int, int] = {}
+
+
+def _smem_per_block() -> int:
+    """The device's largest shared memory per block (opt-in), in bytes."""
+    cp = runtime.cupy
+    dev = cp.cuda.Device().id
+    if dev not in _SMEM_OPTIN:
+        _SMEM_OPTIN[dev] = cp.cuda.runtime.deviceGetAttribute(
+            cp.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)
+    return _SMEM_OPTIN[dev]
+
+
+def _v3_k(n_packs: int):
+    """Smallest instantiated packs-per-thread K covering the row, or None."""
+    return next((k for k in V3_K if n_packs <= V3_BLOCK * k), None)
+
+
 def _pick_version(version, logits, Vp):
     P = 16 // logits.dtype.itemsize
-    v2_ok = Vp % P == 0 and logits.data.ptr % 16 == 0 and Vp // P <= CLS_BLOCK * V2_CACHE
-    version = DEFAULT_VERSION if version is None else version
-    if version not in (1, 2):
-        raise ValueError(f"version: the fused classifier has kernel versions 1 and 2, got {version!r}")
+    whole = Vp % P == 0 and logits.data.ptr % 16 == 0
+    v2_ok = whole and Vp // P <= CLS_BLOCK * V2_CACHE
+    v3_ok = whole and _v3_k(Vp // P) is not None and Vp // P * 16 <= _smem_per_block() - V3_STATIC_SMEM
+    if version is None:
+        version = 3 if v3_ok else 1
+    if version not in VERSIONS:
+        raise ValueError(f"version: the fused classifier has kernel versions 1, 2 and 3, got {version!r}")
     if version == 2 and not v2_ok:
         raise ValueError(f"version: v2 needs Vp a multiple of {P}, Vp <= {CLS_BLOCK * V2_CACHE * P} and "
                          f"16-byte aligned logits (got Vp={Vp}); v1 covers every case")
+    if version == 3 and not v3_ok:
+        raise ValueError(f"version: v3 needs Vp a multiple of {P}, 16-byte aligned logits and a row that fits "
+                         f"the device's shared memory per block (got Vp={Vp}); v1 covers every case")
     return version
+
+
+_CARVEOUT_SET: set = set()
 
 
 def launch_fused(logits, targets, losses, V: int, grad_scale: float, version=None):
@@ -128,28 +167,42 @@ def launch_fused(logits, targets, losses, V: int, grad_scale: float, version=Non
     if N == 0:
         return losses
     version = _pick_version(version, logits, Vp)
-    name = f"classifier_backward_kernel_v{version}_{dtypes.kernel_suffix(logits.dtype)}"
-    runtime.launch(runtime.get_kernel("classifier", name), N, CLS_BLOCK,
-                   (losses, logits, targets, np.float32(grad_scale), np.int32(N), np.int32(V), np.int32(Vp)))
+    suf = dtypes.kernel_suffix(logits.dtype)
+    args = (losses, logits, targets, np.float32(grad_scale), np.int32(N), np.int32(V), np.int32(Vp))
+    if version == 3:
+        n_packs = Vp // (16 // logits.dtype.itemsize)
+        kernel = runtime.get_kernel("classifier", f"classifier_backward_kernel_v3_k{_v3_k(n_packs)}_{suf}")
+        if id(kernel) not in _CARVEOUT_SET:
+            # all of the SM's unified L1/shared memory as shared: two 98 KiB bf16 rows per SM
+            kernel.preferred_shared_memory_carveout = 100
+            _CARVEOUT_SET.add(id(kernel))
+        runtime.launch(kernel, N, V3_BLOCK, args, shared_mem=n_packs * 16)
+        return losses
+    runtime.launch(runtime.get_kernel("classifier", f"classifier_backward_kernel_v{version}_{suf}"), N, CLS_BLOCK,
+                   args)
     return losses
 
 
 # ----------------------------------------------------------- public API ----
 
-def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=None, version=None):
+def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=None, version=None, *,
+                     check_targets=True):
     """Per-token losses (float32, targets' shape); logits are overwritten with dlogits.
 
     logits (N, Vp) or (B, T, Vp), float32 or bfloat16; targets int32 of logits.shape[:-1],
     each in [0, vocab_size) or -1 (ignored: loss 0, zero gradient row). vocab_size defaults
     to Vp; columns [vocab_size, Vp) are padding and get gradient 0. grad_scale defaults to
     1 / (number of non-ignored targets), the gradient of the mean loss.
+    check_targets=False (GPU): skip the range check and its host synchronisation when the
+    ids are known to be valid; ignored when grad_scale is None (the count needs the check).
     """
     xp, V, Vp, losses = _check_args(logits, targets, vocab_size, losses)
     if xp is not np:
         _pick_version(version, logits, Vp)           # a bad version fails before the sync below
     if grad_scale is not None and (isinstance(grad_scale, bool) or not isinstance(grad_scale, numbers.Real)):
         raise TypeError(f"grad_scale: expected a float, got {type(grad_scale).__name__}")
-    count = _check_targets(targets, xp, V)
+    if check_targets or grad_scale is None or xp is np:
+        count = _check_targets(targets, xp, V)
     if grad_scale is None:
         grad_scale = 1.0 / max(count, 1)
     if xp is np:
@@ -160,13 +213,14 @@ def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=N
     return launch_fused(logits, targets, losses, V, float(grad_scale), version)
 
 
-def cross_entropy(logits, targets, vocab_size=None, losses=None):
+def cross_entropy(logits, targets, vocab_size=None, losses=None, *, check_targets=True):
     """Per-token losses lse(logits[..., :V]) - logits[..., target] (float32; 0 where target == -1).
 
     The logits are only read. Same arguments and checks as fused_classifier.
     """
     xp, V, Vp, losses = _check_args(logits, targets, vocab_size, losses)
-    _check_targets(targets, xp, V)
+    if check_targets or xp is np:
+        _check_targets(targets, xp, V)
     if xp is np:
         losses[...] = cross_entropy_reference(logits, targets, V)
         return losses

@@ -10,8 +10,10 @@ relative in float32 and to bf16 rounding in bfloat16.
 Kernel versions (see softmax.cu): v2 keeps a row in one warp's registers and
 reads it once (rows of up to 32*8 16-byte packs: C <= 2048 bf16 / 1024 fp32,
 C a multiple of the pack, 16-byte aligned); v1 is one block per row with an
-online max/sum and a re-read, for everything else. `version=None` picks v2
-whenever it applies.
+online max/sum and a re-read, for everything else. v3 is v2's layout with a
+lean forward (exp once, raw 32-bit words, hardware bf16 rounding: v2's forward
+was instruction-bound); its backward is v2's kernel. `version=None` picks v3
+whenever it applies (the same conditions as v2), else v1.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ V1_BLOCK_SMALL = 256      # v1 threads per block (one row per block) for rows < 
 V1_BLOCK_LONG = 1024
 V1_LONG_ROW = 16384
 V2_BLOCK = 256            # v2: 8 warps = 8 rows per block
-V2_K = (1, 2, 4, 8)       # packs per lane instantiated in softmax.cu
+V2_K = (1, 2, 4, 8)       # packs per lane instantiated in softmax.cu (v2 and v3)
+VERSIONS = (1, 2, 3)
 
 
 def softmax_reference(x: np.ndarray) -> np.ndarray:
@@ -55,23 +58,25 @@ def _aligned(*arrays) -> bool:
 
 
 def _pick(version, x_dtype, C, arrays):
-    """(version, K): v2 with the smallest K that holds the row, else v1."""
+    """(version, K): v3 (or v2 when asked) with the smallest K that holds the row, else v1."""
     P = 16 // np.dtype(x_dtype).itemsize
     v2_ok = C % P == 0 and _aligned(*arrays) and C // P <= 32 * V2_K[-1]
     if version is None:
-        version = 2 if v2_ok else 1
-    if version not in (1, 2):
-        raise ValueError(f"version: softmax has kernel versions 1 and 2, got {version!r}")
-    if version == 2 and not v2_ok:
-        raise ValueError(f"version: v2 needs C a multiple of {P}, C <= {32 * V2_K[-1] * P} and 16-byte "
-                         f"aligned arrays (got C={C})")
-    K = next((k for k in V2_K if C // P <= 32 * k), None) if version == 2 else None
+        version = 3 if v2_ok else 1
+    if version not in VERSIONS:
+        raise ValueError(f"version: softmax has kernel versions 1, 2 and 3, got {version!r}")
+    if version >= 2 and not v2_ok:
+        raise ValueError(f"version: v{version} needs C a multiple of {P}, C <= {32 * V2_K[-1] * P} and "
+                         f"16-byte aligned arrays (got C={C})")
+    K = next((k for k in V2_K if C // P <= 32 * k), None) if version >= 2 else None
     return version, K
 
 
 def _launch(direction, version, K, suf, rows, C, args):
-    if version == 2:
-        kernel = runtime.get_kernel("softmax", f"softmax_{direction}_kernel_v2_k{K}_{suf}")
+    if version >= 2:
+        # v3's backward is v2's kernel (see softmax.cu)
+        v = 3 if version == 3 and direction == "forward" else 2
+        kernel = runtime.get_kernel("softmax", f"softmax_{direction}_kernel_v{v}_k{K}_{suf}")
         runtime.launch(kernel, -(-rows // (V2_BLOCK // 32)), V2_BLOCK, (*args, np.int32(rows), np.int32(C)))
     else:
         kernel = runtime.get_kernel("softmax", f"softmax_{direction}_kernel_v1_{suf}")
