@@ -31,8 +31,22 @@
  * Versions: v2 moves W = 16/sizeof(T) elements per access (C a multiple of W,
  * 16-byte aligned arrays); v1 (W = 1) takes any C and alignment. One thread
  * owns W consecutive columns of a row.
+ * v3 (v2's conditions; dwte only -- forward and dwpe are v2's kernels): the
+ *   same chunked scheme and summation order as v2 (bit-identical results), but
+ *   - v2's Vec<bf16, 8> was split into 16-bit registers right after each load
+ *     (PRMTs waiting on the load), so the UNROLL loads of a thread ran one
+ *     after another: 23% of copy. v3 keeps 16-byte packs as raw uint4 words
+ *     (fast_packs.cuh) until they are summed: all UNROLL loads in flight;
+ *   - the sort keys are (token << bits) | position, 32-bit whenever they fit,
+ *     made by one kernel and sorted in place (encoder.py), and the kernels
+ *     decode them: no int64 keys and no 8 elementwise passes around the sort;
+ *   - the merge knows each chain's last chunk before summing (the chunks a
+ *     run reaches are consecutive: a warp ballot finds them 32 at a time), so
+ *     its loads do not wait on the previous ones; a thread owns 4 fp32
+ *     columns and keeps MERGE_UNROLL partials in flight.
  */
 #include "common.cuh"
+#include "fast_packs.cuh"
 
 #define UNROLL 8        // rows in flight per thread (dwpe, dwte)
 #define CHUNK 64        // sorted positions per dwte block (encoder.py: DWTE_CHUNK)
@@ -238,6 +252,161 @@ __device__ void encoder_backward_dwte_merge(T* dwte, const float* scratch,      
     add_into<T, W>(dst, load_vec<T, W>(dst), acc);
 }
 
+// ------------------------------------------------------------- v3 ----------
+
+#define MERGE_UNROLL 16   // scratch partials in flight per thread in the v3 merge
+
+// keys[n] = (tokens[n] << bits) | n: sorted, they order the positions by (token, position).
+template <typename Key>
+__device__ void encoder_sort_keys(Key* keys, const int* tokens, int N, int bits) {   // (N,) (N,)
+    const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n < N) keys[n] = ((Key)(u32)tokens[n] << bits) | (Key)(u32)n;
+}
+
+template <typename Key>
+__device__ __forceinline__ int key_token(const Key* keys, int p, int N, int bits) {   // -1 past either end
+    return (p >= 0 && p < N) ? (int)(keys[p] >> bits) : -1;
+}
+
+// Stage 1, v2's scheme and order (see encoder_backward_dwte): block (chunk, column slice),
+// one thread per 16-byte pack of columns.
+template <typename T, typename Key>
+__device__ void encoder_backward_dwte_v3(T* dwte, float* scratch, const T* dout,   // (V,C) (chunks,2,C) (N,C)
+                                         const Key* keys, int N, int C, int bits) { // (N,) sorted
+    using R = Raw<T>;
+    constexpr int P = R::P;
+    __shared__ int s_row[CHUNK], s_tok[CHUNK + 2];
+    const int chunk = blockIdx.x;
+    const int start = chunk * CHUNK, len = min(CHUNK, N - start);
+    const Key mask = ((Key)1 << bits) - 1;
+    for (int i = threadIdx.x; i < CHUNK + 2; i += blockDim.x) s_tok[i] = key_token(keys, start - 1 + i, N, bits);
+    for (int i = threadIdx.x; i < len; i += blockDim.x) s_row[i] = (int)(keys[start + i] & mask);
+    __syncthreads();
+    const int CP = C / P;                        // packs per row
+    const int cw = blockIdx.y * blockDim.x + threadIdx.x;
+    if (cw >= CP) return;                        // no barriers below
+    const uint4* src = reinterpret_cast<const uint4*>(dout) + cw;
+    uint4* dst = reinterpret_cast<uint4*>(dwte) + cw;
+    const bool head_cont = s_tok[0] == s_tok[1];
+    float acc[P];
+    #pragma unroll
+    for (int e = 0; e < P; e++) acc[e] = 0.0f;
+
+    for (int l0 = 0; l0 < len; l0 += UNROLL) {
+        uint4 g[UNROLL], d[UNROLL];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; u++) {       // every load first: UNROLL rows (+ dwte rows) in flight
+            const int li = l0 + u;
+            if (li < len) {
+                g[u] = src[(size_t)s_row[li] * CP];
+                const int tok = s_tok[li + 1];
+                if (s_tok[li + 2] != tok && !(head_cont && tok == s_tok[1])) d[u] = dst[(size_t)tok * CP];
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            const int li = l0 + u;
+            if (li >= len) continue;
+            add_pack<T>(acc, g[u]);
+            const int tok = s_tok[li + 1];
+            const bool last = li + 1 == len;
+            const bool cont_after = s_tok[li + 2] == tok;              // only possible when last
+            if (!last && cont_after) continue;                         // the run goes on
+            const bool cont_before = head_cont && tok == s_tok[1];     // the chunk's first run
+            if (!cont_before && !cont_after) {                         // a whole segment: ours alone
+                float old[P];
+                R::unpack(d[u], old);
+                #pragma unroll
+                for (int e = 0; e < P; e++) old[e] += acc[e];
+                dst[(size_t)tok * CP] = R::pack_exact(old);
+            } else {                                                   // slot 0 head, slot 1 tail
+                float4* sp = reinterpret_cast<float4*>(scratch + ((size_t)chunk * 2 + (cont_before ? 0 : 1)) * C
+                                                       + (size_t)cw * P);
+                #pragma unroll
+                for (int q = 0; q < P / 4; q++)
+                    sp[q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+            }
+            #pragma unroll
+            for (int e = 0; e < P; e++) acc[e] = 0.0f;
+        }
+    }
+}
+
+// 4 consecutive elements of T as raw bits (8 bytes of bf16, 16 of fp32).
+template <typename T> struct Raw4;
+template <> struct Raw4<bf16> {
+    typedef uint2 type;
+    static __device__ __forceinline__ void unpack(const uint2& r, float (&f)[4]) {
+        f[0] = __uint_as_float(r.x << 16); f[1] = __uint_as_float(r.x & 0xffff0000u);
+        f[2] = __uint_as_float(r.y << 16); f[3] = __uint_as_float(r.y & 0xffff0000u);
+    }
+    static __device__ __forceinline__ uint2 pack_exact(const float (&f)[4]) {
+        return make_uint2(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]));
+    }
+};
+template <> struct Raw4<float> {
+    typedef uint4 type;
+    static __device__ __forceinline__ void unpack(const uint4& r, float (&f)[4]) {
+        f[0] = __uint_as_float(r.x); f[1] = __uint_as_float(r.y);
+        f[2] = __uint_as_float(r.z); f[3] = __uint_as_float(r.w);
+    }
+    static __device__ __forceinline__ uint4 pack_exact(const float (&f)[4]) {
+        return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+    }
+};
+
+// Stage 2: block (chunk, column slice), one thread per 4 fp32 columns. The chunk where a
+// boundary-crossing run starts adds its tail partial and the head partials of the
+// following chunks the run reaches, in chunk order (as v2).
+template <typename T, typename Key>
+__device__ void encoder_backward_dwte_merge_v3(T* dwte, const float* scratch,         // (V,C) (chunks,2,C)
+                                               const Key* keys, int N, int C, int bits, int num_chunks) {
+    using R4 = Raw4<T>;
+    const int chunk = blockIdx.x;
+    const int start = chunk * CHUNK, end = min(start + CHUNK, N);
+    if (end >= N) return;                                   // nothing goes past the last chunk
+    const int tok = key_token(keys, end - 1, N, bits);
+    if (key_token(keys, end, N, bits) != tok) return;       // the last run ends in this chunk
+    if (start > 0 && key_token(keys, start, N, bits) == tok && key_token(keys, start - 1, N, bits) == tok)
+        return;                                             // began in an earlier chunk: not ours
+    // The run reaches chunks chunk+1 .. last: those whose first position holds tok, a
+    // consecutive range (sorted keys). Each warp counts them, 32 chunks per ballot.
+    const int lane = threadIdx.x & 31;
+    int last = chunk;
+    for (int j0 = chunk + 1;; j0 += 32) {
+        const int j = j0 + lane;
+        const bool in = j < num_chunks && key_token(keys, j * CHUNK, N, bits) == tok;
+        const u32 ballot = __ballot_sync(0xffffffffu, in);
+        last += __popc(ballot);
+        if (ballot != 0xffffffffu) break;
+    }
+    const int c4 = blockIdx.y * blockDim.x + threadIdx.x;   // 4-column group
+    if (c4 * 4 >= C) return;
+    const size_t col = (size_t)c4 * 4;
+    float acc[4];
+    {
+        const float4 t4 = *reinterpret_cast<const float4*>(scratch + ((size_t)chunk * 2 + 1) * C + col);
+        acc[0] = t4.x; acc[1] = t4.y; acc[2] = t4.z; acc[3] = t4.w;
+    }
+    for (int j0 = chunk + 1; j0 <= last; j0 += MERGE_UNROLL) {
+        float4 p[MERGE_UNROLL];
+        #pragma unroll
+        for (int u = 0; u < MERGE_UNROLL; u++)
+            if (j0 + u <= last) p[u] = *reinterpret_cast<const float4*>(scratch + (size_t)(j0 + u) * 2 * C + col);
+        #pragma unroll
+        for (int u = 0; u < MERGE_UNROLL; u++)
+            if (j0 + u <= last) {
+                acc[0] += p[u].x; acc[1] += p[u].y; acc[2] += p[u].z; acc[3] += p[u].w;
+            }
+    }
+    typename R4::type* dst = reinterpret_cast<typename R4::type*>(dwte + (size_t)tok * C + col);
+    float old[4];
+    R4::unpack(*dst, old);
+    #pragma unroll
+    for (int e = 0; e < 4; e++) old[e] += acc[e];
+    *dst = R4::pack_exact(old);
+}
+
 // --------------------------------------------------------- entry points ------
 
 #define ENCODER_KERNELS(VER, W, T, SUF)                                                                   \
@@ -262,3 +431,26 @@ ENCODER_KERNELS(v1, 1, float, f32)
 ENCODER_KERNELS(v1, 1, bf16, bf16)
 ENCODER_KERNELS(v2, 4, float, f32)
 ENCODER_KERNELS(v2, 8, bf16, bf16)
+
+#define ENCODER_SORT_KEYS(Key, KSUF)                                                                      \
+    extern "C" __global__ void encoder_sort_keys_kernel_##KSUF(Key* keys, const int* tokens, int N, int bits) { \
+        encoder_sort_keys<Key>(keys, tokens, N, bits);                                                   \
+    }
+
+// v3 dwte kernels, per dtype and key width: encoder_backward_dwte_kernel_v3_bf16_u32, ...
+#define ENCODER_V3(T, SUF, Key, KSUF)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) encoder_backward_dwte_kernel_v3_##SUF##_##KSUF(     \
+        T* dwte, float* scratch, const T* dout, const Key* keys, int N, int C, int bits) {              \
+        encoder_backward_dwte_v3<T, Key>(dwte, scratch, dout, keys, N, C, bits);                         \
+    }                                                                                                     \
+    extern "C" __global__ void encoder_backward_dwte_merge_kernel_v3_##SUF##_##KSUF(                    \
+        T* dwte, const float* scratch, const Key* keys, int N, int C, int bits, int num_chunks) {       \
+        encoder_backward_dwte_merge_v3<T, Key>(dwte, scratch, keys, N, C, bits, num_chunks);             \
+    }
+
+ENCODER_SORT_KEYS(u32, u32)
+ENCODER_SORT_KEYS(u64, u64)
+ENCODER_V3(float, f32, u32, u32)
+ENCODER_V3(float, f32, u64, u64)
+ENCODER_V3(bf16, bf16, u32, u32)
+ENCODER_V3(bf16, bf16, u64, u64)

@@ -5,6 +5,7 @@ import pytest
 
 import gpucore
 from gpucore import runtime
+from gpucore.ops import encoder as enc_ops
 from gpucore.ops.encoder import DWTE_CHUNK, encoder_backward_reference, encoder_forward_reference
 from conftest import poison, rel_err, to_cpu
 from gradcheck import assert_grad_close, numerical_grad
@@ -133,6 +134,34 @@ def test_dwte_chunk_scheme_simulated(rng, N, V, dist):
     np.testing.assert_allclose(got, ref[:got.size], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("N,V", [(1000, 5), (4096 + 17, 40), (3000, 2), (20000, 3), (64 * 70, 1)])
+def test_v3_merge_chain_end_matches_v2_walk(rng, N, V):
+    """v3's merge counts the chunks a run reaches (first position holds the token, a consecutive
+    range because the keys are sorted); v2 walks them one by one. Same end on every chain."""
+    K = DWTE_CHUNK
+    stok = np.sort(rng.integers(0, V, size=N))
+    num_chunks = -(-N // K)
+    for chunk in range(num_chunks):
+        start, end = chunk * K, min(chunk * K + K, N)
+        if end >= N or stok[end] != stok[end - 1]:
+            continue
+        tok = stok[end - 1]
+        j = chunk + 1                                        # v2: walk while the next chunk continues
+        while min((j + 1) * K, N) < N and stok[min((j + 1) * K, N)] == tok:
+            j += 1
+        last = chunk + sum(1 for jj in range(chunk + 1, num_chunks) if stok[jj * K] == tok)   # v3: count
+        assert last == j, (chunk, last, j)
+
+
+@pytest.mark.parametrize("N,V,bits,dtype", [(1, 7, 1, np.uint32), (2, 7, 1, np.uint32), (65536, 50304, 16, np.uint32),
+                                            (65536, 65536, 16, np.uint32), (65536, 65537, 16, np.uint64),
+                                            (65537, 32768, 17, np.uint32), (66560, 40000, 17, np.uint64)])
+def test_sort_key_width(N, V, bits, dtype):
+    assert enc_ops._key_bits(N, V) == (bits, dtype)
+    if dtype == np.uint32:                                   # the largest key fits in 32 bits
+        assert ((V - 1) << bits) | (N - 1) < 2**32
+
+
 def test_bad_input(rng):
     tok, wte, wpe = _inputs(rng, 2, 5, 4, 11, 8, np.float32)
     dout = rng.standard_normal((2, 5, 4)).astype(np.float32)
@@ -186,8 +215,10 @@ SHAPES = [(1, 1, 768, 5, 1), (2, 37, 768, 100, 64), (4, 256, 768, 5003, 1024), (
           (2, 77, 1600, 1000, 77), (5, 13, 37, 7, 20), (1, 300, 8, 3, 300)]
 
 
-def _versions(C, dtype):
-    return [1, 2] if C % (16 // np.dtype(dtype).itemsize) == 0 else [1]
+def _versions(C, dtype, backward=False):
+    if C % (16 // np.dtype(dtype).itemsize):
+        return [1]
+    return [1, 2, 3] if backward else [1, 2]
 
 
 @pytest.mark.cuda
@@ -215,7 +246,8 @@ def test_gpu_backward(rng, dtype, B, T, C, V, maxT, dist):
     dwpe0 = rng.standard_normal((maxT, C)).astype(dtype)
     rte, rpe = encoder_backward_reference(dout, tok, V, maxT)
     tol = TOL[np.dtype(dtype)]
-    for version in _versions(C, dtype):
+    by_version = {}
+    for version in _versions(C, dtype, backward=True):
         results = []
         for _ in range(2):                                   # twice: bitwise identical
             dwte, dwpe = cp.asarray(dwte0), cp.asarray(dwpe0)
@@ -233,6 +265,10 @@ def test_gpu_backward(rng, dtype, B, T, C, V, maxT, dist):
             assert rel_err(got - g0.astype(np.float64), ref) < (1e-5 if dtype == np.float32 else 5e-2)
         assert results[0][0].tobytes() == results[1][0].tobytes(), f"v{version} dwte not deterministic"
         assert results[0][1].tobytes() == results[1][1].tobytes(), f"v{version} dwpe not deterministic"
+        by_version[version] = results[0]
+    if 3 in by_version:   # v3 keeps v2's chunks and summation order: the same bits
+        assert by_version[3][0].tobytes() == by_version[2][0].tobytes(), "v3 dwte differs from v2's bits"
+        assert by_version[3][1].tobytes() == by_version[2][1].tobytes(), "v3 dwpe differs from v2's bits"
 
 
 @pytest.mark.cuda
@@ -251,3 +287,31 @@ def test_gpu_backward_fresh_buffers_and_bad_tokens(rng):
         gpucore.encoder_backward(cp.asarray(dout), cp.asarray(bad), V=V)
     with pytest.raises(ValueError, match="tokens: id 50 is out of range"):
         gpucore.encoder_forward(cp.asarray(bad), cp.zeros((V, C), np.float32), cp.zeros((T, C), np.float32))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("B,T,C,V,dist", [(65, 1024, 64, 40000, "zipf"),      # 64-bit keys (N * V > 2**32)
+                                          (16, 1024, 768, 50304, "zipf"),     # the model's shape, 32-bit keys
+                                          (3, 1000, 128, 2, "uniform")])      # two tokens: two long chains
+def test_gpu_backward_v3_keys_streams_and_long_runs(rng, monkeypatch, overlap, B, T, C, V, dist):
+    """v3 with 64-bit and 32-bit sort keys, with and without the side-stream sort, on runs that
+    span hundreds of chunks: bit-identical to v2, and to the float64 reference within bf16 rounding."""
+    cp = runtime.cupy
+    monkeypatch.setattr(enc_ops, "OVERLAP_SORT", overlap)
+    dtype = gpucore.bfloat16
+    tok, _, _ = _inputs(rng, B, T, C, V, T, dtype, dist)
+    dout = rng.standard_normal((B, T, C)).astype(dtype)
+    dwte0 = rng.standard_normal((V, C)).astype(dtype)
+    tg, dg = cp.asarray(tok), cp.asarray(dout)
+    got = {}
+    for version in (2, 3):
+        dwte, dwpe = cp.asarray(dwte0), cp.zeros((T, C), dtype=dtype)
+        gpucore.encoder_backward(dg, tg, dwte=dwte, dwpe=dwpe, version=version)
+        got[version] = (to_cpu(dwte), to_cpu(dwpe))
+    rte, rpe = encoder_backward_reference(dout, tok, V, T)
+    assert not np.isnan(got[3][0].astype(np.float32)).any()
+    assert rel_err(got[3][0].astype(np.float64) - dwte0.astype(np.float64), rte) < 5e-2
+    assert rel_err(got[3][1], rpe) < 1e-2
+    assert got[3][0].tobytes() == got[2][0].tobytes(), "v3 dwte differs from v2's bits"
+    assert got[3][1].tobytes() == got[2][1].tobytes(), "v3 dwpe differs from v2's bits"

@@ -4,18 +4,23 @@ Bytes are the minimum through device memory: every input read once, every
 output written once (a kernel that re-reads from L1/L2 is not credited for it).
 Targets (issue 3): 70% of the copy bandwidth for each memory-bound kernel at
 B*T = 65536 rows, C = 768, bf16 (--n rows, --opt C=...):
-  encoder    forward; backward as its three steps (dwpe kernel, device sort of
-             the tokens, dwte chunk + merge kernels) and in total. dout is read
-             once by the dwpe kernel and once by the dwte kernel, by design (the
-             two sums need different orders), so the total cannot pass 50% of
-             the one-read minimum; the kernels carry the target, the total is
-             reported without one. Tokens follow a Zipf law (a few very
-             frequent ids, like text), T = 1024, V = 50304.
+  encoder    forward; backward as its steps (dwpe kernel, device sort of the
+             tokens, dwte chunk + merge kernels) and in total, per version (v3:
+             32-bit keys sorted on a side stream while dwpe runs, see
+             ops/encoder.py). dout is read once by the dwpe kernel and once by
+             the dwte kernel, by design (the two sums need different orders and
+             no atomics), so the total cannot pass ~50% of the one-read minimum;
+             the total is therefore reported twice: against the one-read
+             minimum (no target) and counting both reads of dout (target 70%).
+             Tokens follow a Zipf law (a few very frequent ids, like text; the
+             most frequent is 18% of all), --opt dist=uniform for uniform ids;
+             T = 1024, V = 50304.
   layernorm  forward, fused residual + layernorm forward, backward (dx +=,
              dweight/dbias += with the two-stage reduction).
   gelu       forward and backward at (65536, 4*768) -- its shape in GPT-2's
              MLP -- and at (65536, 768).
---version all (default) times every kernel version that applies; --version 1 or 2 one of them.
+--version all (default) times every kernel version that applies; --version 1, 2 (or 3: encoder
+backward) one of them.
 --dtype bfloat16 (default), float32 or all.
 """
 from __future__ import annotations
@@ -41,9 +46,9 @@ def _versions(version, available):
     return [int(v) for v in str(version).split(",") if int(v) in available]
 
 
-def _available(pick, dtype, C, arrays):
+def _available(pick, dtype, C, arrays, versions=(1, 2)):
     out = []
-    for v in (1, 2):
+    for v in versions:
         try:
             pick(v, dtype, C, arrays)
             out.append(v)
@@ -54,7 +59,7 @@ def _available(pick, dtype, C, arrays):
 
 @benchmark("encoder")
 def bench_encoder(n: int = 65536, dtype: str = "bfloat16", version=None, C: int = 768, T: int = 1024,
-                  V: int = 50304, **_):
+                  V: int = 50304, dist: str = "zipf", **_):
     import cupy
 
     import gpucore
@@ -64,7 +69,10 @@ def bench_encoder(n: int = 65536, dtype: str = "bfloat16", version=None, C: int 
     N = B * T
     bw = copy_bandwidth_gbps()
     rng = np.random.default_rng(0)
-    tokens_host = ((rng.zipf(1.2, size=(B, T)) - 1) % min(V, 50257)).astype(np.int32)
+    if dist == "uniform":
+        tokens_host = rng.integers(0, min(V, 50257), size=(B, T)).astype(np.int32)
+    else:
+        tokens_host = ((rng.zipf(1.2, size=(B, T)) - 1) % min(V, 50257)).astype(np.int32)
     unique = len(np.unique(tokens_host))
     tokens = cupy.asarray(tokens_host)
     results = []
@@ -74,28 +82,43 @@ def bench_encoder(n: int = 65536, dtype: str = "bfloat16", version=None, C: int 
         out = gpucore.encoder_forward(tokens, wte, wpe)
         dout = _rand((B, T, C), dt)
         dwte, dwpe = cupy.zeros_like(wte), cupy.zeros_like(wpe)
-        for ver in _versions(version, _available(enc._pick, wte.dtype, C, (wte, wpe, out, dout))):
-            W = 16 // s if ver == 2 else 1
-            tag = f"{dtypes.name(wte.dtype)} B={B} T={T} C={C} v{ver}"
+        arrays = (wte, wpe, out, dout)
+        tag0 = f"{dtypes.name(wte.dtype)} B={B} T={T} C={C}"
+        for ver in _versions(version, _available(enc._pick, wte.dtype, C, arrays)):
             ms = time_ms(lambda: gpucore.encoder_forward(tokens, wte, wpe, out=out, check_tokens=False,
                                                          version=ver))
-            results.append(Result(f"encoder forward {tag}", ms, bytes=(2 * N * C + T * C) * s + 4 * N,
+            results.append(Result(f"encoder forward {tag0} v{ver}", ms, bytes=(2 * N * C + T * C) * s + 4 * N,
                                   ref_gbps=bw, target=0.7))
-            ms = time_ms(lambda: enc._launch_dwpe(dwpe, dout, ver, W))
-            results.append(Result(f"encoder backward dwpe {tag}", ms, bytes=(N * C + 2 * T * C) * s,
-                                  ref_gbps=bw, target=0.7))
-            order, sorted_tokens = enc._sort_tokens(tokens)
-            ms = time_ms(lambda: enc._sort_tokens(tokens))
-            results.append(Result(f"encoder backward token sort N={N}", ms, extra={"unique": unique}))
-            ms = time_ms(lambda: enc._launch_dwte(dwte, dout, order, sorted_tokens, ver, W))
-            results.append(Result(f"encoder backward dwte {tag}", ms,
-                                  bytes=(N * C + 2 * unique * C) * s + 8 * N, ref_gbps=bw, target=0.7,
-                                  extra={"unique": unique}))
+        dwte_bytes = (N * C + 2 * unique * C) * s
+        one_read = (N * C + 2 * unique * C + 2 * T * C) * s + 4 * N
+        for ver in _versions(version, _available(lambda v, *a: enc._pick(v, *a, backward=True), wte.dtype, C,
+                                                 arrays, versions=(1, 2, 3))):
+            W = 16 // s if ver >= 2 else 1
+            tag = f"{tag0} v{ver}"
+            extra = {"unique": unique, "dist": dist}
+            if ver < 3:
+                ms = time_ms(lambda: enc._launch_dwpe(dwpe, dout, ver, W))
+                results.append(Result(f"encoder backward dwpe {tag}", ms, bytes=(N * C + 2 * T * C) * s,
+                                      ref_gbps=bw, target=0.7))
+                order, sorted_tokens = enc._sort_tokens(tokens)
+                ms = time_ms(lambda: enc._sort_tokens(tokens))
+                results.append(Result(f"encoder backward token sort (int64 keys) N={N}", ms, extra=extra))
+                ms = time_ms(lambda: enc._launch_dwte(dwte, dout, order, sorted_tokens, ver, W))
+                results.append(Result(f"encoder backward dwte {tag}", ms, bytes=dwte_bytes + 8 * N, ref_gbps=bw,
+                                      target=0.7, extra=extra))
+            else:                                     # dwpe is v2's kernel, timed above
+                keys, bits = enc._sort_keys(tokens, V)
+                ms = time_ms(lambda: enc._sort_keys(tokens, V))
+                results.append(Result(f"encoder backward key sort ({keys.dtype} keys) N={N}", ms, extra=extra))
+                ms = time_ms(lambda: enc._launch_dwte_v3(dwte, dout, keys, bits))
+                results.append(Result(f"encoder backward dwte {tag}", ms, bytes=dwte_bytes + keys.nbytes,
+                                      ref_gbps=bw, target=0.7, extra=extra))
             ms = time_ms(lambda: gpucore.encoder_backward(dout, tokens, dwte=dwte, dwpe=dwpe, check_tokens=False,
                                                           version=ver))
-            results.append(Result(f"encoder backward total {tag}", ms,
-                                  bytes=(N * C + 2 * unique * C + 2 * T * C) * s + 4 * N, ref_gbps=bw,
-                                  extra={"note": "dout read twice by design"}))
+            results.append(Result(f"encoder backward total {tag}", ms, bytes=one_read, ref_gbps=bw,
+                                  extra={"note": "one read of dout counted"}))
+            results.append(Result(f"encoder backward total, 2 dout reads {tag}", ms, bytes=one_read + N * C * s,
+                                  ref_gbps=bw, target=0.7))
         del wte, wpe, out, dout, dwte, dwpe
     return results
 

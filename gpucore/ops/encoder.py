@@ -19,7 +19,12 @@ are known to be valid).
 
 Kernel versions: v2 moves 16 bytes per access (C a multiple of 16/itemsize,
 16-byte aligned arrays); v1 takes any C and alignment. `version=None` picks v2
-whenever it applies.
+whenever it applies. The backward also has v3 (v2's conditions, its default):
+v2's dwpe, and a dwte with the same chunked scheme and summation order as v2
+(bit-identical gradients) whose loads are really in flight, 32-bit sort keys
+(token << bits | position) made by one kernel and sorted in place, a merge
+that knows each chain's length before summing, and the sort run on a side
+stream while dwpe reads dout (the sort is latency-bound and leaves SMs idle).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from ._common import check_array, check_same_dtype, output
 BLOCK = 256            # forward and dwpe: one thread per 16 bytes (v2) / element (v1)
 DWTE_CHUNK = 64        # sorted positions per dwte block; CHUNK in encoder.cu
 DWTE_MAX_BLOCK = 256   # dwte threads per block (a column slice), a multiple of 32
+OVERLAP_SORT = True    # v3: sort the keys on a side stream while dwpe runs (False: all on one stream)
 
 
 # ------------------------------------------------------------- references ----
@@ -66,16 +72,19 @@ def _check_tokens(tokens, V, xp, check):
         raise ValueError(f"tokens: id {bad} is out of range [0, {V})")
 
 
-def _pick(version, dtype, C, arrays):
+def _pick(version, dtype, C, arrays, backward=False):
+    """(version, W): v2 (forward) / v3 (backward) where 16-byte packs apply, else v1."""
     W = 16 // np.dtype(dtype).itemsize
     v2_ok = C % W == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
+    versions = (1, 2, 3) if backward else (1, 2)
     if version is None:
-        version = 2 if v2_ok else 1
-    if version not in (1, 2):
-        raise ValueError(f"version: encoder has kernel versions 1 and 2, got {version!r}")
-    if version == 2 and not v2_ok:
-        raise ValueError(f"version: v2 needs C a multiple of {W} and 16-byte aligned arrays (got C={C})")
-    return version, (W if version == 2 else 1)
+        version = versions[-1] if v2_ok else 1
+    if version not in versions:
+        raise ValueError(f"version: encoder {'backward' if backward else 'forward'} has kernel versions "
+                         f"{', '.join(map(str, versions))}, got {version!r}")
+    if version >= 2 and not v2_ok:
+        raise ValueError(f"version: v{version} needs C a multiple of {W} and 16-byte aligned arrays (got C={C})")
+    return version, (W if version >= 2 else 1)
 
 
 def _grad(name, g, xp, rows, C, dtype, what):
@@ -152,8 +161,11 @@ def encoder_backward(dout, tokens, dwte=None, dwpe=None, V=None, maxT=None, *, c
         dwte[...] = (dwte.astype(np.float64) + gte).astype(dwte.dtype)
         dwpe[...] = (dwpe.astype(np.float64) + gpe).astype(dwpe.dtype)
         return dwte, dwpe
-    version, W = _pick(version, dout.dtype, C, (dout, dwte, dwpe))
+    version, W = _pick(version, dout.dtype, C, (dout, dwte, dwpe), backward=True)
     if B * T == 0 or C == 0:
+        return dwte, dwpe
+    if version == 3:
+        _backward_v3(dwte, dwpe, dout, tokens, V, W)
         return dwte, dwpe
     _launch_dwpe(dwpe, dout, version, W)
     order, sorted_tokens = _sort_tokens(tokens)
@@ -197,3 +209,82 @@ def _launch_dwte(dwte, dout, order, sorted_tokens, version, W):
     runtime.launch(k_te, grid, block, (dwte, scratch, dout, order, sorted_tokens, i32(N), i32(C)))
     k_merge = runtime.get_kernel("encoder", f"encoder_backward_dwte_merge_kernel_{suf}")
     runtime.launch(k_merge, grid, block, (dwte, scratch, sorted_tokens, i32(N), i32(C), i32(num_chunks)))
+
+
+# ----------------------------------------------------------- backward, v3 ----
+
+def _key_bits(N: int, V: int):
+    """(bits, dtype) of the sort keys (token << bits) | position: uint32 whenever every key fits."""
+    bits = max(1, (N - 1).bit_length())
+    return bits, (np.uint32 if V <= 1 << (32 - bits) else np.uint64)
+
+
+def _sort_keys(tokens, V):
+    """(keys, bits): the keys (token << bits) | position of every position, sorted, on the current stream.
+
+    The keys are unique, so the sorted order -- by (token, position) -- is the same whatever
+    sort runs; CuPy's sort of unsigned ints is CUB's radix sort (no host synchronisation).
+    """
+    cp = runtime.cupy
+    N = tokens.size
+    bits, kdt = _key_bits(N, V)
+    keys = cp.empty(N, dtype=kdt)
+    ksuf = "u32" if kdt == np.uint32 else "u64"
+    runtime.launch(runtime.get_kernel("encoder", f"encoder_sort_keys_kernel_{ksuf}"), -(-N // BLOCK), BLOCK,
+                   (keys, tokens, np.int32(N), np.int32(bits)))
+    keys.sort()
+    return keys, bits
+
+
+_SIDE: dict[int, tuple] = {}
+
+
+def _side_stream():
+    """(stream, fork event, join event) of this device, made once."""
+    cp = runtime.cupy
+    dev = cp.cuda.Device().id
+    if dev not in _SIDE:
+        _SIDE[dev] = (cp.cuda.Stream(non_blocking=True), cp.cuda.Event(disable_timing=True),
+                      cp.cuda.Event(disable_timing=True))
+    return _SIDE[dev]
+
+
+def _backward_v3(dwte, dwpe, dout, tokens, V, W):
+    """dwpe (v2 kernel) and dwte (v3), the key sort overlapping dwpe on a side stream."""
+    cp = runtime.cupy
+    if not OVERLAP_SORT:
+        _launch_dwpe(dwpe, dout, 2, W)
+        keys, bits = _sort_keys(tokens, V)
+        _launch_dwte_v3(dwte, dout, keys, bits)
+        return
+    main = cp.cuda.get_current_stream()
+    side, forked, joined = _side_stream()
+    forked.record(main)                  # tokens (and everything before) are ready
+    side.wait_event(forked)
+    with side:                           # the sort's scratch comes from the side stream's pool
+        keys, bits = _sort_keys(tokens, V)
+    joined.record(side)
+    _launch_dwpe(dwpe, dout, 2, W)       # on main, while the sort runs
+    main.wait_event(joined)
+    _launch_dwte_v3(dwte, dout, keys, bits)
+
+
+def _launch_dwte_v3(dwte, dout, keys, bits):
+    """dwte += per-token sums of dout's rows from the sorted keys: chunk kernel, then merge."""
+    B, T, C = dout.shape
+    N = B * T
+    W = 16 // dout.dtype.itemsize
+    CW = C // W
+    suf = f"{dtypes.kernel_suffix(dout.dtype)}_{'u32' if keys.dtype == np.uint32 else 'u64'}"
+    num_chunks = -(-N // DWTE_CHUNK)
+    block = min(-(-CW // 32) * 32, DWTE_MAX_BLOCK)
+    scratch = runtime.cupy.empty((num_chunks, 2, C), dtype=np.float32)
+    i32 = np.int32
+    k_te = runtime.get_kernel("encoder", f"encoder_backward_dwte_kernel_v3_{suf}")
+    runtime.launch(k_te, (num_chunks, -(-CW // block)), block,
+                   (dwte, scratch, dout, keys, i32(N), i32(C), i32(bits)))
+    C4 = C // 4                                   # the merge: one thread per 4 fp32 columns
+    mblock = min(-(-C4 // 32) * 32, DWTE_MAX_BLOCK)
+    k_merge = runtime.get_kernel("encoder", f"encoder_backward_dwte_merge_kernel_v3_{suf}")
+    runtime.launch(k_merge, (num_chunks, -(-C4 // mblock)), mblock,
+                   (dwte, scratch, keys, i32(N), i32(C), i32(bits), i32(num_chunks)))
