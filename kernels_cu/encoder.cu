@@ -255,6 +255,10 @@ __device__ void encoder_backward_dwte_merge(T* dwte, const float* scratch,      
 // ------------------------------------------------------------- v3 ----------
 
 #define MERGE_UNROLL 16   // scratch partials in flight per thread in the v3 merge
+// U = rows in flight per thread in the v3 chunk kernel. The default 4, not v2's 8: ~62
+// registers let 10 blocks of 96 threads share an SM, so the 1024 chunks of B*T = 65536
+// run in one wave (U = 8: ~100 registers, 6 blocks/SM, 1.3 waves and a thin tail),
+// still with ~60 KB of loads in flight per SM. U = 8 is instantiated too, for the bench.
 
 // keys[n] = (tokens[n] << bits) | n: sorted, they order the positions by (token, position).
 template <typename Key>
@@ -270,7 +274,7 @@ __device__ __forceinline__ int key_token(const Key* keys, int p, int N, int bits
 
 // Stage 1, v2's scheme and order (see encoder_backward_dwte): block (chunk, column slice),
 // one thread per 16-byte pack of columns.
-template <typename T, typename Key>
+template <typename T, typename Key, int V3_UNROLL>
 __device__ void encoder_backward_dwte_v3(T* dwte, float* scratch, const T* dout,   // (V,C) (chunks,2,C) (N,C)
                                          const Key* keys, int N, int C, int bits) { // (N,) sorted
     using R = Raw<T>;
@@ -292,10 +296,10 @@ __device__ void encoder_backward_dwte_v3(T* dwte, float* scratch, const T* dout,
     #pragma unroll
     for (int e = 0; e < P; e++) acc[e] = 0.0f;
 
-    for (int l0 = 0; l0 < len; l0 += UNROLL) {
-        uint4 g[UNROLL], d[UNROLL];
+    for (int l0 = 0; l0 < len; l0 += V3_UNROLL) {
+        uint4 g[V3_UNROLL], d[V3_UNROLL];
         #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {       // every load first: UNROLL rows (+ dwte rows) in flight
+        for (int u = 0; u < V3_UNROLL; u++) {       // every load first: V3_UNROLL rows (+ dwte rows) in flight
             const int li = l0 + u;
             if (li < len) {
                 g[u] = src[(size_t)s_row[li] * CP];
@@ -304,7 +308,7 @@ __device__ void encoder_backward_dwte_v3(T* dwte, float* scratch, const T* dout,
             }
         }
         #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
+        for (int u = 0; u < V3_UNROLL; u++) {
             const int li = l0 + u;
             if (li >= len) continue;
             add_pack<T>(acc, g[u]);
@@ -437,12 +441,15 @@ ENCODER_KERNELS(v2, 8, bf16, bf16)
         encoder_sort_keys<Key>(keys, tokens, N, bits);                                                   \
     }
 
-// v3 dwte kernels, per dtype and key width: encoder_backward_dwte_kernel_v3_bf16_u32, ...
-#define ENCODER_V3(T, SUF, Key, KSUF)                                                                     \
-    extern "C" __global__ void __launch_bounds__(256) encoder_backward_dwte_kernel_v3_##SUF##_##KSUF(     \
+// v3 dwte kernels, per rows in flight, dtype and key width: encoder_backward_dwte_kernel_v3_u4_bf16_u32, ...
+#define ENCODER_V3_CHUNK(U, T, SUF, Key, KSUF)                                                            \
+    extern "C" __global__ void __launch_bounds__(256) encoder_backward_dwte_kernel_v3_u##U##_##SUF##_##KSUF( \
         T* dwte, float* scratch, const T* dout, const Key* keys, int N, int C, int bits) {              \
-        encoder_backward_dwte_v3<T, Key>(dwte, scratch, dout, keys, N, C, bits);                         \
-    }                                                                                                     \
+        encoder_backward_dwte_v3<T, Key, U>(dwte, scratch, dout, keys, N, C, bits);                      \
+    }
+#define ENCODER_V3(T, SUF, Key, KSUF)                                                                     \
+    ENCODER_V3_CHUNK(4, T, SUF, Key, KSUF)                                                                \
+    ENCODER_V3_CHUNK(8, T, SUF, Key, KSUF)                                                                \
     extern "C" __global__ void encoder_backward_dwte_merge_kernel_v3_##SUF##_##KSUF(                    \
         T* dwte, const float* scratch, const Key* keys, int N, int C, int bits, int num_chunks) {       \
         encoder_backward_dwte_merge_v3<T, Key>(dwte, scratch, keys, N, C, bits, num_chunks);             \

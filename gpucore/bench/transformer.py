@@ -110,9 +110,10 @@ def bench_encoder(n: int = 65536, dtype: str = "bfloat16", version=None, C: int 
                 keys, bits = enc._sort_keys(tokens, V)
                 ms = time_ms(lambda: enc._sort_keys(tokens, V))
                 results.append(Result(f"encoder backward key sort ({keys.dtype} keys) N={N}", ms, extra=extra))
-                ms = time_ms(lambda: enc._launch_dwte_v3(dwte, dout, keys, bits))
-                results.append(Result(f"encoder backward dwte {tag}", ms, bytes=dwte_bytes + keys.nbytes,
-                                      ref_gbps=bw, target=0.7, extra=extra))
+                for unroll in (4, 8):                 # rows in flight per thread (default 4)
+                    ms = time_ms(lambda: enc._launch_dwte_v3(dwte, dout, keys, bits, unroll))
+                    results.append(Result(f"encoder backward dwte {tag} unroll={unroll}", ms,
+                                          bytes=dwte_bytes + keys.nbytes, ref_gbps=bw, target=0.7, extra=extra))
             ms = time_ms(lambda: gpucore.encoder_backward(dout, tokens, dwte=dwte, dwpe=dwpe, check_tokens=False,
                                                           version=ver))
             results.append(Result(f"encoder backward total {tag}", ms, bytes=one_read, ref_gbps=bw,

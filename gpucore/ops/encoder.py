@@ -269,7 +269,10 @@ def _backward_v3(dwte, dwpe, dout, tokens, V, W):
     _launch_dwte_v3(dwte, dout, keys, bits)
 
 
-def _launch_dwte_v3(dwte, dout, keys, bits):
+DWTE_V3_UNROLL = 4     # rows in flight per thread in the v3 chunk kernel (4 or 8; see encoder.cu)
+
+
+def _launch_dwte_v3(dwte, dout, keys, bits, unroll=None):
     """dwte += per-token sums of dout's rows from the sorted keys: chunk kernel, then merge."""
     B, T, C = dout.shape
     N = B * T
@@ -280,7 +283,7 @@ def _launch_dwte_v3(dwte, dout, keys, bits):
     block = min(-(-CW // 32) * 32, DWTE_MAX_BLOCK)
     scratch = runtime.cupy.empty((num_chunks, 2, C), dtype=np.float32)
     i32 = np.int32
-    k_te = runtime.get_kernel("encoder", f"encoder_backward_dwte_kernel_v3_{suf}")
+    k_te = runtime.get_kernel("encoder", f"encoder_backward_dwte_kernel_v3_u{unroll or DWTE_V3_UNROLL}_{suf}")
     runtime.launch(k_te, (num_chunks, -(-CW // block)), block,
                    (dwte, scratch, dout, keys, i32(N), i32(C), i32(bits)))
     C4 = C // 4                                   # the merge: one thread per 4 fp32 columns
