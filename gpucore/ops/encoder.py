@@ -270,6 +270,7 @@ def _backward_v3(dwte, dwpe, dout, tokens, V, W):
 
 
 DWTE_V3_UNROLL = 4     # rows in flight per thread in the v3 chunk kernel (4 or 8; see encoder.cu)
+DWTE_MERGE_BLOCK = 64  # v3 merge threads per block (a multiple of 32: the kernel ballots per warp)
 
 
 def _launch_dwte_v3(dwte, dout, keys, bits, unroll=None):
@@ -286,8 +287,11 @@ def _launch_dwte_v3(dwte, dout, keys, bits, unroll=None):
     k_te = runtime.get_kernel("encoder", f"encoder_backward_dwte_kernel_v3_u{unroll or DWTE_V3_UNROLL}_{suf}")
     runtime.launch(k_te, (num_chunks, -(-CW // block)), block,
                    (dwte, scratch, dout, keys, i32(N), i32(C), i32(bits)))
-    C4 = C // 4                                   # the merge: one thread per 4 fp32 columns
-    mblock = min(-(-C4 // 32) * 32, DWTE_MAX_BLOCK)
+    # The merge: one thread per 4 fp32 columns, 64 threads per block, so a hot token's chain of
+    # partials (hundreds of chunks x C x 4 bytes) is read by C/256 blocks on as many SMs, not by
+    # one SM at its ~100 GB/s share of L2 (most merge blocks exit at once).
+    C4 = C // 4
+    mblock = min(-(-C4 // 32) * 32, DWTE_MERGE_BLOCK)
     k_merge = runtime.get_kernel("encoder", f"encoder_backward_dwte_merge_kernel_v3_{suf}")
     runtime.launch(k_merge, (num_chunks, -(-C4 // mblock)), mblock,
                    (dwte, scratch, keys, i32(N), i32(C), i32(bits), i32(num_chunks)))
