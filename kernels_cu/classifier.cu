@@ -297,8 +297,9 @@ __device__ __forceinline__ void online_pack(float& m, float& s, const uint4& r, 
 }
 
 // K packs per thread at most (the launcher picks K >= ceil(Vp / P / 512)); the row
-// sits in dynamic shared memory, n_packs x 16 bytes.
-template <typename T, int K>
+// sits in dynamic shared memory, n_packs x 16 bytes. FUSED = false is cross_entropy:
+// the loss only, the logits are left as they are.
+template <typename T, int K, bool FUSED>
 __device__ void classifier_backward_v3(float* losses, T* logits, const int* targets,   // (N,) (N, Vp) in/out; (N,)
                                        float grad_scale, int N, int V, int Vp) {
     extern __shared__ uint4 s_row[];
@@ -313,7 +314,8 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
     uint4* xr = reinterpret_cast<uint4*>(logits + (size_t)row * Vp);
     if (t == -1) {                                  // uniform over the block
         if (tid == 0) losses[row] = 0.0f;
-        for (int i = tid; i < n_packs; i += CLS3_BLOCK) __stcs(xr + i, make_uint4(0u, 0u, 0u, 0u));
+        if (FUSED)
+            for (int i = tid; i < n_packs; i += CLS3_BLOCK) __stcs(xr + i, make_uint4(0u, 0u, 0u, 0u));
         return;
     }
     const bool valid = t >= 0 && t < V;
@@ -363,6 +365,7 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
             losses[row] = row_loss(m, s, xt, valid);
         }
     }
+    if (!FUSED) return;
     __syncthreads();
     const float M = s_res[0], S = s_res[1];
     const float sh = (M == neg_inf()) ? 0.0f : M;
@@ -448,12 +451,18 @@ extern "C" __global__ void classifier_check_targets_kernel(int* out, const int* 
 CLASSIFIER_KERNELS(float, f32)
 CLASSIFIER_KERNELS(bf16, bf16)
 
-// v3 names carry K (packs per thread): classifier_backward_kernel_v3_k13_bf16, ...
+// v3 names carry K (packs per thread): classifier_backward_kernel_v3_k13_bf16, ...; the
+// forward (cross_entropy) is the same kernel without its write pass.
 #define CLASSIFIER_V3(T, SUF, K)                                                                    \
     extern "C" __global__ void __launch_bounds__(CLS3_BLOCK, 2)                                     \
     classifier_backward_kernel_v3_k##K##_##SUF(float* losses, T* logits, const int* targets,        \
                                                float grad_scale, int N, int V, int Vp) {           \
-        classifier_backward_v3<T, K>(losses, logits, targets, grad_scale, N, V, Vp);               \
+        classifier_backward_v3<T, K, true>(losses, logits, targets, grad_scale, N, V, Vp);         \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(CLS3_BLOCK, 2)                                     \
+    classifier_forward_kernel_v3_k##K##_##SUF(float* losses, const T* logits, const int* targets,   \
+                                              int N, int V, int Vp) {                               \
+        classifier_backward_v3<T, K, false>(losses, const_cast<T*>(logits), targets, 0.0f, N, V, Vp); \
     }
 
 CLASSIFIER_V3(float, f32, 1)

@@ -28,7 +28,8 @@ re-read (any Vp, any alignment), v2 row in registers (one block per SM), v3
 row in shared memory via cp.async with lean per-element code (Vp a multiple of
 16 bytes' worth of elements, 16-byte aligned, the row within the device's
 shared memory per block: bf16 up to ~116k columns, fp32 up to ~58k on an
-H100/H200). `version=None` picks v3 where it applies, else v1.
+H100/H200). `version=None` picks v3 where it applies, else v1. cross_entropy
+runs v3's kernel without its write pass where v3 applies.
 """
 from __future__ import annotations
 
@@ -160,6 +161,13 @@ def _pick_version(version, logits, Vp):
 _CARVEOUT_SET: set = set()
 
 
+def _set_carveout(kernel):
+    """All of the SM's unified L1/shared memory as shared for a v3 kernel (two 98 KiB bf16 rows per SM)."""
+    if id(kernel) not in _CARVEOUT_SET:
+        kernel.preferred_shared_memory_carveout = 100
+        _CARVEOUT_SET.add(id(kernel))
+
+
 def launch_fused(logits, targets, losses, V: int, grad_scale: float, version=None):
     """The fused kernel alone, on checked CuPy arrays (no target check): for the benchmark."""
     Vp = logits.shape[-1]
@@ -172,10 +180,7 @@ def launch_fused(logits, targets, losses, V: int, grad_scale: float, version=Non
     if version == 3:
         n_packs = Vp // (16 // logits.dtype.itemsize)
         kernel = runtime.get_kernel("classifier", f"classifier_backward_kernel_v3_k{_v3_k(n_packs)}_{suf}")
-        if id(kernel) not in _CARVEOUT_SET:
-            # all of the SM's unified L1/shared memory as shared: two 98 KiB bf16 rows per SM
-            kernel.preferred_shared_memory_carveout = 100
-            _CARVEOUT_SET.add(id(kernel))
+        _set_carveout(kernel)
         runtime.launch(kernel, N, V3_BLOCK, args, shared_mem=n_packs * 16)
         return losses
     runtime.launch(runtime.get_kernel("classifier", f"classifier_backward_kernel_v{version}_{suf}"), N, CLS_BLOCK,
@@ -226,6 +231,14 @@ def cross_entropy(logits, targets, vocab_size=None, losses=None, *, check_target
         return losses
     N = targets.size
     if N == 0:
+        return losses
+    if _pick_version(None, logits, Vp) == 3:          # v3's kernel without its write pass
+        n_packs = Vp // (16 // logits.dtype.itemsize)
+        kernel = runtime.get_kernel(
+            "classifier", f"classifier_forward_kernel_v3_k{_v3_k(n_packs)}_{dtypes.kernel_suffix(logits.dtype)}")
+        _set_carveout(kernel)
+        runtime.launch(kernel, N, V3_BLOCK, (losses, logits, targets, np.int32(N), np.int32(V), np.int32(Vp)),
+                       shared_mem=n_packs * 16)
         return losses
     block = CLS_BLOCK if Vp >= 8192 else FORWARD_BLOCK_SHORT
     kernel = runtime.get_kernel("classifier", f"classifier_forward_kernel_{dtypes.kernel_suffix(logits.dtype)}")
