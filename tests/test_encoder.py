@@ -295,7 +295,7 @@ def test_gpu_backward_fresh_buffers_and_bad_tokens(rng):
                                           (16, 1024, 768, 50304, "zipf"),     # the model's shape, 32-bit keys
                                           (3, 1000, 128, 2, "uniform")])      # two tokens: two long chains
 def test_gpu_backward_v3_keys_streams_and_long_runs(rng, monkeypatch, overlap, B, T, C, V, dist):
-    """v3 with 64-bit and 32-bit sort keys, with and without the side-stream sort, on runs that
+    """v3 with 64-bit and 32-bit sort keys, with and without dwpe on the side stream, on runs that
     span hundreds of chunks: bit-identical to v2, and to the float64 reference within bf16 rounding."""
     cp = runtime.cupy
     monkeypatch.setattr(enc_ops, "OVERLAP_SORT", overlap)

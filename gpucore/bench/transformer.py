@@ -6,7 +6,7 @@ Targets (issue 3): 70% of the copy bandwidth for each memory-bound kernel at
 B*T = 65536 rows, C = 768, bf16 (--n rows, --opt C=...):
   encoder    forward; backward as its steps (dwpe kernel, device sort of the
              tokens, dwte chunk + merge kernels) and in total, per version (v3:
-             32-bit keys sorted on a side stream while dwpe runs, see
+             32-bit sort keys, dwpe on a side stream next to sort + dwte, see
              ops/encoder.py). dout is read once by the dwpe kernel and once by
              the dwte kernel, by design (the two sums need different orders and
              no atomics), so the total cannot pass ~50% of the one-read minimum;

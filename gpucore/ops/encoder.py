@@ -23,8 +23,8 @@ whenever it applies. The backward also has v3 (v2's conditions, its default):
 v2's dwpe, and a dwte with the same chunked scheme and summation order as v2
 (bit-identical gradients) whose loads are really in flight, 32-bit sort keys
 (token << bits | position) made by one kernel and sorted in place, a merge
-that knows each chain's length before summing, and the sort run on a side
-stream while dwpe reads dout (the sort is latency-bound and leaves SMs idle).
+that knows each chain's length before summing, and dwpe run on a side stream
+alongside the sort (latency-bound: it leaves SMs idle) and dwte.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from ._common import check_array, check_same_dtype, output
 BLOCK = 256            # forward and dwpe: one thread per 16 bytes (v2) / element (v1)
 DWTE_CHUNK = 64        # sorted positions per dwte block; CHUNK in encoder.cu
 DWTE_MAX_BLOCK = 256   # dwte threads per block (a column slice), a multiple of 32
-OVERLAP_SORT = True    # v3: sort the keys on a side stream while dwpe runs (False: all on one stream)
+OVERLAP_SORT = True    # v3: dwpe on a side stream, alongside the key sort and dwte (False: one stream)
 
 
 # ------------------------------------------------------------- references ----
@@ -250,7 +250,11 @@ def _side_stream():
 
 
 def _backward_v3(dwte, dwpe, dout, tokens, V, W):
-    """dwpe (v2 kernel) and dwte (v3), the key sort overlapping dwpe on a side stream."""
+    """dwpe (v2's kernel) on a side stream, concurrently with the key sort and dwte (v3) on the current one.
+
+    The sort is latency-bound (a few small CUB passes over N keys) and leaves most SMs idle;
+    dwpe, independent of it, fills them, and then shares the bandwidth with the dwte kernels.
+    """
     cp = runtime.cupy
     if not OVERLAP_SORT:
         _launch_dwpe(dwpe, dout, 2, W)
@@ -259,14 +263,14 @@ def _backward_v3(dwte, dwpe, dout, tokens, V, W):
         return
     main = cp.cuda.get_current_stream()
     side, forked, joined = _side_stream()
-    forked.record(main)                  # tokens (and everything before) are ready
+    forked.record(main)                  # dout, tokens, dwpe (and everything before) are ready
     side.wait_event(forked)
-    with side:                           # the sort's scratch comes from the side stream's pool
-        keys, bits = _sort_keys(tokens, V)
+    with side:
+        _launch_dwpe(dwpe, dout, 2, W)
     joined.record(side)
-    _launch_dwpe(dwpe, dout, 2, W)       # on main, while the sort runs
-    main.wait_event(joined)
+    keys, bits = _sort_keys(tokens, V)
     _launch_dwte_v3(dwte, dout, keys, bits)
+    main.wait_event(joined)              # whatever the caller queues next sees dwpe done
 
 
 DWTE_V3_UNROLL = 4     # rows in flight per thread in the v3 chunk kernel (4 or 8; see encoder.cu)
