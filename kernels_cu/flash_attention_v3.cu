@@ -1,0 +1,268 @@
+/*
+ * flash_attention_v3.cu -- causal multi-head attention forward on Hopper's wgmma (v3, sm_90a).
+ *
+ * Op (same as flash_attention.cu, v2; outputs bit-layout compatible so v2's backward runs on them):
+ *   qkv (B, T, 3C) bf16: q = qkv[..., :C], k = qkv[..., C:2C], v = qkv[..., 2C:3C];
+ *   head h is columns h*HD .. (h+1)*HD of each, C = NH * HD, HD in {64, 128}.
+ *   s_ij = scale * q_i . k_j, causal j <= i;  out_i = softmax(s_i.) V   out (B, T, C) bf16
+ *   lse_i = log sum_{j<=i} exp(s_ij)                                   lse (B, NH, T) f32
+ * No gradients here (the backward is v2's flash_attention_bwd.cu, or a v3 backward).
+ * Needs an sm_90 GPU: compiled for sm_90a (ops/attention.py loads it with arch "90a");
+ * compiled for anything else (kernels check --arch 80/90) the kernels trap.
+ *
+ * Algorithm (FlashAttention-3 without the warp-specialised producer, Shah et al. 2024):
+ * one block per (Q tile of BM = 64 * NWG rows, head), NWG consumer warpgroups of 128
+ * threads, warpgroup w owns query rows 64w..64w+63 of the tile. All threads copy
+ * (cp.async.cg, 16 B) into 128B-swizzled shared memory (layout and descriptors in
+ * wgmma.cuh): Q once, then K/V tiles of BN keys double-buffered (tile j+1 copies while
+ * tile j computes). Per KV tile, per warpgroup:
+ *   S (64 x BN, f32 regs) = Q K^T         HD/16 x wgmma.m64nBNk16, A = Q, B = K, both from
+ *                                         smem, K-major (K stored (BN, HD) row-major = B^T)
+ *   causal mask (only tiles crossing this warpgroup's diagonal), online softmax in log2 units
+ *   exactly as v2 (a row's 2*BN/8 values live in the 4 lanes of a quad: same fragment as
+ *   mma.sync's C, see wgmma.cuh), O rescaled by 2^(m_old - m_new)
+ *   P -> bf16 A fragments in registers (accumulator n8 blocks 2k, 2k+1 = A fragment of k-step k)
+ *   O (64 x HD, f32 regs) += P V           BN/16 x wgmma.m64nHDk16, A from registers,
+ *                                         B = V (BN, HD) row-major = MN-major, imm-trans-b 1
+ * wgmma ordering per batch: wgmma_fence (registers written by ordinary code since the last
+ * wgmma) -> wgmma x n -> commit -> wait<0> -> wg_fence_regs (reads stay after the wait).
+ * Overlap comes from the other warpgroup / block on the SM (no intra-warpgroup pipelining).
+ * Barriers: iteration j: cp.async.wait_group 0 (tile j, this thread's copies) ->
+ * fence.proxy.async (generic-proxy writes -> visible to wgmma's async proxy) ->
+ * __syncthreads (everyone's copies landed; every warpgroup has retired its tile j-1 wgmma,
+ * so buffer (j+1)&1 is free) -> copy tile j+1 -> compute tile j.
+ * Causality: the block visits KV tiles with a key <= its last row; a warpgroup skips tiles
+ * entirely after its rows (warpgroup-uniform branch: wgmma is warpgroup-collective; no
+ * barrier inside). Rows/keys >= T are zero-filled (finite, never NaN), masked keys -inf,
+ * stores skip rows >= T. Q tiles launched heaviest first.
+ * Epilogue: O / l, rounded to bf16, staged in the warp's own (swizzled) Q rows, written
+ * with 16-byte coalesced stores; lse = (m + log2 l) ln 2.
+ * Numerics: as v2 (f32 accumulation and statistics, P rounded to bf16, ex2.approx).
+ */
+#include "flash_attention.cuh"   // FA_LOG2E, FA_LN2, FA_NEG_INF, fast_exp2, pack_bf16x2_rn
+#include "wgmma.cuh"
+
+// Byte offset of 16-byte chunk c (8 bf16 of the head dim) of row r in a (ROWS, HD) tile stored
+// as HD/64 column blocks of (ROWS x 128 B), each 128B-swizzled.
+template <int ROWS>
+__device__ __forceinline__ u32 v3_off(int r, int c) { return (u32)((c >> 3) * (ROWS * 128)) + wg_swz128(r, c & 7); }
+
+// Rows [r0, r0 + ROWS) of a (T, HD) slice (rows `stride` elements apart) -> swizzled tile at
+// shared address s. Rows >= T become zeros (src-size 0; src stays a valid address).
+template <int ROWS, int HD, int NT>
+__device__ __forceinline__ void v3_load_tile(u32 s, const bf16* g, int r0, int T, int stride) {
+    constexpr int CPR = HD / 8;
+    static_assert((ROWS * CPR) % NT == 0, "tile chunks must divide evenly among threads");
+    #pragma unroll
+    for (int it = 0; it < ROWS * CPR / NT; it++) {
+        const int i = it * NT + threadIdx.x;
+        const int row = i / CPR, c = i % CPR;
+        const bool valid = r0 + row < T;
+        const bf16* src = valid ? g + (size_t)(r0 + row) * stride + c * 8 : g;
+        wg_cp_async16(s + v3_off<ROWS>(row, c), src, valid ? 16 : 0);
+    }
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+template <int BN> struct V3SS;
+template <> struct V3SS<64> {
+    static __device__ __forceinline__ void run(float* d, u64 a, u64 b, int sc) { wgmma_m64n64k16_ss_kk(d, a, b, sc); }
+};
+template <> struct V3SS<128> {
+    static __device__ __forceinline__ void run(float* d, u64 a, u64 b, int sc) { wgmma_m64n128k16_ss_kk(d, a, b, sc); }
+};
+template <int HD> struct V3RS;
+template <> struct V3RS<64> {
+    static __device__ __forceinline__ void run(float* d, const u32 (&a)[4], u64 b) { wgmma_m64n64k16_rs_mn(d, a, b, 1); }
+};
+template <> struct V3RS<128> {
+    static __device__ __forceinline__ void run(float* d, const u32 (&a)[4], u64 b) { wgmma_m64n128k16_rs_mn(d, a, b, 1); }
+};
+
+template <int HD, int NWG, int BN>
+__device__ __forceinline__ void flash_forward_v3(bf16* out,          // (B, T, C)
+                                                 float* lse,         // (B, NH, T)
+                                                 const bf16* qkv,    // (B, T, 3C)
+                                                 int T, int NH, float scale) {
+    constexpr int BM = 64 * NWG, NT = 128 * NWG;
+    constexpr int NS = BN / 8;                 // n8 blocks of S per thread row pair
+    constexpr int ND = HD / 8;                 // n8 blocks of O
+    constexpr u32 Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
+    extern __shared__ unsigned char smem_v3[];
+    const u32 sQ = (wg_smem_u32(smem_v3) + 1023u) & ~1023u;   // swizzle atoms: 1024-byte aligned
+    const u32 sK = sQ + Q_BYTES;                               // 2 x KV_BYTES
+    const u32 sV = sK + 2 * KV_BYTES;                          // 2 x KV_BYTES
+    unsigned char* const smem_gen = smem_v3 + (sQ - wg_smem_u32(smem_v3));   // generic pointer to sQ
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, w4 = warp & 3;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;           // heaviest tiles first
+    const int C = NH * HD, stride = 3 * C;
+    const bf16* q_g = qkv + (size_t)b * T * stride + h * HD;
+    const bf16* k_g = q_g + C;
+    const bf16* v_g = q_g + 2 * C;
+    const int n_tiles = ceil_div(min(T, m0 + BM), BN);         // KV tiles with a key <= last row
+
+    v3_load_tile<BM, HD, NT>(sQ, q_g, m0, T, stride);
+    v3_load_tile<BN, HD, NT>(sK, k_g, 0, T, stride);
+    v3_load_tile<BN, HD, NT>(sV, v_g, 0, T, stride);
+    wg_cp_async_commit();                                      // group: Q + KV tile 0
+
+    const int wm0 = m0 + 64 * wg;                              // this warpgroup's first row
+    const bool wg_active = wm0 < T;
+    const int row0 = wm0 + 16 * w4 + g;                        // this thread's rows: row0, row0 + 8
+    const float sl2 = scale * FA_LOG2E;                        // scores in log2 units
+
+    float s[BN / 2], o[HD / 2];
+    #pragma unroll
+    for (int i = 0; i < BN / 2; i++) s[i] = 0.f;
+    #pragma unroll
+    for (int i = 0; i < HD / 2; i++) o[i] = 0.f;
+    float m_run[2] = {FA_NEG_INF, FA_NEG_INF}, l_run[2] = {0.f, 0.f};
+
+    for (int j = 0; j < n_tiles; j++) {
+        const int buf = j & 1;
+        wg_cp_async_wait<0>();                                 // tile j (and Q) landed: own copies
+        fence_proxy_async();                                   // ... visible to wgmma (async proxy)
+        __syncthreads();                                       // ... everyone's; buffer buf^1 retired
+        if (j + 1 < n_tiles) {
+            v3_load_tile<BN, HD, NT>(sK + (buf ^ 1) * KV_BYTES, k_g, (j + 1) * BN, T, stride);
+            v3_load_tile<BN, HD, NT>(sV + (buf ^ 1) * KV_BYTES, v_g, (j + 1) * BN, T, stride);
+        }
+        wg_cp_async_commit();
+        const int n0 = j * BN;
+        if (wg_active && n0 <= wm0 + 63) {                     // warpgroup-uniform
+            const u32 kb = sK + buf * KV_BYTES, vb = sV + buf * KV_BYTES;
+            // S = Q K^T. k-step ks: 16 head dims, inside 64-wide column block ks/4.
+            wg_fence_regs<BN / 2>(s);
+            wgmma_fence();
+            #pragma unroll
+            for (int ks = 0; ks < HD / 16; ks++) {
+                const u64 da = smem_desc(sQ + (ks >> 2) * (BM * 128) + wg * (64 * 128) + (ks & 3) * 32, 16, 1024);
+                const u64 db = smem_desc(kb + (ks >> 2) * (BN * 128) + (ks & 3) * 32, 16, 1024);
+                V3SS<BN>::run(s, da, db, ks > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            wg_fence_regs<BN / 2>(s);
+
+            if (n0 + BN - 1 > wm0) {                           // crosses this warpgroup's diagonal
+                #pragma unroll
+                for (int nt = 0; nt < NS; nt++) {
+                    #pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int key = n0 + nt * 8 + 2 * t4 + e;
+                        if (key > row0) s[4 * nt + e] = FA_NEG_INF;
+                        if (key > row0 + 8) s[4 * nt + 2 + e] = FA_NEG_INF;
+                    }
+                }
+            }
+            // Online softmax (v2's): row r of this thread = s[4 nt + 2 r + e].
+            #pragma unroll
+            for (int r = 0; r < 2; r++) {
+                float mx = FA_NEG_INF;
+                #pragma unroll
+                for (int nt = 0; nt < NS; nt++) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * r], s[4 * nt + 2 * r + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float mn = fmaxf(m_run[r], mx * sl2);
+                const float ref = mn == FA_NEG_INF ? 0.f : mn;   // all masked so far: no -inf - -inf
+                const float alpha = fast_exp2(m_run[r] - ref);
+                m_run[r] = mn;
+                float rs = 0.f;
+                #pragma unroll
+                for (int nt = 0; nt < NS; nt++) {
+                    s[4 * nt + 2 * r] = fast_exp2(fmaf(s[4 * nt + 2 * r], sl2, -ref));
+                    s[4 * nt + 2 * r + 1] = fast_exp2(fmaf(s[4 * nt + 2 * r + 1], sl2, -ref));
+                    rs += s[4 * nt + 2 * r] + s[4 * nt + 2 * r + 1];
+                }
+                l_run[r] = l_run[r] * alpha + rs;
+                #pragma unroll
+                for (int dt = 0; dt < ND; dt++) {
+                    o[4 * dt + 2 * r] *= alpha;
+                    o[4 * dt + 2 * r + 1] *= alpha;
+                }
+            }
+            // O += P V: P's k-step kk (keys 16kk..16kk+15) = S n8 blocks 2kk, 2kk+1 as bf16.
+            u32 pa[BN / 16][4];
+            #pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++) {
+                pa[kk][0] = pack_bf16x2_rn(s[8 * kk + 0], s[8 * kk + 1]);
+                pa[kk][1] = pack_bf16x2_rn(s[8 * kk + 2], s[8 * kk + 3]);
+                pa[kk][2] = pack_bf16x2_rn(s[8 * kk + 4], s[8 * kk + 5]);
+                pa[kk][3] = pack_bf16x2_rn(s[8 * kk + 6], s[8 * kk + 7]);
+            }
+            wg_fence_regs<HD / 2>(o);
+            wgmma_fence();
+            #pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++)                // V k-step: 16 key rows = 2048 B
+                V3RS<HD>::run(o, pa[kk], smem_desc(vb + kk * 2048, BN * 128, 1024));
+            wgmma_commit();
+            wgmma_wait<0>();
+            wg_fence_regs<HD / 2>(o);
+            #pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++) wg_fence_regs<4>(pa[kk]);   // pa live until the wait
+        }
+    }
+    wg_cp_async_wait<0>();
+
+    // Epilogue. Quad sums, lse, O / l rounded to bf16 into this warp's own 16 Q rows
+    // (swizzled like Q: chunk c of row r at v3_off<BM>(r, c); conflict-free 4-byte writes),
+    // then the warp reads its rows back as 16-byte chunks and stores them coalesced.
+    float inv[2];
+    #pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float l = l_run[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        inv[r] = l > 0.f ? 1.f / l : 0.f;
+        const int row = row0 + 8 * r;
+        if (wg_active && t4 == 0 && row < T) lse[(size_t)bh * T + row] = (m_run[r] + log2f(l)) * FA_LN2;
+    }
+    const int lr0 = 64 * wg + 16 * w4;                          // this warp's first row in the tile
+    #pragma unroll
+    for (int dt = 0; dt < ND; dt++) {
+        const u32 cb = 4 * t4;                                  // byte offset of column 2t in a chunk
+        *reinterpret_cast<u32*>(smem_gen + v3_off<BM>(lr0 + g, dt) + cb) = pack_bf16x2_rn(o[4 * dt] * inv[0], o[4 * dt + 1] * inv[0]);
+        *reinterpret_cast<u32*>(smem_gen + v3_off<BM>(lr0 + g + 8, dt) + cb) = pack_bf16x2_rn(o[4 * dt + 2] * inv[1], o[4 * dt + 3] * inv[1]);
+    }
+    __syncwarp();
+    bf16* out_g = out + (size_t)b * T * C + h * HD;
+    #pragma unroll
+    for (int it = 0; it < 16 * ND / 32; it++) {
+        const int i = it * 32 + lane;
+        const int r = i / ND, c = i % ND;
+        const int row = m0 + lr0 + r;
+        if (row < T) {
+            const uint4 v = *reinterpret_cast<const uint4*>(smem_gen + v3_off<BM>(lr0 + r, c));
+            *reinterpret_cast<uint4*>(out_g + (size_t)row * C + c * 8) = v;
+        }
+    }
+}
+
+#define FLASH_V3_BODY(HD, NWG, BN) flash_forward_v3<HD, NWG, BN>(out, lse, qkv, T, NH, scale)
+#else
+#define FLASH_V3_BODY(HD, NWG, BN) __trap()          // not sm_90a: Python never launches this
+#endif
+
+// Configurations (HD, consumer warpgroups, keys per KV tile); names carry them
+// (attention_forward_kernel_v3_hd64_g2_n128_bf16). ops/attention.py FWD3_CONFIGS lists the
+// same, the first per HD being the default. Dynamic shared memory =
+// 1024 (alignment) + (64 * NWG + 4 * BN) * HD * 2 bytes. MINB (blocks per SM for
+// __launch_bounds__, not in the name): 2 caps registers at 128 so two blocks (4 warpgroups)
+// share an SM and one's softmax overlaps the other's wgmma.
+#define FLASH_FWD_V3(HD, NWG, BN, MINB)                                                         \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \
+    attention_forward_kernel_v3_hd##HD##_g##NWG##_n##BN##_bf16(                                 \
+            bf16* out, float* lse, const bf16* qkv, int T, int NH, float scale) {               \
+        FLASH_V3_BODY(HD, NWG, BN);                                                             \
+    }
+
+FLASH_FWD_V3(64, 2, 64, 2)
+FLASH_FWD_V3(64, 2, 128, 1)
+FLASH_FWD_V3(64, 1, 128, 2)
+FLASH_FWD_V3(128, 2, 64, 1)
+FLASH_FWD_V3(128, 2, 128, 1)
