@@ -138,7 +138,7 @@ def test_bad_input(rng):
     with pytest.raises(TypeError, match="lse: dtype"):
         gpucore.attention_forward(qkv, 2, lse=np.zeros((2, 2, 4), BF16))
     with pytest.raises(ValueError, match="version"):
-        gpucore.attention_forward(qkv, 2, version=3)
+        gpucore.attention_forward(qkv, 2, version=4)
     out, lse = gpucore.attention_forward(qkv, 2)
     with pytest.raises(ValueError, match="dout: expected shape"):
         gpucore.attention_backward(out[:, :3].copy(), qkv, out, lse, 2)
@@ -400,3 +400,151 @@ def test_gpu_attention_convenience(rng, causal, dtype, hd):
                             v.astype(np.float32), causal=causal)
     assert y.shape == q.shape and y.dtype == dtype
     assert rel_err(to_cpu(y), ref) < _tol(dtype)
+
+
+# ------------------------------------------------------- version 3 forward -----
+# kernels_cu/flash_attention_v3.cu (wgmma, sm_90a). Its out/lse feed v2's backward (measured
+# correct on an H200), so test_gpu_v3_forward_v2_backward checks the layouts end to end. The
+# messages name the worst (b, head, 16-row block): every block bad -> a fragment layout or a
+# descriptor (S = Q K^T: smem layout / K-major descriptor; O += P V: register-A packing / the
+# MN-major V descriptor); rows 64..127 of each tile only -> warpgroup 1's Q descriptor offset;
+# diagonal blocks only -> the causal mask; the last block only -> T tails (zero-fill / stores).
+
+def _v3_fwd_table():
+    t = {}
+    for hd, g, bn, _minb in _instantiations(runtime.KERNEL_DIR / "flash_attention_v3.cu", "FLASH_FWD_V3"):
+        t.setdefault(hd, []).append((g, bn))
+    return t
+
+
+def test_v3_forward_table_matches_kernel_instantiations():
+    assert _v3_fwd_table() == attn.V3_FWD_CONFIGS
+    assert set(attn.V3_FWD_CONFIGS) <= set(attn.FWD_CONFIGS)   # v2 is the fallback for the same hd
+    for hd, cfgs in attn.V3_FWD_CONFIGS.items():
+        assert hd in (64, 128)
+        for g, bn in cfgs:
+            nt = 128 * g
+            assert g in (1, 2) and bn in (64, 128) and attn._v3_fwd_smem(hd, g, bn) <= 227 * 1024
+            assert (64 * g * hd // 8) % nt == 0 and (bn * hd // 8) % nt == 0   # copy loops divide evenly
+
+
+def test_v3_forward_version_argument_on_numpy(rng):
+    qkv = _qkv(rng, 1, 5, 2, 4)
+    ref_out, ref_lse = attn.attention_forward_reference(qkv, 2)
+    out, lse = gpucore.attention_forward(qkv, 2, version=3)   # NumPy: the reference, any version
+    assert rel_err(out, ref_out) < 1e-6 and np.allclose(lse, ref_lse, atol=1e-6)
+    with pytest.raises(ValueError, match="version"):
+        gpucore.attention_forward(qkv, 2, version=4)
+
+
+@pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
+def test_v3_forward_kernels_compile_for_sm90a_without_spills():
+    rows = runtime.check_kernels(("90a",), [runtime.KERNEL_DIR / "flash_attention_v3.cu"])
+    assert rows and not [r for r in rows if not r["ok"]], rows
+    names = {r["kernel"] for r in rows}
+    for hd, cfgs in attn.V3_FWD_CONFIGS.items():
+        assert {f"attention_forward_kernel_v3_hd{hd}_g{g}_n{n}_bf16" for g, n in cfgs} <= names
+
+
+def _need_sm90_fwd():
+    if runtime.device_arch() != attn.V3_FWD_ARCH[:-1]:
+        pytest.skip(f"version 3 forward needs sm_{attn.V3_FWD_ARCH[:-1]}")
+
+
+def _v3_forward_check(rng, B, NH, T, hd, cfg=None, sigma=1.5):
+    """v3 forward (config cfg) into NaN-poisoned out/lse vs the float64 reference."""
+    cp = runtime.cupy
+    qkv = _qkv(rng, B, T, NH, hd, BF16, sigma=sigma)
+    out = poison((B, T, NH * hd), BF16)
+    lse = poison((B, NH, T), np.float32)
+    attn._forward_v3(cp.asarray(qkv), NH, out, lse, cfg=cfg)
+    ref_out, ref_lse = attn.attention_forward_reference(qkv, NH)
+    o, l_ = to_cpu(out), to_cpu(lse)
+    err = rel_err(o, ref_out)
+    assert not np.isnan(o.astype(np.float32)).any(), f"NaN in out\n{_locate(o, ref_out, B, T, NH, hd)}"
+    assert err < 1e-2, f"cfg {cfg}: out rel err {err:.3e}\n{_locate(o, ref_out, B, T, NH, hd)}"
+    lse_err = np.abs(l_.astype(np.float64) - ref_lse)
+    assert np.all(lse_err < 2e-3), f"cfg {cfg}: " + _lse_locate(l_, ref_lse)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-NH{}-T{}-hd{}".format(*s))
+def test_gpu_forward_v3(rng, shape):
+    """Default config per hd over T in {1, 17, 64, 100, 129, 257, 1024}, via the public API."""
+    _need_sm90_fwd()
+    test_gpu_forward(rng, (3, BF16, shape))
+
+
+V3_FWD_VARIANTS = [(hd, c) for hd, cs in attn.V3_FWD_CONFIGS.items() for c in cs]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", V3_FWD_VARIANTS, ids=lambda v: f"hd{v[0]}-g{v[1][0]}-n{v[1][1]}")
+@pytest.mark.parametrize("T", [1, 64, 100, 129, 301])
+def test_gpu_forward_v3_tile_variants(rng, variant, T):
+    _need_sm90_fwd()
+    hd, cfg = variant
+    _v3_forward_check(rng, 2, 2, T, hd, cfg=cfg)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("hd", [64, 128])
+def test_gpu_forward_v3_sharp_softmax(rng, hd):
+    """Large scores (sigma 4): the running max changes often, exercising the O rescale."""
+    _need_sm90_fwd()
+    _v3_forward_check(rng, 1, 2, 300, hd, sigma=4.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(2, 3, 17, 64), (1, 2, 129, 64), (2, 2, 257, 64), (1, 2, 100, 128),
+                                   (1, 1, 1024, 64)], ids=lambda s: "B{}-NH{}-T{}-hd{}".format(*s))
+def test_gpu_v3_forward_v2_backward(rng, shape):
+    """v3's out/lse drive v2's backward to the reference gradients (the layouts agree)."""
+    _need_sm90_fwd()
+    cp = runtime.cupy
+    B, NH, T, hd = shape
+    C = NH * hd
+    qkv = _qkv(rng, B, T, NH, hd, BF16, sigma=1.5)
+    dout = rng.standard_normal((B, T, C)).astype(BF16)
+    qkv_g, dout_g = cp.asarray(qkv), cp.asarray(dout)
+    out, lse = gpucore.attention_forward(qkv_g, NH, version=3)
+    out2, lse2 = gpucore.attention_forward(qkv_g, NH, version=2)
+    assert rel_err(to_cpu(out), to_cpu(out2)) < 1e-2
+    assert float(cp.abs(lse - lse2).max()) < 2e-3
+    dqkv = poison(qkv.shape, BF16)
+    gpucore.attention_backward(dout_g, qkv_g, out, lse, NH, dqkv=dqkv, version=2)
+    ref = attn.attention_backward_reference(dout, qkv, NH)
+    d = to_cpu(dqkv)
+    for s, name in enumerate("qkv"):
+        err = rel_err(d[..., s * C:(s + 1) * C], ref[..., s * C:(s + 1) * C])
+        assert err < 1e-2, f"d{name} rel err {err:.3e}\n{_locate(d, ref, B, T, NH, hd, S=3)}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("hd", [64, 128])
+def test_gpu_deterministic_v3_forward(rng, hd):
+    _need_sm90_fwd()
+    cp = runtime.cupy
+    NH = 3
+    qkv = cp.asarray(_qkv(rng, 2, 300, NH, hd, BF16))
+    runs = [[to_cpu(a).tobytes() for a in gpucore.attention_forward(qkv, NH, version=3)] for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.cuda
+def test_gpu_default_forward_is_v3_on_sm90(rng):
+    _need_sm90_fwd()
+    cp = runtime.cupy
+    NH = 2
+    qkv = cp.asarray(_qkv(rng, 1, 70, NH, 64, BF16))
+    o_def, l_def = gpucore.attention_forward(qkv, NH)
+    o3, l3 = gpucore.attention_forward(qkv, NH, version=3)
+    if attn.V3_FWD_DEFAULT:
+        assert to_cpu(o_def).tobytes() == to_cpu(o3).tobytes()
+        assert to_cpu(l_def).tobytes() == to_cpu(l3).tobytes()
+    with pytest.raises(TypeError, match="version 3 forward takes bfloat16"):
+        gpucore.attention_forward(qkv.astype(np.float32), NH, version=3)
+    with pytest.raises(ValueError, match="head dims"):
+        gpucore.attention_forward(cp.asarray(_qkv(rng, 1, 8, 2, 32, BF16)), 2, version=3)
+    o32, _ = gpucore.attention_forward(cp.asarray(_qkv(rng, 1, 8, 2, 32, BF16)), 2)   # default falls back
+    assert not np.isnan(to_cpu(o32).astype(np.float32)).any()

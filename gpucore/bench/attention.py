@@ -10,6 +10,7 @@ rows show them as the reference ("% of ref", PASS/FAIL at 100%).
 `scratch` is the device memory one call takes from CuPy's pool beyond its
 inputs and outputs, measured with a memory hook: v1 holds (B, NH, T, T) score
 matrices, v2 only D = rowsum(dout * out) (B, NH, T) in the backward.
+v3 forward rows (wgmma, sm_90 only, target 300) likewise; sweep=1 adds one per V3_FWD_CONFIGS entry.
 Options: --version all|1|2, --dtype bfloat16|float32 (float32 runs v1 only),
 --opt B=.. NH=.. T=.. hd=.., --opt sweep=1 also times every v2 tile configuration
 (gpucore.ops.attention FWD_CONFIGS / DKDV_CONFIGS / DQ_CONFIGS; the first of each is
@@ -95,6 +96,9 @@ def bench_attention(B: int = 64, NH: int = 12, T: int = 1024, hd: int = 64, vers
         cupy.get_default_memory_pool().free_all_blocks()   # v1's score matrices are GBs
     if sweep and 2 in versions and hd in attn.FWD_CONFIGS:
         results += _sweep(qkv, dout, out, lse, dqkv, NH, hd, flops_f, flops_b)
+    if dt == dtypes.bfloat16 and hd in attn.V3_FWD_CONFIGS and (
+            version in (None, "all") or "3" in str(version).split(",")):
+        results += _v3_forward_rows(qkv, out, lse, NH, hd, flops_f, shape, sweep, results)
     return results
 
 
@@ -112,4 +116,23 @@ def _sweep(qkv, dout, out, lse, dqkv, NH, hd, flops_f, flops_b):
             tile = "BM" if kind == "dkdv" else "BN"
             rows.append(Result(f"  v2 backward {kind} warps={cfg[0]} {tile}={cfg[1]}", ms, flops=flops_b,
                                ref_tflops=BWD_TARGET_TFLOPS, target=1.0))
+    return rows
+
+
+def _v3_forward_rows(qkv, out, lse, NH, hd, flops_f, shape, sweep, results):
+    """Version 3 forward (wgmma, sm_90 only; target 300 TFLOP/s); with sweep, every V3_FWD_CONFIGS entry."""
+    from .. import runtime as _rt
+    if _rt.device_arch() != attn.V3_FWD_ARCH[:-1]:
+        return []
+    rows = []
+    if not any(r.name.startswith("attention v3 forward") for r in results):
+        fwd = lambda: attn._forward_v3(qkv, NH, out, lse)  # noqa: E731
+        fwd()                                    # compile before measuring
+        rows.append(Result(f"attention v3 forward {shape}", time_ms(fwd), flops=flops_f,
+                           ref_tflops=FWD_TARGET_TFLOPS, target=1.0, extra={"scratch": _mib(0)}))
+    if sweep:
+        for cfg in attn.V3_FWD_CONFIGS[hd]:
+            ms = time_ms(lambda: attn._forward_v3(qkv, NH, out, lse, cfg=cfg))
+            rows.append(Result(f"  v3 forward warpgroups={cfg[0]} BN={cfg[1]}", ms, flops=flops_f,
+                               ref_tflops=FWD_TARGET_TFLOPS, target=1.0))
     return rows

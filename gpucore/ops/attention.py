@@ -38,7 +38,7 @@ from ._common import check_array, check_same_dtype, output
 from .matmul import batched_matmul
 
 F32, BF16 = dtypes.float32, dtypes.bfloat16
-VERSIONS = (1, 2)
+VERSIONS = (1, 2, 3)
 
 # Flash kernel configurations; must match the FLASH_FWD / FLASH_BWD_DKDV / FLASH_BWD_DQ
 # instantiations (tests/test_attention.py checks). The first entry per head dim is the
@@ -54,6 +54,21 @@ DQ_CONFIGS = {64: [(4, 64), (8, 64), (4, 32)], 128: [(4, 32), (8, 32)]}
 PREPROCESS_BLOCK = 256
 V1_SOFTMAX_BLOCK = 256     # 8 warps = 8 rows per block
 V1_PERMUTE_BLOCK = 256
+
+# Version 3 forward (kernels_cu/flash_attention_v3.cu): FlashAttention-3-style on Hopper wgmma,
+# compiled for sm_90a, runs on sm_90 only; writes out and lse exactly as v2 does, so either
+# backward runs on them. Must match the FLASH_FWD_V3 instantiations (tests check); the first
+# entry per head dim is the default. head dim -> [(consumer warpgroups, keys per KV tile)];
+# Q tile = 64 * warpgroups rows.
+V3_FWD_CONFIGS = {64: [(2, 64), (2, 128), (1, 128)], 128: [(2, 64), (2, 128)]}
+V3_FWD_ARCH = "90a"
+# The default forward (version=None) is 3 where it applies (bf16, sm_90, head dim in
+# V3_FWD_CONFIGS, 16-byte aligned), else 2, else 1. False reverts the default to v2.
+V3_FWD_DEFAULT = True
+
+
+def _v3_fwd_smem(hd, wgs, bn):
+    return 1024 + (64 * wgs + 4 * bn) * hd * 2
 
 
 def _fwd_smem(hd, warps, mt, bn):
@@ -253,6 +268,33 @@ def _forward_v2(qkv, NH, out, lse, cfg=None):
                    shared_mem=_fwd_smem(hd, warps, mt, bn))
 
 
+def _v3_fwd_reason(dtype, hd, arrays) -> str | None:
+    """None if the version 3 forward runs on these arrays here, else the reason it does not."""
+    if dtype != BF16:
+        return f"version 3 forward takes bfloat16, got {dtypes.name(dtype)}"
+    if hd not in V3_FWD_CONFIGS:
+        return f"version 3 forward supports head dims {sorted(V3_FWD_CONFIGS)}, got {hd}"
+    for name, a in arrays:
+        if a.data.ptr % 16:
+            return f"{name}: version 3 forward needs 16-byte aligned arrays"
+    if runtime.device_arch() != V3_FWD_ARCH[:-1]:
+        return (f"version 3 forward needs an sm_{V3_FWD_ARCH[:-1]} GPU (wgmma), "
+                f"this one is sm_{runtime.device_arch()}")
+    return None
+
+
+def _forward_v3(qkv, NH, out, lse, cfg=None):
+    """wgmma flash forward (kernels_cu/flash_attention_v3.cu): grid (B*NH, Q tiles of 64*wgs rows)."""
+    B, T, C3 = qkv.shape
+    hd = C3 // 3 // NH
+    wgs, bn = cfg or V3_FWD_CONFIGS[hd][0]
+    k = runtime.get_kernel("flash_attention_v3", f"attention_forward_kernel_v3_hd{hd}_g{wgs}_n{bn}_bf16",
+                           arch=V3_FWD_ARCH)
+    runtime.launch(k, (B * NH, -(-T // (64 * wgs))), 128 * wgs,
+                   (out, lse, qkv, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd))),
+                   shared_mem=_v3_fwd_smem(hd, wgs, bn))
+
+
 def _backward_v2(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None):
     cp = runtime.cupy
     B, T, C3 = qkv.shape
@@ -296,7 +338,9 @@ def attention_forward(qkv, num_heads, out=None, lse=None, version=None):
     """Causal self-attention of qkv (B, T, 3C) with num_heads heads.
 
     Returns (out (B, T, C) of qkv's dtype, lse (B, NH, T) float32). `version`:
-    None (best available), 1 (classic, stores (B, NH, T, T)) or 2 (flash, bf16).
+    None (best available: 3 where it applies and V3_FWD_DEFAULT, else 2, else 1),
+    1 (classic, stores (B, NH, T, T)), 2 (flash, bf16) or 3 (flash on Hopper wgmma:
+    bf16, sm_90, head dims in V3_FWD_CONFIGS; same out/lse layout as 2).
     """
     B, T, C, NH, hd = _check_qkv(qkv, num_heads)
     _check_version(version)
@@ -308,6 +352,14 @@ def attention_forward(qkv, num_heads, out=None, lse=None, version=None):
         out[...] = r_out.astype(out.dtype)
         lse[...] = r_lse.astype(F32)
         return out, lse
+    if version == 3 or (version is None and V3_FWD_DEFAULT):
+        reason = _v3_fwd_reason(qkv.dtype, hd, (("qkv", qkv), ("out", out)))
+        if reason is None:
+            if B * T:
+                _forward_v3(qkv, NH, out, lse)
+            return out, lse
+        if version == 3:
+            raise (TypeError if "takes bfloat16" in reason else ValueError)(reason)
     version = _pick_version(version, qkv.dtype, hd, (("qkv", qkv), ("out", out)))
     if B * T == 0:
         return out, lse
