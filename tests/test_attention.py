@@ -402,6 +402,134 @@ def test_gpu_attention_convenience(rng, causal, dtype, hd):
     assert rel_err(to_cpu(y), ref) < _tol(dtype)
 
 
+# ------------------------------------------------------- version 3 backward -----
+# kernels_cu/flash_attention_v3_bwd.cu (wgmma, sm_90a). The forward here is v2 (measured
+# correct on an H200), so a failure points at the v3 backward alone; the messages name
+# dq / dk / dv and the worst (b, head, 16-row block): all blocks bad -> a fragment layout or
+# descriptor; only diagonal blocks -> the causal mask; only the last block -> T tails.
+
+def test_v3_tables_match_kernel_instantiations():
+    src = runtime.KERNEL_DIR / "flash_attention_v3_bwd.cu"
+
+    def table(rows):
+        t = {}
+        for hd, *cfg in rows:
+            t.setdefault(hd, []).append(tuple(cfg))
+        return t
+
+    assert table(_instantiations(src, "FLASH_V3_DKDV")) == attn.V3_DKDV_CONFIGS
+    assert table(_instantiations(src, "FLASH_V3_DQ")) == attn.V3_DQ_CONFIGS
+    assert set(attn.V3_DKDV_CONFIGS) == set(attn.V3_DQ_CONFIGS) <= set(attn.FWD_CONFIGS)
+    for hd in attn.V3_DKDV_CONFIGS:
+        for g, bm in attn.V3_DKDV_CONFIGS[hd]:
+            assert bm in (64, 128) and attn._v3_dkdv_smem(hd, g, bm) <= 227 * 1024
+            assert (bm * hd // 8) % (128 * g) == 0 and (64 * g * hd // 8) % (128 * g) == 0
+        for g, bn in attn.V3_DQ_CONFIGS[hd]:
+            assert bn in (64, 128) and attn._v3_dq_smem(hd, g, bn) <= 227 * 1024
+            assert (bn * hd // 8) % (128 * g) == 0
+
+
+def test_v3_backward_version_argument_on_numpy(rng):
+    qkv = _qkv(rng, 1, 5, 2, 4)
+    out, lse = gpucore.attention_forward(qkv, 2)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    ref = attn.attention_backward_reference(dout, qkv, 2)
+    assert rel_err(gpucore.attention_backward(dout, qkv, out, lse, 2, version=3), ref) < 1e-6
+    with pytest.raises(ValueError, match="version"):
+        gpucore.attention_backward(dout, qkv, out, lse, 2, version=4)
+
+
+@pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
+def test_v3_backward_kernels_compile_for_sm90a_without_spills():
+    rows = runtime.check_kernels(("90a",), [runtime.KERNEL_DIR / "flash_attention_v3_bwd.cu"])
+    assert rows and not [r for r in rows if not r["ok"]], rows
+    names = {r["kernel"] for r in rows}
+    for hd in attn.V3_DKDV_CONFIGS:
+        assert {f"attention_backward_dkdv_kernel_v3_hd{hd}_g{g}_m{m}_bf16" for g, m in attn.V3_DKDV_CONFIGS[hd]} <= names
+        assert {f"attention_backward_dq_kernel_v3_hd{hd}_g{g}_n{n}_bf16" for g, n in attn.V3_DQ_CONFIGS[hd]} <= names
+
+
+def _need_sm90():
+    if runtime.device_arch() != attn.V3_ARCH[:-1]:
+        pytest.skip(f"version 3 backward needs sm_{attn.V3_ARCH[:-1]}")
+
+
+def _v3_case(rng, B, NH, T, hd, run):
+    """v2 forward, then `run(dout, qkv, out, lse, dqkv)` into a NaN-poisoned dqkv; checks dq, dk, dv."""
+    cp = runtime.cupy
+    C = NH * hd
+    qkv = _qkv(rng, B, T, NH, hd, BF16, sigma=1.5)
+    dout = rng.standard_normal((B, T, C)).astype(BF16)
+    qkv_g, dout_g = cp.asarray(qkv), cp.asarray(dout)
+    out, lse = gpucore.attention_forward(qkv_g, NH, version=2)
+    dqkv = poison(qkv.shape, BF16)
+    run(dout_g, qkv_g, out, lse, dqkv)
+    ref = attn.attention_backward_reference(dout, qkv, NH)
+    d = to_cpu(dqkv)
+    for s, name in enumerate("qkv"):
+        part, rpart = d[..., s * C:(s + 1) * C], ref[..., s * C:(s + 1) * C]
+        err = rel_err(part, rpart)
+        assert err < 1e-2, f"d{name} rel err {err:.3e}\n{_locate(d, ref, B, T, NH, hd, S=3)}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-NH{}-T{}-hd{}".format(*s))
+def test_gpu_backward_v3(rng, shape):
+    _need_sm90()
+    B, NH, T, hd = shape
+    _v3_case(rng, B, NH, T, hd,
+             lambda do, qkv, o, l, dqkv: gpucore.attention_backward(do, qkv, o, l, NH, dqkv=dqkv, version=3))
+
+
+V3_VARIANTS = ([("dkdv", hd, c) for hd, cs in attn.V3_DKDV_CONFIGS.items() for c in cs[1:]]
+               + [("dq", hd, c) for hd, cs in attn.V3_DQ_CONFIGS.items() for c in cs[1:]])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", V3_VARIANTS, ids=lambda v: f"{v[0]}-hd{v[1]}-" + "-".join(map(str, v[2])))
+@pytest.mark.parametrize("T", [100, 301])
+def test_gpu_backward_v3_tile_variants(rng, variant, T):
+    _need_sm90()
+    kind, hd, cfg = variant
+    kw = {"dkdv_cfg" if kind == "dkdv" else "dq_cfg": cfg}
+    _v3_case(rng, 2, 2, T, hd, lambda do, qkv, o, l, dqkv: attn._backward_v3(do, qkv, o, l, 2, dqkv, **kw))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("hd", [64, 128])
+def test_gpu_deterministic_v3(rng, hd):
+    _need_sm90()
+    cp = runtime.cupy
+    B, NH, T = 2, 3, 300
+    qkv = cp.asarray(_qkv(rng, B, T, NH, hd, BF16))
+    dout = cp.asarray(rng.standard_normal((B, T, NH * hd)).astype(BF16))
+    out, lse = gpucore.attention_forward(qkv, NH, version=2)
+    runs = [to_cpu(gpucore.attention_backward(dout, qkv, out, lse, NH, version=3)).tobytes() for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.cuda
+def test_gpu_default_backward_is_v3_on_sm90(rng):
+    _need_sm90()
+    cp = runtime.cupy
+    NH = 2
+    qkv = cp.asarray(_qkv(rng, 1, 70, NH, 64, BF16))
+    dout = cp.asarray(rng.standard_normal((1, 70, NH * 64)).astype(BF16))
+    out, lse = gpucore.attention_forward(qkv, NH, version=2)
+    d_default = gpucore.attention_backward(dout, qkv, out, lse, NH)
+    d3 = gpucore.attention_backward(dout, qkv, out, lse, NH, version=3)
+    if attn.V3_BWD_DEFAULT:
+        assert to_cpu(d_default).tobytes() == to_cpu(d3).tobytes()
+    q32 = qkv.astype(np.float32)
+    o32, l32 = gpucore.attention_forward(q32, NH, version=1)
+    with pytest.raises(TypeError, match="version 3 backward takes bfloat16"):
+        gpucore.attention_backward(dout.astype(np.float32), q32, o32, l32, NH, version=3)
+    q32h = cp.asarray(_qkv(rng, 1, 8, 2, 32, BF16))
+    o32h, l32h = gpucore.attention_forward(q32h, 2)
+    with pytest.raises(ValueError, match="head dims"):
+        gpucore.attention_backward(cp.zeros_like(o32h), q32h, o32h, l32h, 2, version=3)
+
+
 # ------------------------------------------------------- version 3 forward -----
 # kernels_cu/flash_attention_v3.cu (wgmma, sm_90a). Its out/lse feed v2's backward (measured
 # correct on an H200), so test_gpu_v3_forward_v2_backward checks the layouts end to end. The

@@ -10,6 +10,8 @@ rows show them as the reference ("% of ref", PASS/FAIL at 100%).
 `scratch` is the device memory one call takes from CuPy's pool beyond its
 inputs and outputs, measured with a memory hook: v1 holds (B, NH, T, T) score
 matrices, v2 only D = rowsum(dout * out) (B, NH, T) in the backward.
+v3 backward rows (wgmma, sm_90 only; run on v2 forward's out/lse) come with
+--version all or a list containing 3; with --opt sweep=1 also per V3_*_CONFIGS entry.
 v3 forward rows (wgmma, sm_90 only, target 300) likewise; sweep=1 adds one per V3_FWD_CONFIGS entry.
 Options: --version all|1|2, --dtype bfloat16|float32 (float32 runs v1 only),
 --opt B=.. NH=.. T=.. hd=.., --opt sweep=1 also times every v2 tile configuration
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import dtypes
+from .. import dtypes, runtime
 from ..ops import attention as attn
 from . import Result, benchmark, time_ms
 
@@ -99,7 +101,32 @@ def bench_attention(B: int = 64, NH: int = 12, T: int = 1024, hd: int = 64, vers
     if dt == dtypes.bfloat16 and hd in attn.V3_FWD_CONFIGS and (
             version in (None, "all") or "3" in str(version).split(",")):
         results += _v3_forward_rows(qkv, out, lse, NH, hd, flops_f, shape, sweep, results)
+    want3 = version in (None, "all") or "3" in str(version).split(",")
+    if (want3 and dt == dtypes.bfloat16 and hd in attn.V3_DKDV_CONFIGS
+            and runtime.device_arch() == attn.V3_ARCH[:-1]
+            and not any(r.name.startswith("attention v3 backward") for r in results)):
+        results += _v3_backward_rows(qkv, dout, out, lse, dqkv, NH, hd, flops_b, shape, sweep)
     return results
+
+
+def _v3_backward_rows(qkv, dout, out, lse, dqkv, NH, hd, flops_b, shape, sweep):
+    """Version 3 backward (wgmma, sm_90) on v2 forward's out/lse; with sweep, every tile config."""
+    import gpucore
+    gpucore.attention_forward(qkv, NH, out=out, lse=lse, version=2)
+    bwd = lambda: gpucore.attention_backward(dout, qkv, out, lse, NH, dqkv=dqkv, version=3)  # noqa: E731
+    bwd()                                        # compile before measuring
+    s_b = _measure_scratch(bwd)
+    rows = [Result(f"attention v3 backward {shape}", time_ms(bwd), flops=flops_b,
+                   ref_tflops=BWD_TARGET_TFLOPS, target=1.0, extra={"scratch": _mib(s_b)})]
+    if sweep:
+        for kind, table in (("dkdv", attn.V3_DKDV_CONFIGS), ("dq", attn.V3_DQ_CONFIGS)):
+            for cfg in table[hd]:
+                kw = {"dkdv_cfg" if kind == "dkdv" else "dq_cfg": cfg}
+                ms = time_ms(lambda: attn._backward_v3(dout, qkv, out, lse, NH, dqkv, **kw))
+                tile = "BM" if kind == "dkdv" else "BN"
+                rows.append(Result(f"  v3 backward {kind} warpgroups={cfg[0]} {tile}={cfg[1]}", ms, flops=flops_b,
+                                   ref_tflops=BWD_TARGET_TFLOPS, target=1.0))
+    return rows
 
 
 def _sweep(qkv, dout, out, lse, dqkv, NH, hd, flops_f, flops_b):

@@ -19,6 +19,10 @@ Versions (GPU):
      tile by tile in two deterministic passes (dK/dV per KV tile, dQ per Q tile).
      Reads qkv and writes out/dqkv in place, scratch O(B*NH*T) (D = rowsum(dout*out)).
      bfloat16 only, head dim 64 or 128, 16-byte aligned arrays.
+  3  backward only (kernels_cu/flash_attention_v3_bwd.cu): version 2's deterministic
+     two passes with the tile products on Hopper's wgmma (sm_90a), from 128-byte
+     swizzled shared memory; D from v2's preprocess. bf16, head dim 64 or 128, sm_90.
+     The default backward on sm_90 while V3_BWD_DEFAULT is True.
 The default (version=None) is 2 where it applies, else 1 (float32 inputs, other
 head dims, misaligned views); asking for version=2 where it does not apply
 raises instead of falling back.
@@ -81,6 +85,28 @@ def _dkdv_smem(hd, warps, bm):
 
 def _dq_smem(hd, warps, bn):
     return (32 * warps + 4 * bn) * (hd + 8) * 2
+
+
+# Version 3 backward (kernels_cu/flash_attention_v3_bwd.cu): v2's deterministic two passes on
+# Hopper wgmma, compiled for sm_90a, runs on sm_90 only. Must match the FLASH_V3_DKDV /
+# FLASH_V3_DQ instantiations (tests check); first entry per head dim = default.
+# dK/dV pass: head dim -> [(warpgroups, Q-tile rows)]; KV tile = 64 * warpgroups keys
+V3_DKDV_CONFIGS = {64: [(2, 64), (1, 64)], 128: [(2, 64)]}
+# dQ pass: head dim -> [(warpgroups, keys per KV tile)]; Q tile = 64 * warpgroups rows
+V3_DQ_CONFIGS = {64: [(2, 64), (1, 64), (2, 128)], 128: [(2, 64), (1, 64)]}
+V3_ARCH = "90a"
+# The default backward (version=None) is 3 where it applies (bf16, sm_90, head dim in the
+# tables, 16-byte aligned), else as before. False reverts the default to v2 without code changes.
+V3_BWD_DEFAULT = True
+BWD_VERSIONS = (1, 2, 3)
+
+
+def _v3_dkdv_smem(hd, wgs, bm):
+    return 1024 + (2 * 64 * wgs + 4 * bm) * hd * 2 + 16 * bm
+
+
+def _v3_dq_smem(hd, wgs, bn):
+    return 1024 + (2 * 64 * wgs + 4 * bn) * hd * 2
 
 
 # ----------------------------------------------------------------- checks ----
@@ -317,12 +343,52 @@ def _backward_v2(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None):
                    shared_mem=_dq_smem(hd, q_warps, bn))
 
 
+# -------------------------------------------------------------- version 3 ----
+
+def _v3_bwd_reason(dtype, hd, arrays) -> str | None:
+    """None if the version 3 backward runs on these arrays here, else the reason it does not."""
+    if dtype != BF16:
+        return f"version 3 backward takes bfloat16, got {dtypes.name(dtype)}"
+    if hd not in V3_DKDV_CONFIGS:
+        return f"version 3 backward supports head dims {sorted(V3_DKDV_CONFIGS)}, got {hd}"
+    for name, a in arrays:
+        if a.data.ptr % 16:
+            return f"{name}: version 3 backward needs 16-byte aligned arrays"
+    if runtime.device_arch() != V3_ARCH[:-1]:
+        return f"version 3 backward needs an sm_{V3_ARCH[:-1]} GPU (wgmma), this one is sm_{runtime.device_arch()}"
+    return None
+
+
+def _backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None):
+    """v2's preprocess (D = rowsum(dout * out)), then the wgmma dK/dV and dQ passes."""
+    cp = runtime.cupy
+    B, T, C3 = qkv.shape
+    hd = C3 // 3 // NH
+    kv_wgs, bm = dkdv_cfg or V3_DKDV_CONFIGS[hd][0]
+    q_wgs, bn = dq_cfg or V3_DQ_CONFIGS[hd][0]
+    scale = np.float32(1.0 / math.sqrt(hd))
+    D = cp.empty((B, NH, T), dtype=F32)
+    rows = B * T * NH
+    k0 = runtime.get_kernel("flash_attention_bwd", f"attention_backward_preprocess_kernel_v2_hd{hd}_bf16")
+    runtime.launch(k0, -(-rows * (hd // 8) // PREPROCESS_BLOCK), PREPROCESS_BLOCK,
+                   (D, dout, out, np.int32(rows), np.int32(T), np.int32(NH)))
+    args = (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), scale)
+    k1 = runtime.get_kernel("flash_attention_v3_bwd",
+                            f"attention_backward_dkdv_kernel_v3_hd{hd}_g{kv_wgs}_m{bm}_bf16", arch=V3_ARCH)
+    runtime.launch(k1, (B * NH, -(-T // (64 * kv_wgs))), 128 * kv_wgs, args,
+                   shared_mem=_v3_dkdv_smem(hd, kv_wgs, bm))
+    k2 = runtime.get_kernel("flash_attention_v3_bwd",
+                            f"attention_backward_dq_kernel_v3_hd{hd}_g{q_wgs}_n{bn}_bf16", arch=V3_ARCH)
+    runtime.launch(k2, (B * NH, -(-T // (64 * q_wgs))), 128 * q_wgs, args,
+                   shared_mem=_v3_dq_smem(hd, q_wgs, bn))
+
+
 def scratch_bytes(B, T, NH, hd, dtype, version, backward=False) -> int:
     """Bytes of temporary device memory one call allocates (outputs excluded)."""
     dtype = dtypes.normalize(dtype)
     it = dtype.itemsize
     n_tt = B * NH * T * T
-    if version == 2:
+    if version in (2, 3):
         return 4 * B * NH * T if backward else 0
     qkvp = 3 * B * T * NH * hd * it
     att = n_tt * 4 + (0 if dtype == F32 else n_tt * it)
@@ -374,10 +440,13 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None):
     """dqkv (B, T, 3C) = gradient of the causal attention w.r.t. qkv, given dout (B, T, C).
 
     out and lse are attention_forward's results for this qkv. dqkv is an
-    activation gradient: overwritten [=] (allocated when None).
+    activation gradient: overwritten [=] (allocated when None). `version`: None
+    (3 where it applies and V3_BWD_DEFAULT, else 2, else 1), 1, 2, or 3 (the v2
+    algorithm on Hopper wgmma: bf16, sm_90, head dims in V3_DKDV_CONFIGS).
     """
     B, T, C, NH, hd = _check_qkv(qkv, num_heads)
-    _check_version(version)
+    if version is not None and version not in BWD_VERSIONS:
+        raise ValueError(f"version: must be one of {BWD_VERSIONS} or None, got {version!r}")
     check_array("dout", dout, shape=(B, T, C))
     check_array("out", out, shape=(B, T, C))
     check_array("lse", lse, dtype=F32, shape=(B, NH, T))
@@ -387,6 +456,14 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None):
     if xp is np:
         dqkv[...] = attention_backward_reference(dout, qkv, NH).astype(dqkv.dtype)
         return dqkv
+    if version == 3 or (version is None and V3_BWD_DEFAULT):
+        reason = _v3_bwd_reason(qkv.dtype, hd, (("qkv", qkv), ("dout", dout), ("out", out), ("dqkv", dqkv)))
+        if reason is None:
+            if B * T:
+                _backward_v3(dout, qkv, out, lse, NH, dqkv)
+            return dqkv
+        if version == 3:
+            raise (TypeError if "takes bfloat16" in reason else ValueError)(reason)
     version = _pick_version(version, qkv.dtype, hd,
                             (("qkv", qkv), ("dout", dout), ("out", out), ("dqkv", dqkv)))
     if B * T == 0:

@@ -1,0 +1,381 @@
+/*
+ * flash_attention_v3_bwd.cu -- causal attention backward on Hopper's wgmma (v3, sm_90a).
+ *
+ * Op and math: exactly flash_attention_bwd.cu's (v2), same inputs and outputs:
+ *   qkv (B, T, 3C) bf16, dout (B, T, C) bf16, lse and D = rowsum(dout * out) (B, NH, T) f32
+ *   (D from v2's preprocess kernel) -> dqkv (B, T, 3C) bf16, written [=] (activation gradient),
+ *   every element of every row t < T exactly once. HD = 64 or 128.
+ * Same deterministic two-pass structure as v2 (no atomics; each output element is summed by
+ * one thread in a fixed order), only the tile products run as wgmma instead of mma.sync:
+ *   dkdv: block = (KV tile of 64 * NWG keys, head); warpgroup w owns keys 64w..64w+63 and keeps
+ *         dK, dV (64 x HD) as wgmma accumulators while Q / dO / lse / D tiles of BM queries
+ *         stream through a 2-stage cp.async ring. Per Q tile (FlashAttention-3's operand choice):
+ *           S^T  = K Q^T        A = K (smem, K-major), B = Q (smem, K-major)      m64nBMk16
+ *           dP^T = V dO^T       A = V,                 B = dO (K-major)           m64nBMk16
+ *           P^T  = exp2(S^T * scale*log2e - lse*log2e), 0 where key > query or query >= T
+ *           dV  += P^T dO       A = P^T (registers),   B = dO (MN-major, trans-b) m64nHDk16
+ *           dS^T = P^T (dP^T - D)
+ *           dK  += dS^T Q       A = dS^T (registers),  B = Q (MN-major, trans-b)  m64nHDk16
+ *   dq:   block = (Q tile of 64 * NWG rows, head); warpgroup w owns rows 64w..; per KV tile of BN:
+ *           S = Q K^T, dP = dO V^T (smem x smem), P, dS = P (dP - D), dQ += dS K (K MN-major).
+ *
+ * Shared memory: every (rows x HD) bf16 tile is stored as HD/64 column blocks of (rows x 128 B),
+ * 128-byte swizzled (wgmma.cuh's header), each block 1024-byte aligned. The same bytes serve as a
+ * K-major operand (rows = M or N, k-steps of 32 B inside a block, next block at rows * 128) and as
+ * an MN-major one (rows = K: k-step of 16 rows = 2048 B; LBO = rows * 128 between 64-col blocks).
+ * Rows >= T are zero-filled by cp.async (src-size 0): no uninitialised bits reach a wgmma.
+ *
+ * Ordering (per warpgroup, per tile): cp.async wait -> fence.proxy.async -> __syncthreads ->
+ * [fence regs, wgmma.fence] S-group, commit; dP-group, commit; wait<1> (S ready) -> P ->
+ * [fence regs, wgmma.fence] dV-group, commit; wait<1> (dP ready; dV may run on) -> dS ->
+ * [fence regs, wgmma.fence] dK-group, commit; wait<0> -> __syncthreads (buffers free).
+ * (HD 128 waits for the dV group before dS so P's and dS's A fragments share registers.)
+ * Warpgroups skip tiles with no unmasked element (warpgroup-uniform branch, no barrier inside).
+ *
+ * Compiled for anything but sm_90a (kernels check --arch 80/90) the kernels trap; Python
+ * launches them only on sm_90 devices, loading this file with arch "90a".
+ */
+#include "flash_attention.cuh"
+#include "wgmma.cuh"
+
+// Tile (ROWS, HD) of a (T, HD) global slice, rows `stride` elements apart, starting at row r0
+// -> swizzled smem at byte address s. Rows >= T become zeros.
+template <int ROWS, int HD, int NT>
+__device__ __forceinline__ void v3_load_tile(u32 s, const bf16* g, int r0, int T, int stride) {
+    constexpr int CPR = HD / 8;
+    static_assert((ROWS * CPR) % NT == 0, "tile chunks must divide evenly among threads");
+    #pragma unroll
+    for (int it = 0; it < ROWS * CPR / NT; it++) {
+        const int i = it * NT + threadIdx.x;
+        const int row = i / CPR, c = i % CPR;
+        const bool valid = r0 + row < T;
+        const bf16* src = g + (size_t)(valid ? r0 + row : 0) * stride + c * 8;
+        wg_cp_async16(s + (c >> 3) * (ROWS * 128) + wg_swz128(row, c & 7), src, valid ? 16 : 0);
+    }
+}
+
+// One accumulator row of a warpgroup product -> global bf16 (times `mul`), rows >= T skipped.
+// d holds HD/8 n8 blocks in the wgmma D layout; row0 is this thread's row g, row0 + 8 its row g+8.
+template <int HD>
+__device__ __forceinline__ void v3_store_acc(bf16* g, const float* d, float mul, int row0, int T, int stride,
+                                             int t4) {
+    #pragma unroll
+    for (int j = 0; j < HD / 8; j++) {
+        const int col = 8 * j + 2 * t4;
+        if (row0 < T)
+            *reinterpret_cast<u32*>(g + (size_t)row0 * stride + col) = pack_bf16x2_rn(d[4 * j] * mul, d[4 * j + 1] * mul);
+        if (row0 + 8 < T)
+            *reinterpret_cast<u32*>(g + (size_t)(row0 + 8) * stride + col) =
+                pack_bf16x2_rn(d[4 * j + 2] * mul, d[4 * j + 3] * mul);
+    }
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+template <int N>
+__device__ __forceinline__ void v3_mma_ss(float* d, u64 a, u64 b, int scale_d) {
+    static_assert(N == 64 || N == 128, "N");
+    if constexpr (N == 64) wgmma_m64n64k16_ss_kk(d, a, b, scale_d);
+    else wgmma_m64n128k16_ss_kk(d, a, b, scale_d);
+}
+template <int N>
+__device__ __forceinline__ void v3_mma_rs(float* d, const u32 (&a)[4], u64 b, int scale_d) {
+    static_assert(N == 64 || N == 128, "N");
+    if constexpr (N == 64) wgmma_m64n64k16_rs_mn(d, a, b, scale_d);
+    else wgmma_m64n128k16_rs_mn(d, a, b, scale_d);
+}
+
+// D (64 x N) = A (64 x HD, K-major at a + wgrow bytes, column blocks arows * 128 apart)
+//            @ B^T (B: N x HD K-major at b, column blocks N * 128 apart). No commit.
+template <int N, int HD>
+__device__ __forceinline__ void v3_product_kk(float* d, u32 a, int arows, u32 b) {
+    #pragma unroll
+    for (int ks = 0; ks < HD / 16; ks++) {
+        const u32 off_a = (ks >> 2) * (arows * 128) + (ks & 3) * 32;
+        const u32 off_b = (ks >> 2) * (N * 128) + (ks & 3) * 32;
+        v3_mma_ss<N>(d, smem_desc(a + off_a, 16, 1024), smem_desc(b + off_b, 16, 1024), ks > 0);
+    }
+}
+
+// A fragments (bf16) of a 64 x KN product from f32 values x (wgmma D layout, KN/8 n8 blocks).
+template <int KN>
+__device__ __forceinline__ void v3_to_frags(u32 (&f)[KN / 16][4], const float* x) {
+    #pragma unroll
+    for (int k = 0; k < KN / 16; k++) {
+        f[k][0] = pack_bf16x2_rn(x[8 * k + 0], x[8 * k + 1]);
+        f[k][1] = pack_bf16x2_rn(x[8 * k + 2], x[8 * k + 3]);
+        f[k][2] = pack_bf16x2_rn(x[8 * k + 4], x[8 * k + 5]);
+        f[k][3] = pack_bf16x2_rn(x[8 * k + 6], x[8 * k + 7]);
+    }
+}
+
+// d (64 x HD) += A (64 x KN, fragments f) @ B (KN x HD, MN-major tile at b with KN rows). No commit.
+template <int KN, int HD>
+__device__ __forceinline__ void v3_product_rs(float* d, u32 (&f)[KN / 16][4], u32 b) {
+    wg_fence_regs<KN / 4>(&f[0][0]);
+    wgmma_fence();
+    #pragma unroll
+    for (int k = 0; k < KN / 16; k++) v3_mma_rs<HD>(d, f[k], smem_desc(b + k * 2048, KN * 128, 1024), 1);
+}
+
+template <int HD, int NWG, int BM>
+__device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, const bf16* dout, const float* lse,
+                                                  const float* Dv, int T, int NH, float scale) {
+    constexpr int BN = 64 * NWG, NT = 128 * NWG;
+    constexpr int KV_BYTES = BN * HD * 2, Q_BYTES = BM * HD * 2;
+    constexpr int NQ = BM / 8;                    // n8 blocks of S^T (queries)
+    extern __shared__ unsigned char smem_v3[];
+    const u32 raw = wg_smem_u32(smem_v3);
+    const u32 sK = (raw + 1023u) & ~1023u;        // swizzle atoms need 1024-byte alignment
+    const u32 sV = sK + KV_BYTES;
+    const u32 sQ = sV + KV_BYTES;                 // 2 stages
+    const u32 sO = sQ + 2 * Q_BYTES;              // 2 stages (dout)
+    float* sL = reinterpret_cast<float*>(smem_v3 + (sO + 2 * Q_BYTES - raw));   // 2 x BM lse
+    float* sD = sL + 2 * BM;                                                    // 2 x BM D
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wg = warp >> 2, w4 = warp & 3, g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    const int n0 = blockIdx.y * BN;               // tile 0 has the most Q tiles: launched first
+    const int C = NH * HD, stride = 3 * C;
+    const bf16* q_g = qkv + (size_t)b * T * stride + h * HD;
+    const bf16* do_g = dout + (size_t)b * T * C + h * HD;
+    const float* l_g = lse + (size_t)bh * T;
+    const float* d_g = Dv + (size_t)bh * T;
+    const int i_first = n0 / BM, i_end = ceil_div(T, BM);
+
+    v3_load_tile<BN, HD, NT>(sK, q_g + C, n0, T, stride);
+    v3_load_tile<BN, HD, NT>(sV, q_g + 2 * C, n0, T, stride);
+    v3_load_tile<BM, HD, NT>(sQ, q_g, i_first * BM, T, stride);
+    v3_load_tile<BM, HD, NT>(sO, do_g, i_first * BM, T, C);
+    load_vec_async<BM, NT>(sL, l_g, i_first * BM, T);
+    load_vec_async<BM, NT>(sD, d_g, i_first * BM, T);
+    wg_cp_async_commit();
+
+    const int wk0 = n0 + 64 * wg;                 // this warpgroup's first key
+    const int key0 = wk0 + 16 * w4 + g;           // this thread's keys: key0, key0 + 8
+    const float sl2 = scale * FA_LOG2E;
+    float dk[HD / 2], dv[HD / 2], st[BM / 2], dpt[BM / 2];
+    #pragma unroll
+    for (int e = 0; e < HD / 2; e++) dk[e] = dv[e] = 0.f;
+    #pragma unroll
+    for (int e = 0; e < BM / 2; e++) st[e] = dpt[e] = 0.f;
+    wg_fence_regs<HD / 2>(dk);
+    wg_fence_regs<HD / 2>(dv);
+
+    for (int i = i_first; i < i_end; i++) {
+        const int buf = (i - i_first) & 1;
+        if (i + 1 < i_end) {
+            const int r = (i + 1) * BM;
+            v3_load_tile<BM, HD, NT>(sQ + (buf ^ 1) * Q_BYTES, q_g, r, T, stride);
+            v3_load_tile<BM, HD, NT>(sO + (buf ^ 1) * Q_BYTES, do_g, r, T, C);
+            load_vec_async<BM, NT>(sL + (buf ^ 1) * BM, l_g, r, T);
+            load_vec_async<BM, NT>(sD + (buf ^ 1) * BM, d_g, r, T);
+        }
+        wg_cp_async_commit();
+        wg_cp_async_wait<1>();                    // this thread's copies of tile i landed
+        fence_proxy_async();                      // ... visible to wgmma (async proxy)
+        __syncthreads();                          // ... everyone's
+        const int m0 = i * BM;
+        if (wk0 < T && m0 + BM - 1 >= wk0) {      // warpgroup-uniform: some query >= some key
+            const u32 q_s = sQ + buf * Q_BYTES, o_s = sO + buf * Q_BYTES;
+            const float* l_s = sL + buf * BM;
+            const float* d_s = sD + buf * BM;
+            wg_fence_regs<BM / 2>(st);
+            wg_fence_regs<BM / 2>(dpt);
+            wgmma_fence();
+            v3_product_kk<BM, HD>(st, sK + wg * 8192, BN, q_s);    // S^T = K Q^T
+            wgmma_commit();
+            v3_product_kk<BM, HD>(dpt, sV + wg * 8192, BN, o_s);   // dP^T = V dO^T
+            wgmma_commit();
+            wgmma_wait<1>();
+            wg_fence_regs<BM / 2>(st);
+            // P^T = exp(S^T * scale - lse[query]); 0 where key > query or query >= T
+            const bool mask = wk0 + 63 > m0 || m0 + BM > T;
+            #pragma unroll
+            for (int j = 0; j < NQ; j++) {
+                const float2 l2 = *reinterpret_cast<const float2*>(l_s + 8 * j + 2 * t4);
+                const float nl[2] = {-l2.x * FA_LOG2E, -l2.y * FA_LOG2E};
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float p = fast_exp2(fmaf(st[4 * j + e], sl2, nl[e & 1]));
+                    if (mask) {
+                        const int qa = m0 + 8 * j + 2 * t4 + (e & 1);
+                        if (key0 + 8 * (e >> 1) > qa || qa >= T) p = 0.f;
+                    }
+                    st[4 * j + e] = p;
+                }
+            }
+            {
+                u32 pa[BM / 16][4];
+                v3_to_frags<BM>(pa, st);
+                v3_product_rs<BM, HD>(dv, pa, o_s);               // dV += P^T dO
+                wgmma_commit();
+                if constexpr (HD == 128) wgmma_wait<0>();          // frees pa's registers for sa
+                else wgmma_wait<1>();                              // dP^T ready, dV may run on
+            }
+            wg_fence_regs<BM / 2>(dpt);
+            // dS^T = P^T (dP^T - D[query]), into dpt
+            #pragma unroll
+            for (int j = 0; j < NQ; j++) {
+                const float2 d2 = *reinterpret_cast<const float2*>(d_s + 8 * j + 2 * t4);
+                dpt[4 * j + 0] = st[4 * j + 0] * (dpt[4 * j + 0] - d2.x);
+                dpt[4 * j + 1] = st[4 * j + 1] * (dpt[4 * j + 1] - d2.y);
+                dpt[4 * j + 2] = st[4 * j + 2] * (dpt[4 * j + 2] - d2.x);
+                dpt[4 * j + 3] = st[4 * j + 3] * (dpt[4 * j + 3] - d2.y);
+            }
+            {
+                u32 sa[BM / 16][4];
+                v3_to_frags<BM>(sa, dpt);
+                v3_product_rs<BM, HD>(dk, sa, q_s);               // dK += dS^T Q
+                wgmma_commit();
+                wgmma_wait<0>();
+            }
+            wg_fence_regs<HD / 2>(dk);
+            wg_fence_regs<HD / 2>(dv);
+        }
+        __syncthreads();                          // every warpgroup is done with buffer buf
+    }
+    wg_cp_async_wait<0>();
+    bf16* dk_g = dqkv + (size_t)b * T * stride + C + h * HD;
+    v3_store_acc<HD>(dk_g, dk, scale, key0, T, stride, t4);
+    v3_store_acc<HD>(dk_g + C, dv, 1.f, key0, T, stride, t4);
+}
+
+template <int HD, int NWG, int BN>
+__device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, const bf16* qkv, const bf16* dout, const float* lse,
+                                                const float* Dv, int T, int NH, float scale) {
+    constexpr int BM = 64 * NWG, NT = 128 * NWG;
+    constexpr int Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
+    constexpr int NS = BN / 8;
+    extern __shared__ unsigned char smem_v3[];
+    const u32 raw = wg_smem_u32(smem_v3);
+    const u32 sQ = (raw + 1023u) & ~1023u;
+    const u32 sO = sQ + Q_BYTES;                  // dout
+    const u32 sK = sO + Q_BYTES;                  // 2 stages
+    const u32 sV = sK + 2 * KV_BYTES;             // 2 stages
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wg = warp >> 2, w4 = warp & 3, g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;        // heaviest tiles first
+    const int C = NH * HD, stride = 3 * C;
+    const bf16* q_g = qkv + (size_t)b * T * stride + h * HD;
+    const bf16* k_g = q_g + C;
+    const bf16* v_g = q_g + 2 * C;
+    const bf16* do_g = dout + (size_t)b * T * C + h * HD;
+    const int n_tiles = ceil_div(min(T, m0 + BM), BN);
+
+    v3_load_tile<BM, HD, NT>(sQ, q_g, m0, T, stride);
+    v3_load_tile<BM, HD, NT>(sO, do_g, m0, T, C);
+    v3_load_tile<BN, HD, NT>(sK, k_g, 0, T, stride);
+    v3_load_tile<BN, HD, NT>(sV, v_g, 0, T, stride);
+    wg_cp_async_commit();
+
+    const int wm0 = m0 + 64 * wg;                 // this warpgroup's first row
+    const int row0 = wm0 + 16 * w4 + g, row1 = row0 + 8;
+    const float sl2 = scale * FA_LOG2E;
+    // Rows >= T: zero Q / dout rows, lse = D = 0: P = 1 or 0, dP = 0, dS finite; never stored.
+    const float nl0 = row0 < T ? -lse[(size_t)bh * T + row0] * FA_LOG2E : 0.f;
+    const float nl1 = row1 < T ? -lse[(size_t)bh * T + row1] * FA_LOG2E : 0.f;
+    const float D0 = row0 < T ? Dv[(size_t)bh * T + row0] : 0.f;
+    const float D1 = row1 < T ? Dv[(size_t)bh * T + row1] : 0.f;
+    float dq[HD / 2], s[BN / 2], dp[BN / 2];
+    #pragma unroll
+    for (int e = 0; e < HD / 2; e++) dq[e] = 0.f;
+    #pragma unroll
+    for (int e = 0; e < BN / 2; e++) s[e] = dp[e] = 0.f;
+    wg_fence_regs<HD / 2>(dq);
+
+    for (int j = 0; j < n_tiles; j++) {
+        const int buf = j & 1;
+        if (j + 1 < n_tiles) {
+            v3_load_tile<BN, HD, NT>(sK + (buf ^ 1) * KV_BYTES, k_g, (j + 1) * BN, T, stride);
+            v3_load_tile<BN, HD, NT>(sV + (buf ^ 1) * KV_BYTES, v_g, (j + 1) * BN, T, stride);
+        }
+        wg_cp_async_commit();
+        wg_cp_async_wait<1>();
+        fence_proxy_async();
+        __syncthreads();
+        const int n0 = j * BN;
+        if (wm0 < T && n0 <= wm0 + 63) {          // warpgroup-uniform: some key <= some row
+            const u32 k_s = sK + buf * KV_BYTES, v_s = sV + buf * KV_BYTES;
+            wg_fence_regs<BN / 2>(s);
+            wg_fence_regs<BN / 2>(dp);
+            wgmma_fence();
+            v3_product_kk<BN, HD>(s, sQ + wg * 8192, BM, k_s);     // S = Q K^T
+            wgmma_commit();
+            v3_product_kk<BN, HD>(dp, sO + wg * 8192, BM, v_s);    // dP = dO V^T
+            wgmma_commit();
+            wgmma_wait<1>();
+            wg_fence_regs<BN / 2>(s);
+            // P = exp(S * scale - lse), 0 where key > row
+            const bool mask = n0 + BN - 1 > wm0;
+            #pragma unroll
+            for (int jj = 0; jj < NS; jj++) {
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float p = fast_exp2(fmaf(s[4 * jj + e], sl2, e < 2 ? nl0 : nl1));
+                    if (mask && n0 + 8 * jj + 2 * t4 + (e & 1) > (e < 2 ? row0 : row1)) p = 0.f;
+                    s[4 * jj + e] = p;
+                }
+            }
+            wgmma_wait<0>();
+            wg_fence_regs<BN / 2>(dp);
+            #pragma unroll
+            for (int jj = 0; jj < NS; jj++) {
+                s[4 * jj + 0] *= dp[4 * jj + 0] - D0;
+                s[4 * jj + 1] *= dp[4 * jj + 1] - D0;
+                s[4 * jj + 2] *= dp[4 * jj + 2] - D1;
+                s[4 * jj + 3] *= dp[4 * jj + 3] - D1;
+            }
+            u32 sa[BN / 16][4];
+            v3_to_frags<BN>(sa, s);
+            v3_product_rs<BN, HD>(dq, sa, k_s);                    // dQ += dS K
+            wgmma_commit();
+            wgmma_wait<0>();
+            wg_fence_regs<HD / 2>(dq);
+        }
+        __syncthreads();
+    }
+    wg_cp_async_wait<0>();
+    v3_store_acc<HD>(dqkv + (size_t)b * T * stride + h * HD, dq, scale, row0, T, stride, t4);
+}
+
+#define V3_DKDV_BODY(HD, NWG, BM) flash_bwd_dkdv_v3<HD, NWG, BM>(dqkv, qkv, dout, lse, D, T, NH, scale)
+#define V3_DQ_BODY(HD, NWG, BN) flash_bwd_dq_v3<HD, NWG, BN>(dqkv, qkv, dout, lse, D, T, NH, scale)
+#else
+#define V3_DKDV_BODY(HD, NWG, BM) __trap()          // not sm_90a: Python never launches this
+#define V3_DQ_BODY(HD, NWG, BN) __trap()
+#endif
+
+// Configurations; kernel names carry them; gpucore/ops/attention.py lists the same in
+// V3_DKDV_CONFIGS / V3_DQ_CONFIGS (first per HD = default). NWG warpgroups = 128 * NWG threads.
+//   dkdv (HD, NWG, BM): KV tile 64 * NWG keys, Q tiles of BM rows;
+//        smem = 1024 + (2 * 64 * NWG + 4 * BM) * HD * 2 + 16 * BM bytes
+//   dq   (HD, NWG, BN): Q tile 64 * NWG rows, KV tiles of BN keys;
+//        smem = 1024 + (2 * 64 * NWG + 4 * BN) * HD * 2 bytes
+// Minimum blocks per SM chosen so that 255 registers per thread stay allowed.
+#define FLASH_V3_DKDV(HD, NWG, BM)                                                               \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, 2 / NWG)                           \
+    attention_backward_dkdv_kernel_v3_hd##HD##_g##NWG##_m##BM##_bf16(bf16* dqkv,               \
+            const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
+            int T, int NH, float scale) {                                                      \
+        V3_DKDV_BODY(HD, NWG, BM);                                                             \
+    }
+#define FLASH_V3_DQ(HD, NWG, BN)                                                                 \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, 2 / NWG)                           \
+    attention_backward_dq_kernel_v3_hd##HD##_g##NWG##_n##BN##_bf16(bf16* dqkv,                 \
+            const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
+            int T, int NH, float scale) {                                                      \
+        V3_DQ_BODY(HD, NWG, BN);                                                               \
+    }
+
+FLASH_V3_DKDV(64, 2, 64)
+FLASH_V3_DKDV(64, 1, 64)
+FLASH_V3_DKDV(128, 2, 64)
+FLASH_V3_DQ(64, 2, 64)
+FLASH_V3_DQ(64, 1, 64)
+FLASH_V3_DQ(64, 2, 128)
+FLASH_V3_DQ(128, 2, 64)
+FLASH_V3_DQ(128, 1, 64)
