@@ -92,6 +92,26 @@ def time_ms(fn: Callable[[], object], warmup: int = 3, repeat: int = 10, batches
     return statistics.median(times)
 
 
+def random_array(shape, dtype, scale=1.0):
+    """Standard-normal data * scale on the GPU, in `dtype` (never zeros: they time too well)."""
+    import cupy
+
+    from .. import dtypes
+    return (cupy.random.standard_normal(shape, dtype=np.float32) * scale).astype(dtypes.normalize(dtype))
+
+
+def dtype_list(dtype):
+    """--dtype all|float32|bfloat16 -> the dtypes to run (default bfloat16)."""
+    return ["float32", "bfloat16"] if dtype == "all" else [dtype or "bfloat16"]
+
+
+def version_list(version, available):
+    """--version all|N|N,M -> the integer versions to run among `available`."""
+    if version in (None, "all"):
+        return list(available)
+    return [int(v) for v in str(version).split(",") if int(v) in available]
+
+
 _COPY_GBPS: dict[int, float] = {}
 
 

@@ -27,19 +27,16 @@ v1/v2 run at 4096^3 only (at the GPT-2 shapes they take seconds per call).
 """
 from __future__ import annotations
 
-import numpy as np
 
 from .. import dtypes
-from . import Result, benchmark, time_ms
+from . import Result, benchmark, random_array, time_ms
 
 SQUARE = (4096, 4096, 4096)
 GPT2_SHAPES = [(65536, 768, 2304), (65536, 768, 3072), (65536, 3072, 768), (65536, 768, 50304)]
 V3_GOAL_TFLOPS = 15.0
 
 
-def _rand(shape, dtype, scale=1.0):
-    import cupy
-    return (cupy.random.standard_normal(shape, dtype=np.float32) * scale).astype(dtypes.normalize(dtype))
+_rand = random_array
 
 
 def _parse_shapes(shapes):

@@ -18,24 +18,12 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dtypes
-from . import Result, benchmark, copy_bandwidth_gbps, time_ms
+from . import Result, benchmark, copy_bandwidth_gbps, dtype_list, random_array, time_ms, version_list
 
 GPT2_PARAMS = 124_475_904
 
 
-def _rand(shape, dtype, scale=1.0):
-    import cupy
-    return (cupy.random.standard_normal(shape, dtype=np.float32) * scale).astype(dtypes.normalize(dtype))
-
-
-def _dtypes(dtype):
-    return ["float32", "bfloat16"] if dtype == "all" else [dtype or "bfloat16"]
-
-
-def _versions(version, available):
-    if version in (None, "all"):
-        return list(available)
-    return [int(v) for v in str(version).split(",") if int(v) in available]
+_rand, _dtypes, _versions = random_array, dtype_list, version_list
 
 
 @benchmark("softmax")
