@@ -355,27 +355,28 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, const bf16* qkv, con
 //        smem = 1024 + (2 * 64 * NWG + 4 * BM) * HD * 2 + 16 * BM bytes
 //   dq   (HD, NWG, BN): Q tile 64 * NWG rows, KV tiles of BN keys;
 //        smem = 1024 + (2 * 64 * NWG + 4 * BN) * HD * 2 bytes
-// Minimum blocks per SM chosen so that 255 registers per thread stay allowed.
-#define FLASH_V3_DKDV(HD, NWG, BM)                                                               \
-    extern "C" __global__ void __launch_bounds__(128 * NWG, 2 / NWG)                           \
+// MINB = __launch_bounds__' minimum blocks per SM: 2 / NWG keeps 255 registers allowed;
+// dq hd64 G2 BN64 fits 128 (no spill, no wgmma serialization) -> 2 blocks = 16 warps per SM.
+#define FLASH_V3_DKDV(HD, NWG, BM, MINB)                                                             \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \
     attention_backward_dkdv_kernel_v3_hd##HD##_g##NWG##_m##BM##_bf16(bf16* dqkv,               \
             const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
             int T, int NH, float scale) {                                                      \
         V3_DKDV_BODY(HD, NWG, BM);                                                             \
     }
-#define FLASH_V3_DQ(HD, NWG, BN)                                                                 \
-    extern "C" __global__ void __launch_bounds__(128 * NWG, 2 / NWG)                           \
+#define FLASH_V3_DQ(HD, NWG, BN, MINB)                                                               \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \
     attention_backward_dq_kernel_v3_hd##HD##_g##NWG##_n##BN##_bf16(bf16* dqkv,                 \
             const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
             int T, int NH, float scale) {                                                      \
         V3_DQ_BODY(HD, NWG, BN);                                                               \
     }
 
-FLASH_V3_DKDV(64, 2, 64)
-FLASH_V3_DKDV(64, 1, 64)
-FLASH_V3_DKDV(128, 2, 64)
-FLASH_V3_DQ(64, 2, 64)
-FLASH_V3_DQ(64, 1, 64)
-FLASH_V3_DQ(64, 2, 128)
-FLASH_V3_DQ(128, 2, 64)
-FLASH_V3_DQ(128, 1, 64)
+FLASH_V3_DKDV(64, 2, 64, 1)
+FLASH_V3_DKDV(64, 1, 64, 2)
+FLASH_V3_DKDV(128, 2, 64, 1)
+FLASH_V3_DQ(64, 2, 64, 2)
+FLASH_V3_DQ(64, 1, 64, 2)
+FLASH_V3_DQ(64, 2, 128, 1)
+FLASH_V3_DQ(128, 2, 64, 1)
+FLASH_V3_DQ(128, 1, 64, 2)

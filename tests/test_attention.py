@@ -417,8 +417,9 @@ def test_v3_tables_match_kernel_instantiations():
             t.setdefault(hd, []).append(tuple(cfg))
         return t
 
-    assert table(_instantiations(src, "FLASH_V3_DKDV")) == attn.V3_DKDV_CONFIGS
-    assert table(_instantiations(src, "FLASH_V3_DQ")) == attn.V3_DQ_CONFIGS
+    # instantiations are (hd, warpgroups, tile, min blocks per SM); the tables omit the last
+    assert table(r[:3] for r in _instantiations(src, "FLASH_V3_DKDV")) == attn.V3_DKDV_CONFIGS
+    assert table(r[:3] for r in _instantiations(src, "FLASH_V3_DQ")) == attn.V3_DQ_CONFIGS
     assert set(attn.V3_DKDV_CONFIGS) == set(attn.V3_DQ_CONFIGS) <= set(attn.FWD_CONFIGS)
     for hd in attn.V3_DKDV_CONFIGS:
         for g, bm in attn.V3_DKDV_CONFIGS[hd]:
@@ -441,8 +442,12 @@ def test_v3_backward_version_argument_on_numpy(rng):
 
 @pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
 def test_v3_backward_kernels_compile_for_sm90a_without_spills():
-    rows = runtime.check_kernels(("90a",), [runtime.KERNEL_DIR / "flash_attention_v3_bwd.cu"])
+    src = runtime.KERNEL_DIR / "flash_attention_v3_bwd.cu"
+    rows = runtime.check_kernels(("90a",), [src])
     assert rows and not [r for r in rows if not r["ok"]], rows
+    # ptxas info C7510..C7515: wgmma serialised (e.g. too few registers) -- correct but slow
+    log = runtime.compile_cubin(src, "90a", verbose_ptxas=True).log
+    assert "serialized" not in log, [ln for ln in log.splitlines() if "serialized" in ln]
     names = {r["kernel"] for r in rows}
     for hd in attn.V3_DKDV_CONFIGS:
         assert {f"attention_backward_dkdv_kernel_v3_hd{hd}_g{g}_m{m}_bf16" for g, m in attn.V3_DKDV_CONFIGS[hd]} <= names
