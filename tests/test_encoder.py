@@ -162,6 +162,29 @@ def test_sort_key_width(N, V, bits, dtype):
         assert ((V - 1) << bits) | (N - 1) < 2**32
 
 
+@pytest.mark.parametrize("N,V", [(1, 1), (31, 2), (1024, 7), (2048, 1), (2049, 2), (4096 + 17, 40),
+                                 (5000, 3000), (6000, 2049), (3 * 2048 + 5, 1)])
+@pytest.mark.parametrize("dist", ["uniform", "zipf", "blocks"])
+def test_v4_counting_sort_simulated(rng, N, V, dist):
+    """v4's counting sort (tile ranks with warps in order, scans, scatter), step by step on the CPU:
+    exactly the sorted keys (token << bits) | position that v3 sorts with CuPy."""
+    tok, _, _ = _inputs(rng, 1, N, 1, V, N, np.float64, dist)
+    keys, bits = enc_ops._sort_keys_v4_simulated(tok, V)
+    ref = np.sort((tok.reshape(-1).astype(np.int64) << bits) | np.arange(N))
+    np.testing.assert_array_equal(keys, ref)
+
+
+def test_v4_pick():
+    assert enc_ops._pick(None, np.float32, 8, (), backward=True, V=50304) == (4, 4)
+    assert enc_ops._pick(None, np.float32, 8, (), backward=True, V=65537) == (3, 4)
+    assert enc_ops._pick(None, np.float32, 6, (), backward=True, V=10) == (1, 1)
+    assert enc_ops._pick(None, np.float32, 8, ()) == (2, 4)
+    with pytest.raises(ValueError, match="version: v4 needs V <= 65536"):
+        enc_ops._pick(4, np.float32, 8, (), backward=True, V=65537)
+    with pytest.raises(ValueError, match="version: encoder forward has kernel versions 1, 2"):
+        enc_ops._pick(4, np.float32, 8, ())
+
+
 def test_bad_input(rng):
     tok, wte, wpe = _inputs(rng, 2, 5, 4, 11, 8, np.float32)
     dout = rng.standard_normal((2, 5, 4)).astype(np.float32)
@@ -218,7 +241,7 @@ SHAPES = [(1, 1, 768, 5, 1), (2, 37, 768, 100, 64), (4, 256, 768, 5003, 1024), (
 def _versions(C, dtype, backward=False):
     if C % (16 // np.dtype(dtype).itemsize):
         return [1]
-    return [1, 2, 3] if backward else [1, 2]
+    return [1, 2, 3, 4] if backward else [1, 2]
 
 
 @pytest.mark.cuda
@@ -269,6 +292,9 @@ def test_gpu_backward(rng, dtype, B, T, C, V, maxT, dist):
     if 3 in by_version:   # v3 keeps v2's chunks and summation order: the same bits
         assert by_version[3][0].tobytes() == by_version[2][0].tobytes(), "v3 dwte differs from v2's bits"
         assert by_version[3][1].tobytes() == by_version[2][1].tobytes(), "v3 dwpe differs from v2's bits"
+    if 4 in by_version:   # v4 = v3 on keys from the counting sort (the same keys): the same bits
+        assert by_version[4][0].tobytes() == by_version[3][0].tobytes(), "v4 dwte differs from v3's bits"
+        assert by_version[4][1].tobytes() == by_version[3][1].tobytes(), "v4 dwpe differs from v3's bits"
 
 
 @pytest.mark.cuda
@@ -305,7 +331,7 @@ def test_gpu_backward_v3_keys_streams_and_long_runs(rng, monkeypatch, overlap, B
     dwte0 = rng.standard_normal((V, C)).astype(dtype)
     tg, dg = cp.asarray(tok), cp.asarray(dout)
     got = {}
-    for version in (2, 3):
+    for version in (2, 3, 4):
         dwte, dwpe = cp.asarray(dwte0), cp.zeros((T, C), dtype=dtype)
         gpucore.encoder_backward(dg, tg, dwte=dwte, dwpe=dwpe, version=version)
         got[version] = (to_cpu(dwte), to_cpu(dwpe))
@@ -315,6 +341,8 @@ def test_gpu_backward_v3_keys_streams_and_long_runs(rng, monkeypatch, overlap, B
     assert rel_err(got[3][1], rpe) < 1e-2
     assert got[3][0].tobytes() == got[2][0].tobytes(), "v3 dwte differs from v2's bits"
     assert got[3][1].tobytes() == got[2][1].tobytes(), "v3 dwpe differs from v2's bits"
+    assert got[4][0].tobytes() == got[3][0].tobytes(), "v4 dwte differs from v3's bits"
+    assert got[4][1].tobytes() == got[3][1].tobytes(), "v4 dwpe differs from v3's bits"
 
 
 @pytest.mark.cuda
@@ -336,3 +364,22 @@ def test_gpu_dwte_v3_unroll_variants_agree(rng, dtype, dist):
     rte, _ = encoder_backward_reference(to_cpu(dout), tok, V, T)
     assert rel_err(got[0].astype(np.float64) - dwte0.astype(np.float64), rte) < (1e-5 if dtype == np.float32 else 5e-2)
     assert got[0].tobytes() == got[1].tobytes()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("B,T,V,dist", [(1, 1, 1, "uniform"), (2, 1000, 3, "zipf"), (5, 409, 2049, "uniform"),
+                                        (64, 1024, 50304, "zipf"), (16, 1024, 65536, "uniform"),
+                                        (65, 1024, 40000, "zipf"), (3, 2048, 1, "blocks")])
+def test_gpu_v4_sort_keys_match_cupy_sort(rng, B, T, V, dist):
+    """v4's counting sort writes exactly the keys v3 gets from CuPy's sort (u32 and u64 keys, tile tails,
+    one token everywhere, V not a multiple of the scan block, V = 65536), twice with the same bits."""
+    cp = runtime.cupy
+    tok, _, _ = _inputs(rng, B, T, 1, V, T, np.float32, dist)
+    tg = cp.asarray(tok)
+    ref, bits = enc_ops._sort_keys(tg, V)
+    for _ in range(2):
+        keys, bits4 = enc_ops._sort_keys_v4(tg, V)
+        assert bits4 == bits and keys.dtype == ref.dtype
+        got, want = to_cpu(keys), to_cpu(ref)
+        bad = np.flatnonzero(got != want)
+        assert bad.size == 0, f"{bad.size} keys differ, first at sorted index {bad[:5]}: {got[bad[:5]]} vs {want[bad[:5]]}"

@@ -25,6 +25,11 @@ v2's dwpe, and a dwte with the same chunked scheme and summation order as v2
 (token << bits | position) made by one kernel and sorted in place, a merge
 that knows each chain's length before summing, and dwpe run on a side stream
 alongside the sort (latency-bound: it leaves SMs idle) and dwte.
+v4 (v3's conditions and V <= 65536; the backward's default there, v3 above):
+v3 with its CuPy sort replaced by a stable counting sort of the positions by
+token (kernels_cu/encoder_v4.cu: per-tile counts and stable ranks, a scan, a
+scatter: three small launches, no host synchronisation) that writes exactly
+v3's sorted keys, so the gradients are bit-identical to v3's.
 """
 from __future__ import annotations
 
@@ -36,7 +41,10 @@ from ._common import check_array, check_same_dtype, output
 BLOCK = 256            # forward and dwpe: one thread per 16 bytes (v2) / element (v1)
 DWTE_CHUNK = 64        # sorted positions per dwte block; CHUNK in encoder.cu
 DWTE_MAX_BLOCK = 256   # dwte threads per block (a column slice), a multiple of 32
-OVERLAP_SORT = True    # v3: dwpe on a side stream, alongside the key sort and dwte (False: one stream)
+OVERLAP_SORT = True    # v3/v4: dwpe on a side stream, alongside the key sort and dwte (False: one stream)
+V4_TILE = 2048         # positions per tile in v4's counting sort (V4_TILE in encoder_v4.cu)
+V4_SCAN_BLOCK = 1024   # tokens per scan block (V4_SCAN_BLOCK in encoder_v4.cu)
+V4_MAX_V = 65536       # v4: 16-bit token counters for V tokens in shared memory (2V bytes); scatter's <= 64 scan blocks
 
 
 # ------------------------------------------------------------- references ----
@@ -72,13 +80,17 @@ def _check_tokens(tokens, V, xp, check):
         raise ValueError(f"tokens: id {bad} is out of range [0, {V})")
 
 
-def _pick(version, dtype, C, arrays, backward=False):
-    """(version, W): v2 (forward) / v3 (backward) where 16-byte packs apply, else v1."""
+def _pick(version, dtype, C, arrays, backward=False, V=None):
+    """(version, W): v2 (forward) / v4 (backward; v3 when V > V4_MAX_V) where 16-byte packs apply,
+    else v1. V (backward): rows of dwte; None skips v4's limit."""
     W = 16 // np.dtype(dtype).itemsize
     v2_ok = C % W == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
-    versions = (1, 2, 3) if backward else (1, 2)
+    versions = (1, 2, 3, 4) if backward else (1, 2)
+    v4_ok = V is None or V <= V4_MAX_V
     if version is None:
-        version = versions[-1] if v2_ok else 1
+        version = (4 if v4_ok else 3) if backward and v2_ok else (2 if v2_ok else 1)
+    if version == 4 and not v4_ok:
+        raise ValueError(f"version: v4 needs V <= {V4_MAX_V} (16-bit tile counters), got V={V}")
     if version not in versions:
         raise ValueError(f"version: encoder {'backward' if backward else 'forward'} has kernel versions "
                          f"{', '.join(map(str, versions))}, got {version!r}")
@@ -161,11 +173,11 @@ def encoder_backward(dout, tokens, dwte=None, dwpe=None, V=None, maxT=None, *, c
         dwte[...] = (dwte.astype(np.float64) + gte).astype(dwte.dtype)
         dwpe[...] = (dwpe.astype(np.float64) + gpe).astype(dwpe.dtype)
         return dwte, dwpe
-    version, W = _pick(version, dout.dtype, C, (dout, dwte, dwpe), backward=True)
+    version, W = _pick(version, dout.dtype, C, (dout, dwte, dwpe), backward=True, V=V)
     if B * T == 0 or C == 0:
         return dwte, dwpe
-    if version == 3:
-        _backward_v3(dwte, dwpe, dout, tokens, V, W)
+    if version >= 3:
+        _backward_v3(dwte, dwpe, dout, tokens, V, W, sort=_sort_keys_v4 if version == 4 else _sort_keys)
         return dwte, dwpe
     _launch_dwpe(dwpe, dout, version, W)
     order, sorted_tokens = _sort_tokens(tokens)
@@ -249,16 +261,18 @@ def _side_stream():
     return _SIDE[dev]
 
 
-def _backward_v3(dwte, dwpe, dout, tokens, V, W):
+def _backward_v3(dwte, dwpe, dout, tokens, V, W, sort=None):
     """dwpe (v2's kernel) on a side stream, concurrently with the key sort and dwte (v3) on the current one.
 
-    The sort is latency-bound (a few small CUB passes over N keys) and leaves most SMs idle;
-    dwpe, independent of it, fills them, and then shares the bandwidth with the dwte kernels.
+    The sort is latency-bound (a few small CUB passes over N keys, or v4's counting sort: sort
+    = _sort_keys_v4) and leaves most SMs idle; dwpe, independent of it, fills them, and then
+    shares the bandwidth with the dwte kernels.
     """
     cp = runtime.cupy
+    sort = sort or _sort_keys
     if not OVERLAP_SORT:
         _launch_dwpe(dwpe, dout, 2, W)
-        keys, bits = _sort_keys(tokens, V)
+        keys, bits = sort(tokens, V)
         _launch_dwte_v3(dwte, dout, keys, bits)
         return
     main = cp.cuda.get_current_stream()
@@ -268,7 +282,7 @@ def _backward_v3(dwte, dwpe, dout, tokens, V, W):
     with side:
         _launch_dwpe(dwpe, dout, 2, W)
     joined.record(side)
-    keys, bits = _sort_keys(tokens, V)
+    keys, bits = sort(tokens, V)
     _launch_dwte_v3(dwte, dout, keys, bits)
     main.wait_event(joined)              # whatever the caller queues next sees dwpe done
 
@@ -299,3 +313,81 @@ def _launch_dwte_v3(dwte, dout, keys, bits, unroll=None):
     k_merge = runtime.get_kernel("encoder", f"encoder_backward_dwte_merge_kernel_v3_{suf}")
     runtime.launch(k_merge, (num_chunks, -(-C4 // mblock)), mblock,
                    (dwte, scratch, keys, i32(N), i32(C), i32(bits), i32(num_chunks)))
+
+
+# ----------------------------------------------------------- backward, v4 ----
+
+def _sort_keys_v4(tokens, V):
+    """(keys, bits): v3's sorted keys (token << bits) | position, by a stable counting sort (encoder_v4.cu).
+
+    Three launches on the current stream, no host synchronisation: tile counts + stable ranks
+    (one 1024-thread block per V4_TILE positions, 2V bytes of shared counters), the per-token
+    scan over tiles and tokens, the scatter. Integer work only: the same keys whatever the
+    scheduling, and the same keys as _sort_keys (unique keys have one sorted order).
+    """
+    cp = runtime.cupy
+    N = tokens.size
+    bits, kdt = _key_bits(N, V)
+    tiles = -(-N // V4_TILE)
+    nb = -(-V // V4_SCAN_BLOCK)
+    # One int32 workspace: table (tiles, V) | local (N,) | start_local (V,) | blocktot (nb,)
+    work = cp.empty(tiles * V + N + V + nb, dtype=np.int32)
+    table = work[:tiles * V]
+    local = work[tiles * V:tiles * V + N]
+    start_local = work[tiles * V + N:tiles * V + N + V]
+    blocktot = work[tiles * V + N + V:]
+    keys = cp.empty(N, dtype=kdt)
+    i32 = np.int32
+    runtime.launch(runtime.get_kernel("encoder_v4", "encoder_v4_tile_rank_kernel"), tiles, 1024,
+                   (table, local, tokens, i32(N), i32(V)), shared_mem=2 * V)
+    runtime.launch(runtime.get_kernel("encoder_v4", "encoder_v4_scan_kernel"), nb, V4_SCAN_BLOCK,
+                   (table, start_local, blocktot, i32(tiles), i32(V)))
+    ksuf = "u32" if kdt == np.uint32 else "u64"
+    runtime.launch(runtime.get_kernel("encoder_v4", f"encoder_v4_scatter_kernel_{ksuf}"), -(-N // BLOCK), BLOCK,
+                   (keys, tokens, table, local, start_local, blocktot, i32(N), i32(V), i32(bits)))
+    return keys, bits
+
+
+def _sort_keys_v4_simulated(tokens, V):
+    """The three kernels of _sort_keys_v4, step by step in NumPy (the CPU tests check the bookkeeping).
+
+    Returns (keys int64 (N,), bits).
+    """
+    tok = np.asarray(tokens).reshape(-1).astype(np.int64)
+    N = tok.size
+    bits, _ = _key_bits(N, V)
+    tiles = -(-N // V4_TILE)
+    nb = -(-V // V4_SCAN_BLOCK)
+    table = np.zeros((tiles, V), np.int64)
+    local = np.zeros(N, np.int64)
+    for tile in range(tiles):                            # 1. tile_rank: rounds of 1024, warps in order
+        cnt = np.zeros(V, np.int64)
+        for r in range(V4_TILE // 1024):
+            for w in range(32):
+                n0 = tile * V4_TILE + r * 1024 + w * 32
+                lanes = [n for n in range(n0, n0 + 32) if n < N]
+                seen = {}
+                for n in lanes:                          # lrank via match_any, base from the leader
+                    t = tok[n]
+                    lrank = seen.get(t, 0)
+                    seen[t] = lrank + 1
+                    local[n] = cnt[t] + lrank
+                for t, c in seen.items():                # the leader's bump
+                    cnt[t] += c
+        table[tile] = cnt
+    start_local = np.zeros(V, np.int64)                  # 2. scan
+    blocktot = np.zeros(nb, np.int64)
+    totals = table.sum(axis=0)
+    table = np.cumsum(table, axis=0) - table             # exclusive over tiles
+    for b in range(nb):
+        seg = totals[b * V4_SCAN_BLOCK:(b + 1) * V4_SCAN_BLOCK]
+        start_local[b * V4_SCAN_BLOCK:b * V4_SCAN_BLOCK + seg.size] = np.cumsum(seg) - seg
+        blocktot[b] = seg.sum()
+    bp = np.cumsum(blocktot) - blocktot                  # 3. scatter
+    keys = np.full(N, -1, np.int64)
+    for n in range(N):
+        t = tok[n]
+        slot = bp[t // V4_SCAN_BLOCK] + start_local[t] + table[n // V4_TILE, t] + local[n]
+        assert keys[slot] == -1, "two positions scattered to one slot"
+        keys[slot] = (t << bits) | n
+    return keys, bits
