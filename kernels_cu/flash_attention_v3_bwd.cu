@@ -9,7 +9,7 @@
  * one thread in a fixed order), only the tile products run as wgmma instead of mma.sync:
  *   dkdv: block = (KV tile of 64 * NWG keys, head); warpgroup w owns keys 64w..64w+63 and keeps
  *         dK, dV (64 x HD) as wgmma accumulators while Q / dO / lse / D tiles of BM queries
- *         stream through a 2-stage cp.async ring. Per Q tile (FlashAttention-3's operand choice):
+ *         stream through a cp.async ring (ST stages, below). Per Q tile (FlashAttention-3's operand choice):
  *           S^T  = K Q^T        A = K (smem, K-major), B = Q (smem, K-major)      m64nBMk16
  *           dP^T = V dO^T       A = V,                 B = dO (K-major)           m64nBMk16
  *           P^T  = exp2(S^T * scale*log2e - lse*log2e), 0 where key > query or query >= T
@@ -25,11 +25,14 @@
  * an MN-major one (rows = K: k-step of 16 rows = 2048 B; LBO = rows * 128 between 64-col blocks).
  * Rows >= T are zero-filled by cp.async (src-size 0): no uninitialised bits reach a wgmma.
  *
- * Ordering (per warpgroup, per tile): cp.async wait -> fence.proxy.async -> __syncthreads ->
- * [fence regs, wgmma.fence] S-group, commit; dP-group, commit; wait<1> (S ready) -> P ->
- * [fence regs, wgmma.fence] dV-group, commit; wait<1> (dP ready; dV may run on) -> dS ->
- * [fence regs, wgmma.fence] dK-group, commit; wait<0> -> __syncthreads (buffers free).
- * (HD 128 waits for the dV group before dS so P's and dS's A fragments share registers.)
+ * Ordering (per tile i; one __syncthreads per tile): cp.async wait 0 (tile i) ->
+ * fence.proxy.async -> __syncthreads -> cp.async of tile i+1 into the stage tile i+1-ST used ->
+ * per warpgroup: [fence regs, wgmma.fence] S-group, dP-group; wait<1> (S ready, and tile i-1's
+ * dV/dK groups) -> P -> [wgmma.fence] dV-group; wait<1> (dP ready, dV runs on) -> dS ->
+ * [wgmma.fence] dK-group, left running into tile i+1 (hd 64: ST = 3 stages, so the prefetch
+ * after the next barrier never hits a stage a running group reads; a warpgroup skipping a tile
+ * waits 0 instead). hd 128 (register-bound): ST = 2, wait 0 after the dV and dK groups, so P's
+ * and dS's A fragments share registers. The dQ pass is ordered the same way (dQ-group = dK's).
  * Warpgroups skip tiles with no unmasked element (warpgroup-uniform branch, no barrier inside).
  *
  * Compiled for anything but sm_90a (kernels check --arch 80/90) the kernels trap; Python
@@ -118,20 +121,24 @@ __device__ __forceinline__ void v3_product_rs(float* d, u32 (&f)[KN / 16][4], u3
     for (int k = 0; k < KN / 16; k++) v3_mma_rs<HD>(d, f[k], smem_desc(b + k * 2048, KN * 128, 1024), 1);
 }
 
-template <int HD, int NWG, int BM>
+template <int HD, int NWG, int BM, int MINB>
 __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, const bf16* dout, const float* lse,
                                                   const float* Dv, int T, int NH, float scale) {
     constexpr int BN = 64 * NWG, NT = 128 * NWG;
     constexpr int KV_BYTES = BN * HD * 2, Q_BYTES = BM * HD * 2;
     constexpr int NQ = BM / 8;                    // n8 blocks of S^T (queries)
+    // hd 64: dK's wgmma group runs on into the next tile (3 stages; needs the 255-register budget)
+    constexpr bool OVL = HD == 64;
+    static_assert(!OVL || NWG * MINB <= 2, "hd 64 runs the 3-stage overlapped loop (ops/attention.py sizes smem so)");
+    constexpr int ST = OVL ? 3 : 2;               // Q/dO/lse/D ring stages
     extern __shared__ unsigned char smem_v3[];
     const u32 raw = wg_smem_u32(smem_v3);
     const u32 sK = (raw + 1023u) & ~1023u;        // swizzle atoms need 1024-byte alignment
     const u32 sV = sK + KV_BYTES;
     const u32 sQ = sV + KV_BYTES;                 // 2 stages
-    const u32 sO = sQ + 2 * Q_BYTES;              // 2 stages (dout)
-    float* sL = reinterpret_cast<float*>(smem_v3 + (sO + 2 * Q_BYTES - raw));   // 2 x BM lse
-    float* sD = sL + 2 * BM;                                                    // 2 x BM D
+    const u32 sO = sQ + ST * Q_BYTES;             // ST stages (dout)
+    float* sL = reinterpret_cast<float*>(smem_v3 + (sO + ST * Q_BYTES - raw));  // ST x BM lse
+    float* sD = sL + ST * BM;                                                   // ST x BM D
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wg = warp >> 2, w4 = warp & 3, g = lane >> 2, t4 = lane & 3;
@@ -164,18 +171,19 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
     wg_fence_regs<HD / 2>(dv);
 
     for (int i = i_first; i < i_end; i++) {
-        const int buf = (i - i_first) & 1;
-        if (i + 1 < i_end) {
+        const int buf = (i - i_first) % ST, nxt = (i - i_first + 1) % ST;
+        wg_cp_async_wait<0>();                    // this thread's copies of tile i landed
+        fence_proxy_async();                      // ... visible to wgmma (async proxy)
+        __syncthreads();                          // ... everyone's; and every warpgroup has retired
+                                                  // the wgmma of tile i-1 (ST 2) / i-2 (ST 3)
+        if (i + 1 < i_end) {                      // -> stage nxt (tile i+1-ST's) is free
             const int r = (i + 1) * BM;
-            v3_load_tile<BM, HD, NT>(sQ + (buf ^ 1) * Q_BYTES, q_g, r, T, stride);
-            v3_load_tile<BM, HD, NT>(sO + (buf ^ 1) * Q_BYTES, do_g, r, T, C);
-            load_vec_async<BM, NT>(sL + (buf ^ 1) * BM, l_g, r, T);
-            load_vec_async<BM, NT>(sD + (buf ^ 1) * BM, d_g, r, T);
+            v3_load_tile<BM, HD, NT>(sQ + nxt * Q_BYTES, q_g, r, T, stride);
+            v3_load_tile<BM, HD, NT>(sO + nxt * Q_BYTES, do_g, r, T, C);
+            load_vec_async<BM, NT>(sL + nxt * BM, l_g, r, T);
+            load_vec_async<BM, NT>(sD + nxt * BM, d_g, r, T);
         }
         wg_cp_async_commit();
-        wg_cp_async_wait<1>();                    // this thread's copies of tile i landed
-        fence_proxy_async();                      // ... visible to wgmma (async proxy)
-        __syncthreads();                          // ... everyone's
         const int m0 = i * BM;
         if (wk0 < T && m0 + BM - 1 >= wk0) {      // warpgroup-uniform: some query >= some key
             const u32 q_s = sQ + buf * Q_BYTES, o_s = sO + buf * Q_BYTES;
@@ -188,7 +196,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
             wgmma_commit();
             v3_product_kk<BM, HD>(dpt, sV + wg * 8192, BN, o_s);   // dP^T = V dO^T
             wgmma_commit();
-            wgmma_wait<1>();
+            wgmma_wait<1>();                      // S^T (and the previous tile's dV, dK) retired
             wg_fence_regs<BM / 2>(st);
             // P^T = exp(S^T * scale - lse[query]); 0 where key > query or query >= T
             const bool mask = wk0 + 63 > m0 || m0 + BM > T;
@@ -229,31 +237,41 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
                 v3_to_frags<BM>(sa, dpt);
                 v3_product_rs<BM, HD>(dk, sa, q_s);               // dK += dS^T Q
                 wgmma_commit();
-                wgmma_wait<0>();
+                if constexpr (!OVL) {             // else: retired after the next S^T
+                    wgmma_wait<0>();
+                    wg_fence_regs<HD / 2>(dk);
+                    wg_fence_regs<HD / 2>(dv);
+                }
             }
-            wg_fence_regs<HD / 2>(dk);
-            wg_fence_regs<HD / 2>(dv);
+        } else {
+            wgmma_wait<0>();                      // keeps "tile i-1's wgmma retired" true here
         }
-        __syncthreads();                          // every warpgroup is done with buffer buf
     }
+    wgmma_wait<0>();
+    wg_fence_regs<HD / 2>(dk);
+    wg_fence_regs<HD / 2>(dv);
     wg_cp_async_wait<0>();
     bf16* dk_g = dqkv + (size_t)b * T * stride + C + h * HD;
     v3_store_acc<HD>(dk_g, dk, scale, key0, T, stride, t4);
     v3_store_acc<HD>(dk_g + C, dv, 1.f, key0, T, stride, t4);
 }
 
-template <int HD, int NWG, int BN>
+template <int HD, int NWG, int BN, int MINB>
 __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, const bf16* qkv, const bf16* dout, const float* lse,
                                                 const float* Dv, int T, int NH, float scale) {
     constexpr int BM = 64 * NWG, NT = 128 * NWG;
     constexpr int Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
     constexpr int NS = BN / 8;
+    // hd 64: dQ's wgmma group runs on into the next tile (3 stages; needs the 255-register budget)
+    constexpr bool OVL = HD == 64;
+    static_assert(!OVL || NWG * MINB <= 2, "hd 64 runs the 3-stage overlapped loop (ops/attention.py sizes smem so)");
+    constexpr int ST = OVL ? 3 : 2;               // K/V ring stages
     extern __shared__ unsigned char smem_v3[];
     const u32 raw = wg_smem_u32(smem_v3);
     const u32 sQ = (raw + 1023u) & ~1023u;
     const u32 sO = sQ + Q_BYTES;                  // dout
-    const u32 sK = sO + Q_BYTES;                  // 2 stages
-    const u32 sV = sK + 2 * KV_BYTES;             // 2 stages
+    const u32 sK = sO + Q_BYTES;                  // ST stages
+    const u32 sV = sK + ST * KV_BYTES;            // ST stages
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wg = warp >> 2, w4 = warp & 3, g = lane >> 2, t4 = lane & 3;
@@ -288,15 +306,15 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, const bf16* qkv, con
     wg_fence_regs<HD / 2>(dq);
 
     for (int j = 0; j < n_tiles; j++) {
-        const int buf = j & 1;
+        const int buf = j % ST, nxt = (j + 1) % ST;
+        wg_cp_async_wait<0>();                    // tile j landed (this thread's copies)
+        fence_proxy_async();
+        __syncthreads();                          // everyone's; tile j+1-ST's wgmma all retired
         if (j + 1 < n_tiles) {
-            v3_load_tile<BN, HD, NT>(sK + (buf ^ 1) * KV_BYTES, k_g, (j + 1) * BN, T, stride);
-            v3_load_tile<BN, HD, NT>(sV + (buf ^ 1) * KV_BYTES, v_g, (j + 1) * BN, T, stride);
+            v3_load_tile<BN, HD, NT>(sK + nxt * KV_BYTES, k_g, (j + 1) * BN, T, stride);
+            v3_load_tile<BN, HD, NT>(sV + nxt * KV_BYTES, v_g, (j + 1) * BN, T, stride);
         }
         wg_cp_async_commit();
-        wg_cp_async_wait<1>();
-        fence_proxy_async();
-        __syncthreads();
         const int n0 = j * BN;
         if (wm0 < T && n0 <= wm0 + 63) {          // warpgroup-uniform: some key <= some row
             const u32 k_s = sK + buf * KV_BYTES, v_s = sV + buf * KV_BYTES;
@@ -307,7 +325,7 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, const bf16* qkv, con
             wgmma_commit();
             v3_product_kk<BN, HD>(dp, sO + wg * 8192, BM, v_s);    // dP = dO V^T
             wgmma_commit();
-            wgmma_wait<1>();
+            wgmma_wait<1>();                      // S (and the previous tile's dQ) retired
             wg_fence_regs<BN / 2>(s);
             // P = exp(S * scale - lse), 0 where key > row
             const bool mask = n0 + BN - 1 > wm0;
@@ -333,49 +351,54 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, const bf16* qkv, con
             v3_to_frags<BN>(sa, s);
             v3_product_rs<BN, HD>(dq, sa, k_s);                    // dQ += dS K
             wgmma_commit();
+            if constexpr (!OVL) {                 // else: retired after the next S
+                wgmma_wait<0>();
+                wg_fence_regs<HD / 2>(dq);
+            }
+        } else {
             wgmma_wait<0>();
-            wg_fence_regs<HD / 2>(dq);
         }
-        __syncthreads();
     }
+    wgmma_wait<0>();
+    wg_fence_regs<HD / 2>(dq);
     wg_cp_async_wait<0>();
     v3_store_acc<HD>(dqkv + (size_t)b * T * stride + h * HD, dq, scale, row0, T, stride, t4);
 }
 
-#define V3_DKDV_BODY(HD, NWG, BM) flash_bwd_dkdv_v3<HD, NWG, BM>(dqkv, qkv, dout, lse, D, T, NH, scale)
-#define V3_DQ_BODY(HD, NWG, BN) flash_bwd_dq_v3<HD, NWG, BN>(dqkv, qkv, dout, lse, D, T, NH, scale)
+#define V3_DKDV_BODY(HD, NWG, BM, MINB) flash_bwd_dkdv_v3<HD, NWG, BM, MINB>(dqkv, qkv, dout, lse, D, T, NH, scale)
+#define V3_DQ_BODY(HD, NWG, BN, MINB) flash_bwd_dq_v3<HD, NWG, BN, MINB>(dqkv, qkv, dout, lse, D, T, NH, scale)
 #else
-#define V3_DKDV_BODY(HD, NWG, BM) __trap()          // not sm_90a: Python never launches this
-#define V3_DQ_BODY(HD, NWG, BN) __trap()
+#define V3_DKDV_BODY(HD, NWG, BM, MINB) __trap()    // not sm_90a: Python never launches this
+#define V3_DQ_BODY(HD, NWG, BN, MINB) __trap()
 #endif
 
 // Configurations; kernel names carry them; gpucore/ops/attention.py lists the same in
 // V3_DKDV_CONFIGS / V3_DQ_CONFIGS (first per HD = default). NWG warpgroups = 128 * NWG threads.
-//   dkdv (HD, NWG, BM): KV tile 64 * NWG keys, Q tiles of BM rows;
-//        smem = 1024 + (2 * 64 * NWG + 4 * BM) * HD * 2 + 16 * BM bytes
-//   dq   (HD, NWG, BN): Q tile 64 * NWG rows, KV tiles of BN keys;
-//        smem = 1024 + (2 * 64 * NWG + 4 * BN) * HD * 2 bytes
-// MINB = __launch_bounds__' minimum blocks per SM: 2 / NWG keeps 255 registers allowed;
-// dq hd64 G2 BN64 fits 128 (no spill, no wgmma serialization) -> 2 blocks = 16 warps per SM.
+//   dkdv (HD, NWG, BM): KV tile 64 * NWG keys, Q tiles of BM rows, ST stages (3 at hd 64, else 2);
+//        smem = 1024 + (2 * 64 * NWG + 2 * ST * BM) * HD * 2 + 8 * ST * BM bytes
+//   dq   (HD, NWG, BN): Q tile 64 * NWG rows, KV tiles of BN keys, ST stages;
+//        smem = 1024 + (2 * 64 * NWG + 2 * ST * BN) * HD * 2 bytes
+// MINB = __launch_bounds__' minimum blocks per SM: 2 / NWG keeps 255 registers allowed. (dq hd64
+// G2 BN64 at MINB 2 fit 128 registers before the overlapped loop; with it, it spills 8 bytes.)
 #define FLASH_V3_DKDV(HD, NWG, BM, MINB)                                                             \
     extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \
     attention_backward_dkdv_kernel_v3_hd##HD##_g##NWG##_m##BM##_bf16(bf16* dqkv,               \
             const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
             int T, int NH, float scale) {                                                      \
-        V3_DKDV_BODY(HD, NWG, BM);                                                             \
+        V3_DKDV_BODY(HD, NWG, BM, MINB);                                                             \
     }
 #define FLASH_V3_DQ(HD, NWG, BN, MINB)                                                               \
     extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \
     attention_backward_dq_kernel_v3_hd##HD##_g##NWG##_n##BN##_bf16(bf16* dqkv,                 \
             const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
             int T, int NH, float scale) {                                                      \
-        V3_DQ_BODY(HD, NWG, BN);                                                               \
+        V3_DQ_BODY(HD, NWG, BN, MINB);                                                               \
     }
 
 FLASH_V3_DKDV(64, 2, 64, 1)
 FLASH_V3_DKDV(64, 1, 64, 2)
 FLASH_V3_DKDV(128, 2, 64, 1)
-FLASH_V3_DQ(64, 2, 64, 2)
+FLASH_V3_DQ(64, 2, 64, 1)
 FLASH_V3_DQ(64, 1, 64, 2)
 FLASH_V3_DQ(64, 2, 128, 1)
 FLASH_V3_DQ(128, 2, 64, 1)

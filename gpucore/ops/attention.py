@@ -63,16 +63,19 @@ V1_PERMUTE_BLOCK = 256
 # compiled for sm_90a, runs on sm_90 only; writes out and lse exactly as v2 does, so either
 # backward runs on them. Must match the FLASH_FWD_V3 instantiations (tests check); the first
 # entry per head dim is the default. head dim -> [(consumer warpgroups, keys per KV tile)];
-# Q tile = 64 * warpgroups rows.
-V3_FWD_CONFIGS = {64: [(2, 64), (2, 128), (1, 128)], 128: [(2, 64), (2, 128)]}
+# Q tile = 64 * warpgroups rows. A third element (K/V stages, >= 3) selects the pipelined
+# kernel of kernels_cu/flash_attention_v3p.cu (FLASH_FWD_V3P: S_{j+1} = Q K^T in flight during
+# softmax, FA3's intra-warpgroup overlap); 2-tuples are flash_attention_v3.cu's kernels.
+V3_FWD_CONFIGS = {64: [(2, 64), (2, 64, 3), (2, 64, 4), (2, 128, 3), (2, 128), (1, 128)],
+                  128: [(2, 64), (2, 64, 3), (2, 128)]}
 V3_FWD_ARCH = "90a"
 # The default forward (version=None) is 3 where it applies (bf16, sm_90, head dim in
 # V3_FWD_CONFIGS, 16-byte aligned), else 2, else 1. False reverts the default to v2.
 V3_FWD_DEFAULT = True
 
 
-def _v3_fwd_smem(hd, wgs, bn):
-    return 1024 + (64 * wgs + 4 * bn) * hd * 2
+def _v3_fwd_smem(hd, wgs, bn, stages=2):
+    return 1024 + (64 * wgs + 2 * stages * bn) * hd * 2
 
 
 def _fwd_smem(hd, warps, mt, bn):
@@ -101,12 +104,19 @@ V3_BWD_DEFAULT = True
 BWD_VERSIONS = (1, 2, 3)
 
 
+def _v3_stages(hd):
+    """Q/dO (dK/dV pass) and K/V (dQ pass) ring stages: 3 at hd 64, where the dK / dQ wgmma
+    group of one tile runs on into the next (the kernels static_assert the same rule), else 2."""
+    return 3 if hd == 64 else 2
+
+
 def _v3_dkdv_smem(hd, wgs, bm):
-    return 1024 + (2 * 64 * wgs + 4 * bm) * hd * 2 + 16 * bm
+    st = _v3_stages(hd)
+    return 1024 + (2 * 64 * wgs + 2 * st * bm) * hd * 2 + 8 * st * bm
 
 
 def _v3_dq_smem(hd, wgs, bn):
-    return 1024 + (2 * 64 * wgs + 4 * bn) * hd * 2
+    return 1024 + (2 * 64 * wgs + 2 * _v3_stages(hd) * bn) * hd * 2
 
 
 # ----------------------------------------------------------------- checks ----
@@ -313,12 +323,16 @@ def _forward_v3(qkv, NH, out, lse, cfg=None):
     """wgmma flash forward (kernels_cu/flash_attention_v3.cu): grid (B*NH, Q tiles of 64*wgs rows)."""
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
-    wgs, bn = cfg or V3_FWD_CONFIGS[hd][0]
-    k = runtime.get_kernel("flash_attention_v3", f"attention_forward_kernel_v3_hd{hd}_g{wgs}_n{bn}_bf16",
-                           arch=V3_FWD_ARCH)
+    wgs, bn, *st = cfg or V3_FWD_CONFIGS[hd][0]
+    if st:   # pipelined variant (flash_attention_v3p.cu), st[0] K/V stages
+        k = runtime.get_kernel("flash_attention_v3p",
+                               f"attention_forward_kernel_v3_hd{hd}_g{wgs}_n{bn}_s{st[0]}_bf16", arch=V3_FWD_ARCH)
+    else:
+        k = runtime.get_kernel("flash_attention_v3", f"attention_forward_kernel_v3_hd{hd}_g{wgs}_n{bn}_bf16",
+                               arch=V3_FWD_ARCH)
     runtime.launch(k, (B * NH, -(-T // (64 * wgs))), 128 * wgs,
                    (out, lse, qkv, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd))),
-                   shared_mem=_v3_fwd_smem(hd, wgs, bn))
+                   shared_mem=_v3_fwd_smem(hd, wgs, bn, *st))
 
 
 def _backward_v2(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None):
