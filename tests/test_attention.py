@@ -544,20 +544,25 @@ def test_gpu_default_backward_is_v3_on_sm90(rng):
 # diagonal blocks only -> the causal mask; the last block only -> T tails (zero-fill / stores).
 
 def _v3_fwd_table():
+    """hd -> sorted configs of both v3 forward files (2-tuples: flash_attention_v3.cu,
+    (g, bn, stages): the pipelined flash_attention_v3p.cu); order is set in Python only."""
     t = {}
     for hd, g, bn, _minb in _instantiations(runtime.KERNEL_DIR / "flash_attention_v3.cu", "FLASH_FWD_V3"):
         t.setdefault(hd, []).append((g, bn))
-    return t
+    for hd, g, bn, st, _minb in _instantiations(runtime.KERNEL_DIR / "flash_attention_v3p.cu", "FLASH_FWD_V3P"):
+        t.setdefault(hd, []).append((g, bn, st))
+    return {hd: sorted(c) for hd, c in t.items()}
 
 
 def test_v3_forward_table_matches_kernel_instantiations():
-    assert _v3_fwd_table() == attn.V3_FWD_CONFIGS
+    assert _v3_fwd_table() == {hd: sorted(c) for hd, c in attn.V3_FWD_CONFIGS.items()}
     assert set(attn.V3_FWD_CONFIGS) <= set(attn.FWD_CONFIGS)   # v2 is the fallback for the same hd
     for hd, cfgs in attn.V3_FWD_CONFIGS.items():
         assert hd in (64, 128)
-        for g, bn in cfgs:
+        for g, bn, *st in cfgs:
             nt = 128 * g
-            assert g in (1, 2) and bn in (64, 128) and attn._v3_fwd_smem(hd, g, bn) <= 227 * 1024
+            assert g in (1, 2) and bn in (64, 128) and attn._v3_fwd_smem(hd, g, bn, *st) <= 227 * 1024
+            assert not st or st[0] in (3, 4)
             assert (64 * g * hd // 8) % nt == 0 and (bn * hd // 8) % nt == 0   # copy loops divide evenly
 
 
@@ -572,11 +577,17 @@ def test_v3_forward_version_argument_on_numpy(rng):
 
 @pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
 def test_v3_forward_kernels_compile_for_sm90a_without_spills():
-    rows = runtime.check_kernels(("90a",), [runtime.KERNEL_DIR / "flash_attention_v3.cu"])
+    rows = runtime.check_kernels(("90a",), [runtime.KERNEL_DIR / "flash_attention_v3.cu",
+                                            runtime.KERNEL_DIR / "flash_attention_v3p.cu"])
     assert rows and not [r for r in rows if not r["ok"]], rows
+    # ptxas C7520 etc.: wgmma serialised (e.g. a branch while one is in flight) -- the pipelined
+    # kernels would still be correct but lose their overlap
+    log = runtime.compile_cubin(runtime.KERNEL_DIR / "flash_attention_v3p.cu", "90a", verbose_ptxas=True).log
+    assert "serialized" not in log, [ln for ln in log.splitlines() if "serialized" in ln]
     names = {r["kernel"] for r in rows}
     for hd, cfgs in attn.V3_FWD_CONFIGS.items():
-        assert {f"attention_forward_kernel_v3_hd{hd}_g{g}_n{n}_bf16" for g, n in cfgs} <= names
+        assert {f"attention_forward_kernel_v3_hd{hd}_g{c[0]}_n{c[1]}" + "".join(f"_s{x}" for x in c[2:]) + "_bf16"
+                for c in cfgs} <= names
 
 
 def _need_sm90_fwd():
@@ -612,7 +623,8 @@ V3_FWD_VARIANTS = [(hd, c) for hd, cs in attn.V3_FWD_CONFIGS.items() for c in cs
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", V3_FWD_VARIANTS, ids=lambda v: f"hd{v[0]}-g{v[1][0]}-n{v[1][1]}")
+@pytest.mark.parametrize("variant", V3_FWD_VARIANTS,
+                         ids=lambda v: f"hd{v[0]}-g{v[1][0]}-n{v[1][1]}" + "".join(f"-s{x}" for x in v[1][2:]))
 @pytest.mark.parametrize("T", [1, 64, 100, 129, 301])
 def test_gpu_forward_v3_tile_variants(rng, variant, T):
     _need_sm90_fwd()

@@ -1,0 +1,329 @@
+/*
+ * flash_attention_v3p.cu -- causal multi-head attention forward on Hopper's wgmma, PIPELINED
+ * (v3 "p" variants, sm_90a). Same op, arguments, launch grid and out/lse layouts as
+ * flash_attention_v3.cu (read its header first); this file only changes the schedule.
+ *
+ * Op: qkv (B, T, 3C) bf16 -> out (B, T, C) bf16 = causal softmax(scale q k^T) v per head,
+ *     lse (B, NH, T) f32 = log sum_j exp(s_ij). HD in {64, 128}. No gradients here.
+ *
+ * Why: flash_attention_v3.cu runs fence -> wgmma -> commit -> wait<0> for every batch, so a
+ * warpgroup's tensor-core work and its softmax (MUFU ex2: at hd 64 as many cycles per tile as
+ * the matmuls) never overlap, and the per-iteration __syncthreads keeps both warpgroups of a
+ * block in the same phase. Measured 244 TFLOP/s on an H200 (B64 NH12 T1024 hd64).
+ *
+ * Schedule here (FlashAttention-3's intra-warpgroup overlap, Shah et al. 2024, sec. 3.2):
+ *   iteration j (per warpgroup, warpgroup-uniform branches):
+ *     fence; issue S_j = Q K_j^T (commit group A); issue O += P_{j-1} V_{j-1} (commit group B)
+ *     wait<1>          -> group A (S_j) done, group B (P V) may still run
+ *     mask + online-softmax statistics + exp of S_j   <- overlaps the P V wgmma on the tensor cores
+ *     wait<0>          -> O complete (P_{j-1} registers free again)
+ *     O *= alpha_j, l update, P_j = bf16(S_j) into the register-A fragments
+ *   after the warpgroup's last tile: one more O += P V (in iteration n_wg, or after the loop).
+ *   Register cost: S_j (f32), P_{j-1} (bf16) and O live together.
+ * K/V ring of NSTAGE stages (cp.async, all threads, 128B swizzle as in v3), PRE = NSTAGE - 2
+ * tiles copied ahead: at the top of iteration j tile j + PRE is copied into stage
+ * (j + PRE) % NSTAGE, whose previous tile j + PRE - NSTAGE <= j - 2 is retired: its K by S_{j-2}
+ * (waited in iteration j-2) and its V by P_{j-2} V_{j-2} (issued in iteration j-1, waited there
+ * with wait<0>), and every thread passed iteration j-1 before the barrier. V_{j-1} (read by the
+ * P V issued in iteration j) is never the stage being overwritten because PRE + 1 < NSTAGE.
+ * cp.async groups: the prologue commits PRE groups (group 0 = Q + tile 0, then tiles 1..PRE-1),
+ * every iteration one (possibly empty): before iteration j's barrier PRE + j groups exist and
+ * tile j is group j, so cp.async.wait_group PRE - 1 lands it.
+ * Numerics: identical to v3 (same math, same rounding points): out/lse agree bit-for-bit with
+ * flash_attention_v3.cu up to the order of wgmma accumulation, which is the same.
+ */
+#include "flash_attention.cuh"   // FA_LOG2E, FA_LN2, FA_NEG_INF, fast_exp2, pack_bf16x2_rn
+#include "wgmma.cuh"
+
+// Byte offset of 16-byte chunk c of row r in a (ROWS, HD) tile stored as HD/64 column blocks of
+// (ROWS x 128 B), each 128B-swizzled (same as flash_attention_v3.cu's v3_off).
+template <int ROWS>
+__device__ __forceinline__ u32 v3p_off(int r, int c) { return (u32)((c >> 3) * (ROWS * 128)) + wg_swz128(r, c & 7); }
+
+// Rows [r0, r0 + ROWS) of a (T, HD) slice -> swizzled tile at shared address s; rows >= T zero.
+template <int ROWS, int HD, int NT>
+__device__ __forceinline__ void v3p_load_tile(u32 s, const bf16* g, int r0, int T, int stride) {
+    constexpr int CPR = HD / 8;
+    static_assert((ROWS * CPR) % NT == 0, "tile chunks must divide evenly among threads");
+    #pragma unroll
+    for (int it = 0; it < ROWS * CPR / NT; it++) {
+        const int i = it * NT + threadIdx.x;
+        const int row = i / CPR, c = i % CPR;
+        const bool valid = r0 + row < T;
+        const bf16* src = valid ? g + (size_t)(r0 + row) * stride + c * 8 : g;
+        wg_cp_async16(s + v3p_off<ROWS>(row, c), src, valid ? 16 : 0);
+    }
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+template <int BN> struct V3PSS;
+template <> struct V3PSS<64> {
+    static __device__ __forceinline__ void run(float* d, u64 a, u64 b, int sc) { wgmma_m64n64k16_ss_kk(d, a, b, sc); }
+};
+template <> struct V3PSS<128> {
+    static __device__ __forceinline__ void run(float* d, u64 a, u64 b, int sc) { wgmma_m64n128k16_ss_kk(d, a, b, sc); }
+};
+template <int HD> struct V3PRS;
+template <> struct V3PRS<64> {
+    static __device__ __forceinline__ void run(float* d, const u32 (&a)[4], u64 b) { wgmma_m64n64k16_rs_mn(d, a, b, 1); }
+};
+template <> struct V3PRS<128> {
+    static __device__ __forceinline__ void run(float* d, const u32 (&a)[4], u64 b) { wgmma_m64n128k16_rs_mn(d, a, b, 1); }
+};
+
+// O += P V for one KV tile (V stage at shared address vb); issue only (caller commits/waits).
+template <int HD, int BN>
+__device__ __forceinline__ void v3p_issue_pv(float* o, u32 (&pa)[BN / 16][4], u32 vb) {
+    #pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++)                       // V k-step: 16 key rows = 2048 B
+        V3PRS<HD>::run(o, pa[kk], smem_desc(vb + kk * 2048, BN * 128, 1024));
+}
+
+// The warpgroup's last O += P V (nothing else in flight): fence, issue, wait<0>.
+template <int HD, int BN>
+__device__ __forceinline__ void v3p_last_pv(float (&o)[HD / 2], u32 (&pa)[BN / 16][4], u32 vb) {
+    wg_fence_regs<HD / 2>(o);
+    #pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) wg_fence_regs<4>(pa[kk]);
+    wgmma_fence();
+    v3p_issue_pv<HD, BN>(o, pa, vb);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wg_fence_regs<HD / 2>(o);
+    #pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) wg_fence_regs<4>(pa[kk]);
+}
+
+// One KV tile j for one warpgroup: S_j = Q K_j^T (group A) and, if PV, O += P_{j-1} V_{j-1}
+// (group B, V at vb); wait<1> (S_j done), mask (MASK: tile crosses the diagonal) + online
+// softmax of S_j while P V runs; wait<0>; O *= alpha, l update; P_j = bf16(S_j) into pa.
+// Registers of an in-flight wgmma (o, pa while group B runs; s while group A runs) are not
+// touched between its issue and its wait.
+template <int HD, int NWG, int BN, bool PV, bool MASK>
+__device__ __forceinline__ void v3p_step(float (&s)[BN / 2], float (&o)[HD / 2], u32 (&pa)[BN / 16][4],
+                                         float (&m_run)[2], float (&l_run)[2], u32 sQ, u32 kb, u32 vb,
+                                         int wg, int n0, int row0, int t4, float sl2) {
+    constexpr int BM = 64 * NWG, NS = BN / 8, ND = HD / 8;
+    // All register writes by ordinary code (last softmax, rescale, pack) stay above the fence.
+    wg_fence_regs<BN / 2>(s);
+    wg_fence_regs<HD / 2>(o);
+    #pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) wg_fence_regs<4>(pa[kk]);
+    wgmma_fence();
+    #pragma unroll
+    for (int ks = 0; ks < HD / 16; ks++) {                     // S_j: k-step ks = 16 head dims
+        const u64 da = smem_desc(sQ + (ks >> 2) * (BM * 128) + wg * (64 * 128) + (ks & 3) * 32, 16, 1024);
+        const u64 db = smem_desc(kb + (ks >> 2) * (BN * 128) + (ks & 3) * 32, 16, 1024);
+        V3PSS<BN>::run(s, da, db, ks > 0);
+    }
+    wgmma_commit();
+    if (PV) {                                                  // compile-time
+        v3p_issue_pv<HD, BN>(o, pa, vb);
+        wgmma_commit();
+        wgmma_wait<1>();                                       // S_j done; P V may still run
+    } else {
+        wgmma_wait<0>();
+    }
+    wg_fence_regs<BN / 2>(s);                                  // S reads stay below the wait
+
+    // ---- softmax of S_j: touches s, m_run and scalars only (o and pa are in flight) ----
+    if (MASK) {                                                // compile-time
+        #pragma unroll
+        for (int nt = 0; nt < NS; nt++) {
+            #pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int key = n0 + nt * 8 + 2 * t4 + e;
+                s[4 * nt + e] = key > row0 ? FA_NEG_INF : s[4 * nt + e];
+                s[4 * nt + 2 + e] = key > row0 + 8 ? FA_NEG_INF : s[4 * nt + 2 + e];
+            }
+        }
+    }
+    float alpha[2], rsum[2];
+    #pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float mx = FA_NEG_INF;
+        #pragma unroll
+        for (int nt = 0; nt < NS; nt++) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * r], s[4 * nt + 2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m_run[r], mx * sl2);
+        const float ref = mn == FA_NEG_INF ? 0.f : mn;           // all masked so far: no -inf - -inf
+        alpha[r] = fast_exp2(m_run[r] - ref);
+        m_run[r] = mn;
+        float rs = 0.f;
+        #pragma unroll
+        for (int nt = 0; nt < NS; nt++) {
+            s[4 * nt + 2 * r] = fast_exp2(fmaf(s[4 * nt + 2 * r], sl2, -ref));
+            s[4 * nt + 2 * r + 1] = fast_exp2(fmaf(s[4 * nt + 2 * r + 1], sl2, -ref));
+            rs += s[4 * nt + 2 * r] + s[4 * nt + 2 * r + 1];
+        }
+        rsum[r] = rs;
+    }
+    if (PV) {                                                  // O and P_{j-1} free again
+        wgmma_wait<0>();
+        wg_fence_regs<HD / 2>(o);
+        #pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++) wg_fence_regs<4>(pa[kk]);
+    }
+    #pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l_run[r] = l_run[r] * alpha[r] + rsum[r];
+        #pragma unroll
+        for (int dt = 0; dt < ND; dt++) {
+            o[4 * dt + 2 * r] *= alpha[r];
+            o[4 * dt + 2 * r + 1] *= alpha[r];
+        }
+    }
+    // P_j: k-step kk (keys 16kk..16kk+15) = S n8 blocks 2kk, 2kk+1 as bf16.
+    #pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) {
+        pa[kk][0] = pack_bf16x2_rn(s[8 * kk + 0], s[8 * kk + 1]);
+        pa[kk][1] = pack_bf16x2_rn(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = pack_bf16x2_rn(s[8 * kk + 4], s[8 * kk + 5]);
+        pa[kk][3] = pack_bf16x2_rn(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+}
+
+template <int HD, int NWG, int BN, int NSTAGE>
+__device__ __forceinline__ void flash_forward_v3p(bf16* out,          // (B, T, C)
+                                                  float* lse,         // (B, NH, T)
+                                                  const bf16* qkv,    // (B, T, 3C)
+                                                  int T, int NH, float scale) {
+    constexpr int BM = 64 * NWG, NT = 128 * NWG;
+    constexpr int ND = HD / 8;
+    constexpr int PRE = NSTAGE - 2;                           // tiles copied ahead of the one in use
+    static_assert(PRE >= 1, "NSTAGE >= 3: V_{j-1}, tile j and PRE tiles in flight");
+    constexpr u32 Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
+    extern __shared__ unsigned char smem_v3p[];
+    const u32 sQ = (wg_smem_u32(smem_v3p) + 1023u) & ~1023u;  // swizzle atoms: 1024-byte aligned
+    const u32 sK = sQ + Q_BYTES;                               // NSTAGE x KV_BYTES
+    const u32 sV = sK + NSTAGE * KV_BYTES;                     // NSTAGE x KV_BYTES
+    unsigned char* const smem_gen = smem_v3p + (sQ - wg_smem_u32(smem_v3p));
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, w4 = warp & 3;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;           // heaviest tiles first
+    const int C = NH * HD, stride = 3 * C;
+    const bf16* q_g = qkv + (size_t)b * T * stride + h * HD;
+    const bf16* k_g = q_g + C;
+    const bf16* v_g = q_g + 2 * C;
+    const int n_tiles = ceil_div(min(T, m0 + BM), BN);         // KV tiles with a key <= last row
+
+    // Prologue: group 0 = Q + tile 0, groups 1..PRE-1 = tiles 1..PRE-1 (empty past the end).
+    v3p_load_tile<BM, HD, NT>(sQ, q_g, m0, T, stride);
+    #pragma unroll
+    for (int p = 0; p < PRE; p++) {
+        if (p < n_tiles) {
+            v3p_load_tile<BN, HD, NT>(sK + p * KV_BYTES, k_g, p * BN, T, stride);
+            v3p_load_tile<BN, HD, NT>(sV + p * KV_BYTES, v_g, p * BN, T, stride);
+        }
+        wg_cp_async_commit();
+    }
+
+    const int wm0 = m0 + 64 * wg;                              // this warpgroup's first row
+    // Tiles this warpgroup computes: keys <= its last row (0 if all its rows are >= T).
+    const int n_wg = wm0 < T ? min(n_tiles, (wm0 + 63) / BN + 1) : 0;
+    const int row0 = wm0 + 16 * w4 + g;                        // this thread's rows: row0, row0 + 8
+    const float sl2 = scale * FA_LOG2E;                        // scores in log2 units
+
+    float s[BN / 2], o[HD / 2];
+    u32 pa[BN / 16][4];                                        // P_{j-1} as register-A fragments
+    #pragma unroll
+    for (int i = 0; i < BN / 2; i++) s[i] = 0.f;
+    #pragma unroll
+    for (int i = 0; i < HD / 2; i++) o[i] = 0.f;
+    #pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+    float m_run[2] = {FA_NEG_INF, FA_NEG_INF}, l_run[2] = {0.f, 0.f};
+
+    for (int j = 0; j < n_tiles; j++) {
+        wg_cp_async_wait<PRE - 1>();                           // tile j landed (this thread's copies)
+        fence_proxy_async();                                   // ... visible to wgmma (async proxy)
+        __syncthreads();                                       // ... everyone's; stage of j-2 retired
+        {
+            const int jn = j + PRE;
+            if (jn < n_tiles) {
+                v3p_load_tile<BN, HD, NT>(sK + (jn % NSTAGE) * KV_BYTES, k_g, jn * BN, T, stride);
+                v3p_load_tile<BN, HD, NT>(sV + (jn % NSTAGE) * KV_BYTES, v_g, jn * BN, T, stride);
+            }
+            wg_cp_async_commit();                              // one group per iteration, maybe empty
+        }
+        // Warpgroup-uniform dispatch. Each step is a complete fence ... wait<0> unit with no
+        // branch while a wgmma is in flight (ptxas serialises wgmma across divergent paths,
+        // C7520), hence the MASK template instead of a run-time mask branch.
+        const int n0 = j * BN;
+        const bool diag = n0 + BN - 1 > wm0;                   // crosses this warpgroup's diagonal
+        const u32 kb = sK + (j % NSTAGE) * KV_BYTES;
+        const u32 vb = sV + ((j + NSTAGE - 1) % NSTAGE) * KV_BYTES;   // V_{j-1}
+        if (j < n_wg) {
+            if (j == 0) {
+                if (diag) v3p_step<HD, NWG, BN, false, true>(s, o, pa, m_run, l_run, sQ, kb, vb, wg, n0, row0, t4, sl2);
+                else v3p_step<HD, NWG, BN, false, false>(s, o, pa, m_run, l_run, sQ, kb, vb, wg, n0, row0, t4, sl2);
+            } else {
+                if (diag) v3p_step<HD, NWG, BN, true, true>(s, o, pa, m_run, l_run, sQ, kb, vb, wg, n0, row0, t4, sl2);
+                else v3p_step<HD, NWG, BN, true, false>(s, o, pa, m_run, l_run, sQ, kb, vb, wg, n0, row0, t4, sl2);
+            }
+        } else if (j == n_wg && j > 0) {
+            v3p_last_pv<HD, BN>(o, pa, vb);                    // P_{n_wg-1} V_{n_wg-1}
+        }
+    }
+    // The warpgroup's last P V when it ran to the block's last tile (no copies after the loop,
+    // so V stage (n_tiles - 1) % NSTAGE is intact).
+    if (n_wg > 0 && n_wg == n_tiles) v3p_last_pv<HD, BN>(o, pa, sV + ((n_tiles - 1) % NSTAGE) * KV_BYTES);
+    wg_cp_async_wait<0>();
+
+    // Epilogue (as v3): quad sums, lse, O / l as bf16 into this warp's own 16 Q rows (only this
+    // warpgroup's wgmma read them, all retired), then 16-byte coalesced stores.
+    float inv[2];
+    #pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float l = l_run[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        inv[r] = l > 0.f ? 1.f / l : 0.f;
+        const int row = row0 + 8 * r;
+        if (n_wg > 0 && t4 == 0 && row < T) lse[(size_t)bh * T + row] = (m_run[r] + log2f(l)) * FA_LN2;
+    }
+    const int lr0 = 64 * wg + 16 * w4;                          // this warp's first row in the tile
+    #pragma unroll
+    for (int dt = 0; dt < ND; dt++) {
+        const u32 cb = 4 * t4;                                  // byte offset of column 2t in a chunk
+        *reinterpret_cast<u32*>(smem_gen + v3p_off<BM>(lr0 + g, dt) + cb) = pack_bf16x2_rn(o[4 * dt] * inv[0], o[4 * dt + 1] * inv[0]);
+        *reinterpret_cast<u32*>(smem_gen + v3p_off<BM>(lr0 + g + 8, dt) + cb) = pack_bf16x2_rn(o[4 * dt + 2] * inv[1], o[4 * dt + 3] * inv[1]);
+    }
+    __syncwarp();
+    bf16* out_g = out + (size_t)b * T * C + h * HD;
+    #pragma unroll
+    for (int it = 0; it < 16 * ND / 32; it++) {
+        const int i = it * 32 + lane;
+        const int r = i / ND, c = i % ND;
+        const int row = m0 + lr0 + r;
+        if (row < T) {
+            const uint4 v = *reinterpret_cast<const uint4*>(smem_gen + v3p_off<BM>(lr0 + r, c));
+            *reinterpret_cast<uint4*>(out_g + (size_t)row * C + c * 8) = v;
+        }
+    }
+}
+
+#define FLASH_V3P_BODY(HD, NWG, BN, NSTAGE) flash_forward_v3p<HD, NWG, BN, NSTAGE>(out, lse, qkv, T, NH, scale)
+#else
+#define FLASH_V3P_BODY(HD, NWG, BN, NSTAGE) __trap()   // not sm_90a: Python never launches this
+#endif
+
+// Configurations (HD, consumer warpgroups, keys per KV tile, K/V stages, MINB = blocks per SM
+// for __launch_bounds__ (not in the name)); ops/attention.py V3_FWD_CONFIGS lists them as
+// (warpgroups, BN, stages). Dynamic shared memory = 1024 + (64 * NWG + 2 * NSTAGE * BN) * HD * 2.
+#define FLASH_FWD_V3P(HD, NWG, BN, NSTAGE, MINB)                                               \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \
+    attention_forward_kernel_v3_hd##HD##_g##NWG##_n##BN##_s##NSTAGE##_bf16(                     \
+            bf16* out, float* lse, const bf16* qkv, int T, int NH, float scale) {               \
+        FLASH_V3P_BODY(HD, NWG, BN, NSTAGE);                                                    \
+    }
+
+FLASH_FWD_V3P(64, 2, 64, 3, 2)
+FLASH_FWD_V3P(64, 2, 128, 3, 1)
+FLASH_FWD_V3P(64, 2, 64, 4, 2)
+FLASH_FWD_V3P(128, 2, 64, 3, 1)
