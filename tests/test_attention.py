@@ -418,8 +418,11 @@ def test_v3_tables_match_kernel_instantiations():
         return t
 
     # instantiations are (hd, warpgroups, tile, min blocks per SM); the tables omit the last
-    assert table(r[:3] for r in _instantiations(src, "FLASH_V3_DKDV")) == attn.V3_DKDV_CONFIGS
-    assert table(r[:3] for r in _instantiations(src, "FLASH_V3_DQ")) == attn.V3_DQ_CONFIGS
+    def same(kernels, configs):   # order-free: the Python tables put the measured default first
+        return {hd: sorted(v) for hd, v in kernels.items()} == {hd: sorted(v) for hd, v in configs.items()}
+
+    assert same(table(r[:3] for r in _instantiations(src, "FLASH_V3_DKDV")), attn.V3_DKDV_CONFIGS)
+    assert same(table(r[:3] for r in _instantiations(src, "FLASH_V3_DQ")), attn.V3_DQ_CONFIGS)
     assert set(attn.V3_DKDV_CONFIGS) == set(attn.V3_DQ_CONFIGS) <= set(attn.FWD_CONFIGS)
     for hd in attn.V3_DKDV_CONFIGS:
         for g, bm in attn.V3_DKDV_CONFIGS[hd]:
