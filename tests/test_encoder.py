@@ -174,8 +174,30 @@ def test_v4_counting_sort_simulated(rng, N, V, dist):
     np.testing.assert_array_equal(keys, ref)
 
 
+@pytest.mark.parametrize("ring", [2, 3, 8, 16])
+@pytest.mark.parametrize("length", [1, 2, 6, 7, 8, 9, 15, 16, 17, 63, 64])
+def test_v5_ring_schedule_simulated(ring, length):
+    """v5's per-thread cp.async ring (encoder_v5.cu), step by step: every row is read from its slot
+    after its commit group completed (wait_group(R - 2)), no slot is refilled before its row was
+    summed, every row is issued and read exactly once, in order."""
+    events = enc_ops._simulate_dwte_v5_ring(length, ring)
+    reads = [row for kind, row, _ in events if kind == "read"]
+    issues = [row for kind, row, _ in events if kind == "issue"]
+    assert reads == list(range(length)) and issues == list(range(length))
+    assert all(slot == row % ring for _, row, slot in events)
+
+
+@pytest.mark.parametrize("CP,block,slices", [(1, 32, 1), (2, 32, 1), (96, 96, 1), (128, 128, 1), (129, 96, 2),
+                                             (192, 96, 2), (200, 128, 2), (400, 128, 4)])
+def test_v5_block(CP, block, slices):
+    assert enc_ops._v5_block(CP) == (block, slices)
+    assert block % 32 == 0 and block <= enc_ops.DWTE_V5_MAX_BLOCK and block * slices >= CP
+    assert enc_ops.DWTE_V5_RING * block * 32 <= 227 * 1024        # the ring fits in shared memory
+
+
 def test_v4_pick():
-    assert enc_ops._pick(None, np.float32, 8, (), backward=True, V=50304) == (4, 4)
+    assert enc_ops._pick(None, np.float32, 8, (), backward=True, V=50304) == (enc_ops.BACKWARD_DEFAULT, 4)
+    assert enc_ops._pick(5, np.float32, 8, (), backward=True, V=65537) == (5, 4)     # v5 sorts with CuPy there
     assert enc_ops._pick(None, np.float32, 8, (), backward=True, V=65537) == (3, 4)
     assert enc_ops._pick(None, np.float32, 6, (), backward=True, V=10) == (1, 1)
     assert enc_ops._pick(None, np.float32, 8, ()) == (2, 4)
@@ -241,7 +263,7 @@ SHAPES = [(1, 1, 768, 5, 1), (2, 37, 768, 100, 64), (4, 256, 768, 5003, 1024), (
 def _versions(C, dtype, backward=False):
     if C % (16 // np.dtype(dtype).itemsize):
         return [1]
-    return [1, 2, 3, 4] if backward else [1, 2]
+    return [1, 2, 3, 4, 5] if backward else [1, 2]
 
 
 @pytest.mark.cuda
@@ -295,6 +317,9 @@ def test_gpu_backward(rng, dtype, B, T, C, V, maxT, dist):
     if 4 in by_version:   # v4 = v3 on keys from the counting sort (the same keys): the same bits
         assert by_version[4][0].tobytes() == by_version[3][0].tobytes(), "v4 dwte differs from v3's bits"
         assert by_version[4][1].tobytes() == by_version[3][1].tobytes(), "v4 dwpe differs from v3's bits"
+    if 5 in by_version:   # v5 = v4's keys + v3's chunks and order through a cp.async ring: the same bits
+        assert by_version[5][0].tobytes() == by_version[4][0].tobytes(), "v5 dwte differs from v4's bits"
+        assert by_version[5][1].tobytes() == by_version[4][1].tobytes(), "v5 dwpe differs from v4's bits"
 
 
 @pytest.mark.cuda
@@ -331,7 +356,7 @@ def test_gpu_backward_v3_keys_streams_and_long_runs(rng, monkeypatch, overlap, B
     dwte0 = rng.standard_normal((V, C)).astype(dtype)
     tg, dg = cp.asarray(tok), cp.asarray(dout)
     got = {}
-    for version in (2, 3, 4):
+    for version in (2, 3, 4, 5):
         dwte, dwpe = cp.asarray(dwte0), cp.zeros((T, C), dtype=dtype)
         gpucore.encoder_backward(dg, tg, dwte=dwte, dwpe=dwpe, version=version)
         got[version] = (to_cpu(dwte), to_cpu(dwpe))
@@ -343,6 +368,8 @@ def test_gpu_backward_v3_keys_streams_and_long_runs(rng, monkeypatch, overlap, B
     assert got[3][1].tobytes() == got[2][1].tobytes(), "v3 dwpe differs from v2's bits"
     assert got[4][0].tobytes() == got[3][0].tobytes(), "v4 dwte differs from v3's bits"
     assert got[4][1].tobytes() == got[3][1].tobytes(), "v4 dwpe differs from v3's bits"
+    assert got[5][0].tobytes() == got[3][0].tobytes(), "v5 dwte differs from v3's bits"
+    assert got[5][1].tobytes() == got[3][1].tobytes(), "v5 dwpe differs from v3's bits"
 
 
 @pytest.mark.cuda
@@ -364,6 +391,39 @@ def test_gpu_dwte_v3_unroll_variants_agree(rng, dtype, dist):
     rte, _ = encoder_backward_reference(to_cpu(dout), tok, V, T)
     assert rel_err(got[0].astype(np.float64) - dwte0.astype(np.float64), rte) < (1e-5 if dtype == np.float32 else 5e-2)
     assert got[0].tobytes() == got[1].tobytes()
+    for ring in (8, 16):                                     # v5's cp.async ring kernel: v3's order, v3's bits
+        for _ in range(2):                                   # twice: deterministic
+            dwte = cp.asarray(dwte0)
+            enc_ops._launch_dwte_v5(dwte, dout, keys, bits, ring)
+            assert to_cpu(dwte).tobytes() == got[0].tobytes(), f"v5 ring={ring} dwte differs from v3's bits"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,C,V,dist", [(1, 1, 8, 1, "uniform"), (1, 63, 8, 2, "zipf"), (2, 65, 1600, 40, "zipf"),
+                                          (3, 1000, 2048, 2, "uniform"), (7, 300, 1024, 5000, "uniform"),
+                                          (4, 512, 768, 50, "blocks"), (65, 1024, 64, 40000, "zipf")])
+def test_gpu_dwte_v5_matches_v3(rng, dtype, B, T, C, V, dist):
+    """v5's chunk kernel on shapes that stress its launch: chunks shorter than the ring (N < 64, the
+    last chunk), 2-4 column slices (C = 1600, 2048 in fp32/bf16), hundreds of chunks of one token,
+    64-bit keys: v3's bits, NaN-free, and near the reference."""
+    cp = runtime.cupy
+    tok, _, _ = _inputs(rng, B, T, C, V, T, dtype, dist)
+    dout = cp.asarray(rng.standard_normal((B, T, C)).astype(dtype))
+    keys, bits = enc_ops._sort_keys(cp.asarray(tok), V)
+    dwte0 = rng.standard_normal((V, C)).astype(dtype)
+    want = cp.asarray(dwte0)
+    enc_ops._launch_dwte_v3(want, dout, keys, bits)
+    want = to_cpu(want)
+    for ring in (8, 16):
+        dwte = cp.asarray(dwte0)
+        enc_ops._launch_dwte_v5(dwte, dout, keys, bits, ring)
+        got = to_cpu(dwte)
+        assert not np.isnan(got.astype(np.float32)).any(), f"ring={ring}: NaN"
+        bad = np.flatnonzero(np.any(got != want, axis=1))
+        assert bad.size == 0, f"ring={ring}: {bad.size} dwte rows differ from v3, first {bad[:5]}"
+    rte, _ = encoder_backward_reference(to_cpu(dout), tok, V, T)
+    assert rel_err(want.astype(np.float64) - dwte0.astype(np.float64), rte) < (1e-5 if dtype == np.float32 else 5e-2)
 
 
 @pytest.mark.cuda

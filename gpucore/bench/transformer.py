@@ -8,7 +8,9 @@ B*T = 65536 rows, C = 768, bf16 (--n rows, --opt C=...):
              tokens, dwte chunk + merge kernels) and in total, per version (v3:
              32-bit sort keys, dwpe on a side stream next to sort + dwte, see
              ops/encoder.py; v4: v3 with a counting sort in place of CuPy's
-             sort, rows for the sort host- and device-timed, its dwte is v3's). dout is read once by the dwpe kernel and once by
+             sort, rows for the sort host- and device-timed, its dwte is v3's; v5: v4's sort,
+             dwte chunk kernel through a cp.async ring per thread, rows per ring size
+             and the chunk kernel alone). dout is read once by the dwpe kernel and once by
              the dwte kernel, by design (the two sums need different orders and
              no atomics), so the total cannot pass ~50% of the one-read minimum;
              the total is therefore reported against the one-read minimum (no
@@ -22,7 +24,7 @@ B*T = 65536 rows, C = 768, bf16 (--n rows, --opt C=...):
              dweight/dbias += with the two-stage reduction).
   gelu       forward and backward at (65536, 4*768) -- its shape in GPT-2's
              MLP -- and at (65536, 768).
---version all (default) times every kernel version that applies; --version 1, 2 (or 3, 4: encoder
+--version all (default) times every kernel version that applies; --version 1, 2 (or 3, 4, 5: encoder
 backward) one of them.
 --dtype bfloat16 (default), float32 or all.
 """
@@ -126,7 +128,7 @@ def bench_encoder(n: int = 65536, dtype: str = "bfloat16", version=None, C: int 
         dwte_bytes = (N * C + 2 * unique * C) * s
         one_read = (N * C + 2 * unique * C + 2 * T * C) * s + 4 * N
         for ver in _versions(version, _available(lambda v, *a: enc._pick(v, *a, backward=True), wte.dtype, C,
-                                                 arrays, versions=(1, 2, 3, 4))):
+                                                 arrays, versions=(1, 2, 3, 4, 5))):
             W = 16 // s if ver >= 2 else 1
             tag = f"{tag0} v{ver}"
             extra = {"unique": unique, "dist": dist}
@@ -145,6 +147,19 @@ def bench_encoder(n: int = 65536, dtype: str = "bfloat16", version=None, C: int 
                 results.append(Result(f"encoder backward counting sort v4 N={N} V={V}", ms, extra=extra))
                 ms = time_device_ms(lambda: enc._sort_keys_v4(tokens, V))
                 results.append(Result(f"encoder backward counting sort v4 (device) N={N} V={V}", ms, extra=extra))
+            elif ver == 5:                            # v4's sort (timed above); the ring chunk kernel + v3's merge
+                keys, bits = enc._sort_keys_v4(tokens, V)
+                for ring in (8, 16):                  # ring slots per thread (default DWTE_V5_RING)
+                    ms = time_ms(lambda: enc._launch_dwte_v5(dwte, dout, keys, bits, ring))
+                    results.append(Result(f"encoder backward dwte {tag} ring={ring}", ms,
+                                          bytes=dwte_bytes + keys.nbytes, ref_gbps=bw, target=0.7, extra=extra))
+                    ms = time_device_ms(lambda: enc._launch_dwte_v5(dwte, dout, keys, bits, ring))
+                    results.append(Result(f"encoder backward dwte (device) {tag} ring={ring}", ms,
+                                          bytes=dwte_bytes + keys.nbytes, ref_gbps=bw, target=0.7, extra=extra))
+                ms = time_device_ms(lambda: enc._launch_dwte_v5(dwte, dout, keys, bits, merge=False))
+                results.append(Result(f"encoder backward dwte chunk kernel alone (device) {tag} "
+                                      f"ring={enc.DWTE_V5_RING}", ms, bytes=dwte_bytes + keys.nbytes, ref_gbps=bw,
+                                      extra={**extra, "note": "no merge: the merge's cost is the difference"}))
             else:                                     # dwpe is v2's kernel, timed above
                 keys, bits = enc._sort_keys(tokens, V)
                 ms = time_device_ms(lambda: enc._sort_keys(tokens, V))

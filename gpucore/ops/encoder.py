@@ -30,6 +30,11 @@ v3 with its CuPy sort replaced by a stable counting sort of the positions by
 token (kernels_cu/encoder_v4.cu: per-tile counts and stable ranks, a scan, a
 scatter: three small launches, no host synchronisation) that writes exactly
 v3's sorted keys, so the gradients are bit-identical to v3's.
+v5 (v3's conditions, any V): v4's counting sort (CuPy's sort where V > 65536), v3's merge,
+and a dwte chunk kernel (kernels_cu/encoder_v5.cu) that streams each thread's rows through
+a cp.async ring in shared memory (R - 1 rows always in flight, refilled one row at a time)
+instead of v3's dependent batches of 4; same chunks and summation order: bit-identical to
+v3/v4. BACKWARD_DEFAULT says which of v4/v5 `version=None` picks.
 """
 from __future__ import annotations
 
@@ -45,6 +50,9 @@ OVERLAP_SORT = True    # v3/v4: dwpe on a side stream, alongside the key sort an
 V4_TILE = 2048         # positions per tile in v4's counting sort (V4_TILE in encoder_v4.cu)
 V4_SCAN_BLOCK = 1024   # tokens per scan block (V4_SCAN_BLOCK in encoder_v4.cu)
 V4_MAX_V = 65536       # v4: 16-bit token counters for V tokens in shared memory (2V bytes); scatter's <= 64 scan blocks
+BACKWARD_DEFAULT = 4   # version=None backward where v4 applies (4 or 5: bit-identical; 5 once measured faster)
+DWTE_V5_RING = 8       # v5: ring slots per thread (R - 1 rows in flight); 8 or 16 (encoder_v5.cu instantiates both)
+DWTE_V5_MAX_BLOCK = 128  # v5 chunk threads per block (a column slice); ring smem = R * block * 32 bytes
 
 
 # ------------------------------------------------------------- references ----
@@ -85,10 +93,10 @@ def _pick(version, dtype, C, arrays, backward=False, V=None):
     else v1. V (backward): rows of dwte; None skips v4's limit."""
     W = 16 // np.dtype(dtype).itemsize
     v2_ok = C % W == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
-    versions = (1, 2, 3, 4) if backward else (1, 2)
+    versions = (1, 2, 3, 4, 5) if backward else (1, 2)
     v4_ok = V is None or V <= V4_MAX_V
     if version is None:
-        version = (4 if v4_ok else 3) if backward and v2_ok else (2 if v2_ok else 1)
+        version = (BACKWARD_DEFAULT if v4_ok else 3) if backward and v2_ok else (2 if v2_ok else 1)
     if version == 4 and not v4_ok:
         raise ValueError(f"version: v4 needs V <= {V4_MAX_V} (16-bit tile counters), got V={V}")
     if version not in versions:
@@ -176,6 +184,10 @@ def encoder_backward(dout, tokens, dwte=None, dwpe=None, V=None, maxT=None, *, c
     version, W = _pick(version, dout.dtype, C, (dout, dwte, dwpe), backward=True, V=V)
     if B * T == 0 or C == 0:
         return dwte, dwpe
+    if version == 5:
+        _backward_v3(dwte, dwpe, dout, tokens, V, W, sort=_sort_keys_v4 if V <= V4_MAX_V else _sort_keys,
+                     dwte_launch=_launch_dwte_v5)
+        return dwte, dwpe
     if version >= 3:
         _backward_v3(dwte, dwpe, dout, tokens, V, W, sort=_sort_keys_v4 if version == 4 else _sort_keys)
         return dwte, dwpe
@@ -261,7 +273,7 @@ def _side_stream():
     return _SIDE[dev]
 
 
-def _backward_v3(dwte, dwpe, dout, tokens, V, W, sort=None):
+def _backward_v3(dwte, dwpe, dout, tokens, V, W, sort=None, dwte_launch=None):
     """dwpe (v2's kernel) on a side stream, concurrently with the key sort and dwte (v3) on the current one.
 
     The sort is latency-bound (a few small CUB passes over N keys, or v4's counting sort: sort
@@ -270,10 +282,11 @@ def _backward_v3(dwte, dwpe, dout, tokens, V, W, sort=None):
     """
     cp = runtime.cupy
     sort = sort or _sort_keys
+    dwte_launch = dwte_launch or _launch_dwte_v3
     if not OVERLAP_SORT:
         _launch_dwpe(dwpe, dout, 2, W)
         keys, bits = sort(tokens, V)
-        _launch_dwte_v3(dwte, dout, keys, bits)
+        dwte_launch(dwte, dout, keys, bits)
         return
     main = cp.cuda.get_current_stream()
     side, forked, joined = _side_stream()
@@ -283,7 +296,7 @@ def _backward_v3(dwte, dwpe, dout, tokens, V, W, sort=None):
         _launch_dwpe(dwpe, dout, 2, W)
     joined.record(side)
     keys, bits = sort(tokens, V)
-    _launch_dwte_v3(dwte, dout, keys, bits)
+    dwte_launch(dwte, dout, keys, bits)
     main.wait_event(joined)              # whatever the caller queues next sees dwpe done
 
 
@@ -313,6 +326,71 @@ def _launch_dwte_v3(dwte, dout, keys, bits, unroll=None):
     k_merge = runtime.get_kernel("encoder", f"encoder_backward_dwte_merge_kernel_v3_{suf}")
     runtime.launch(k_merge, (num_chunks, -(-C4 // mblock)), mblock,
                    (dwte, scratch, keys, i32(N), i32(C), i32(bits), i32(num_chunks)))
+
+
+# ----------------------------------------------------------- backward, v5 ----
+
+def _v5_block(CP: int):
+    """(threads per block, column slices) of the v5 chunk kernel for CP 16-byte packs per row:
+    the fewest slices of <= DWTE_V5_MAX_BLOCK packs, split evenly, rounded up to whole warps."""
+    slices = -(-CP // DWTE_V5_MAX_BLOCK)
+    return -(-(-(-CP // slices)) // 32) * 32, slices
+
+
+def _launch_dwte_v5(dwte, dout, keys, bits, ring=None, merge=True):
+    """dwte += per-token sums of dout's rows from the sorted keys: v5 chunk kernel (cp.async ring),
+    then v3's merge (same scratch layout and chunks: v3's bits). merge=False (bench only: times the
+    chunk kernel alone, dwte is then incomplete)."""
+    B, T, C = dout.shape
+    N = B * T
+    CP = C // (16 // dout.dtype.itemsize)
+    ring = ring or DWTE_V5_RING
+    suf = f"{dtypes.kernel_suffix(dout.dtype)}_{'u32' if keys.dtype == np.uint32 else 'u64'}"
+    num_chunks = -(-N // DWTE_CHUNK)
+    block, slices = _v5_block(CP)
+    scratch = runtime.cupy.empty((num_chunks, 2, C), dtype=np.float32)
+    i32 = np.int32
+    k_te = runtime.get_kernel("encoder_v5", f"encoder_backward_dwte_kernel_v5_r{ring}_{suf}")
+    runtime.launch(k_te, (num_chunks, slices), block, (dwte, scratch, dout, keys, i32(N), i32(C), i32(bits)),
+                   shared_mem=ring * block * 32)           # [ring][2][block] uint4: dout + dwte packs
+    if not merge:
+        return
+    C4 = C // 4
+    mblock = min(-(-C4 // 32) * 32, DWTE_MERGE_BLOCK)
+    k_merge = runtime.get_kernel("encoder", f"encoder_backward_dwte_merge_kernel_v3_{suf}")
+    runtime.launch(k_merge, (num_chunks, -(-C4 // mblock)), mblock,
+                   (dwte, scratch, keys, i32(N), i32(C), i32(bits), i32(num_chunks)))
+
+
+def _simulate_dwte_v5_ring(len_: int, ring: int):
+    """The v5 chunk kernel's cp.async schedule for one thread, step by step: checks (CPU tests) that
+    every row is waited for before it is read, and that no slot is refilled before its row was summed.
+
+    Returns the list of events ("issue", row, slot) / ("read", row, slot) in program order.
+    """
+    events, groups, landed_upto = [], [], -1
+    slot_row = {}                              # slot -> row it holds (not yet summed)
+
+    def issue(li):
+        if li < len_:
+            s = li % ring
+            assert s not in slot_row, f"slot {s} refilled with row {li} before row {slot_row[s]} was summed"
+            slot_row[s] = li
+            events.append(("issue", li, s))
+        groups.append(li)                      # one group per row index, empty past len_
+
+    for li in range(ring - 1):
+        issue(li)
+    for li in range(len_):
+        done = len(groups) - (ring - 2)        # wait_group(R - 2): all but the newest R - 2 groups
+        landed_upto = max(landed_upto, groups[done - 1])
+        assert landed_upto >= li, f"row {li} read before its group completed"
+        s = li % ring
+        assert slot_row.get(s) == li, f"slot {s} holds row {slot_row.get(s)}, expected {li}"
+        events.append(("read", li, s))
+        issue(li + ring - 1)                   # before row li counts as summed: must not hit slot s
+        del slot_row[s]                        # summed (the FADDs consumed the shared load)
+    return events
 
 
 # ----------------------------------------------------------- backward, v4 ----
