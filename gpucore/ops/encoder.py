@@ -337,6 +337,9 @@ def _v5_block(CP: int):
     return -(-(-(-CP // slices)) // 32) * 32, slices
 
 
+_V5_OPTED_IN: dict[int, int] = {}   # id(kernel) -> dynamic shared memory it was opted in for
+
+
 def _launch_dwte_v5(dwte, dout, keys, bits, ring=None, merge=True):
     """dwte += per-token sums of dout's rows from the sorted keys: v5 chunk kernel (cp.async ring),
     then v3's merge (same scratch layout and chunks: v3's bits). merge=False (bench only: times the
@@ -351,8 +354,15 @@ def _launch_dwte_v5(dwte, dout, keys, bits, ring=None, merge=True):
     scratch = runtime.cupy.empty((num_chunks, 2, C), dtype=np.float32)
     i32 = np.int32
     k_te = runtime.get_kernel("encoder_v5", f"encoder_backward_dwte_kernel_v5_r{ring}_{suf}")
+    smem = ring * block * 32                               # [ring][2][block] uint4: dout + dwte packs
+    # Without the opt-in, static + dynamic shared memory must fit in 48 KB; the kernel has ~0.5 KB
+    # static (s_row, s_tok), so a 48 KB ring (ring 16 x 96 threads) needs it too. runtime.launch opts
+    # in only above 48 KB of dynamic memory: do it here from 40 KB, once per kernel object.
+    if smem > 40 * 1024 and _V5_OPTED_IN.get(id(k_te), 0) < smem:
+        k_te.max_dynamic_shared_size_bytes = smem
+        _V5_OPTED_IN[id(k_te)] = smem
     runtime.launch(k_te, (num_chunks, slices), block, (dwte, scratch, dout, keys, i32(N), i32(C), i32(bits)),
-                   shared_mem=ring * block * 32)           # [ring][2][block] uint4: dout + dwte packs
+                   shared_mem=smem)
     if not merge:
         return
     C4 = C // 4
