@@ -73,6 +73,22 @@ __device__ __forceinline__ void v3_store_acc(bf16* g, const float* d, float mul,
     }
 }
 
+// sum over N (a multiple of 8) columns of x[off..] * y[off..] (16-byte aligned), 0 if !valid.
+template <int N>
+__device__ __forceinline__ float v3_row_dot(const bf16* x, const bf16* y, size_t off, bool valid) {
+    float acc = 0.f;
+    if (valid) {
+        #pragma unroll
+        for (int c = 0; c < N; c += 8) {
+            const Pack16<bf16> a = load16(x + off + c);
+            const Pack16<bf16> o = load16(y + off + c);
+            #pragma unroll
+            for (int k = 0; k < 8; k++) acc = fmaf(to_float(a.v[k]), to_float(o.v[k]), acc);
+        }
+    }
+    return acc;
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 template <int N>
@@ -256,9 +272,13 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
     v3_store_acc<HD>(dk_g + C, dv, 1.f, key0, T, stride, t4);
 }
 
-template <int HD, int NWG, int BN, int MINB>
-__device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, const bf16* qkv, const bf16* dout, const float* lse,
-                                                const float* Dv, int T, int NH, float scale) {
+// FD (fused D): the block computes D = rowsum(dout * out) of its own rows itself (no preprocess
+// kernel; out is read once per row, dout's rows are L2-hot from the tile copy) and writes it to
+// Dw for the dK/dV pass, which then runs after this pass. Else D comes from Dv (preprocess).
+template <int HD, int NWG, int BN, int MINB, bool FD>
+__device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf16* qkv, const bf16* dout,
+                                                const bf16* out, const float* lse, const float* Dv, int T, int NH,
+                                                float scale) {
     constexpr int BM = 64 * NWG, NT = 128 * NWG;
     constexpr int Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
     constexpr int NS = BN / 8;
@@ -296,8 +316,23 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, const bf16* qkv, con
     // Rows >= T: zero Q / dout rows, lse = D = 0: P = 1 or 0, dP = 0, dS finite; never stored.
     const float nl0 = row0 < T ? -lse[(size_t)bh * T + row0] * FA_LOG2E : 0.f;
     const float nl1 = row1 < T ? -lse[(size_t)bh * T + row1] * FA_LOG2E : 0.f;
-    const float D0 = row0 < T ? Dv[(size_t)bh * T + row0] : 0.f;
-    const float D1 = row1 < T ? Dv[(size_t)bh * T + row1] : 0.f;
+    float D0, D1;
+    if constexpr (FD) {
+        // The 4 threads of a row pair (t4 = 0..3) each sum HD/4 columns of both rows, then reduce
+        // over t4 with two shuffles (fixed order: deterministic). Outside any branch: full-warp
+        // shuffles; rows >= T contribute 0 (and D = 0 as in the non-fused path).
+        D0 = v3_row_dot<HD / 4>(out, dout, (size_t)b * T * C + (size_t)row0 * C + h * HD + t4 * (HD / 4), row0 < T);
+        D1 = v3_row_dot<HD / 4>(out, dout, (size_t)b * T * C + (size_t)row1 * C + h * HD + t4 * (HD / 4), row1 < T);
+        D0 += __shfl_xor_sync(0xffffffffu, D0, 1);
+        D1 += __shfl_xor_sync(0xffffffffu, D1, 1);
+        D0 += __shfl_xor_sync(0xffffffffu, D0, 2);
+        D1 += __shfl_xor_sync(0xffffffffu, D1, 2);
+        if (t4 == 0 && row0 < T) Dw[(size_t)bh * T + row0] = D0;
+        if (t4 == 0 && row1 < T) Dw[(size_t)bh * T + row1] = D1;
+    } else {
+        D0 = row0 < T ? Dv[(size_t)bh * T + row0] : 0.f;
+        D1 = row1 < T ? Dv[(size_t)bh * T + row1] : 0.f;
+    }
     float dq[HD / 2], s[BN / 2], dp[BN / 2];
     #pragma unroll
     for (int e = 0; e < HD / 2; e++) dq[e] = 0.f;
@@ -366,10 +401,14 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, const bf16* qkv, con
 }
 
 #define V3_DKDV_BODY(HD, NWG, BM, MINB) flash_bwd_dkdv_v3<HD, NWG, BM, MINB>(dqkv, qkv, dout, lse, D, T, NH, scale)
-#define V3_DQ_BODY(HD, NWG, BN, MINB) flash_bwd_dq_v3<HD, NWG, BN, MINB>(dqkv, qkv, dout, lse, D, T, NH, scale)
+#define V3_DQ_BODY(HD, NWG, BN, MINB) \
+    flash_bwd_dq_v3<HD, NWG, BN, MINB, false>(dqkv, nullptr, qkv, dout, nullptr, lse, D, T, NH, scale)
+#define V3_DQF_BODY(HD, NWG, BN, MINB) \
+    flash_bwd_dq_v3<HD, NWG, BN, MINB, true>(dqkv, D, qkv, dout, out, lse, nullptr, T, NH, scale)
 #else
 #define V3_DKDV_BODY(HD, NWG, BM, MINB) __trap()    // not sm_90a: Python never launches this
 #define V3_DQ_BODY(HD, NWG, BN, MINB) __trap()
+#define V3_DQF_BODY(HD, NWG, BN, MINB) __trap()
 #endif
 
 // Configurations; kernel names carry them; gpucore/ops/attention.py lists the same in
@@ -395,6 +434,16 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, const bf16* qkv, con
         V3_DQ_BODY(HD, NWG, BN, MINB);                                                               \
     }
 
+// dq with fused D (ops/attention.py: dq config (NWG, BN, 1)): writes D (B, NH, T) as well, so
+// the preprocess kernel is gone and the dK/dV pass runs after this one.
+#define FLASH_V3_DQF(HD, NWG, BN, MINB)                                                              \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \
+    attention_backward_dq_kernel_v3_hd##HD##_g##NWG##_n##BN##_fd_bf16(bf16* dqkv, float* D,    \
+            const bf16* qkv, const bf16* dout, const bf16* out, const float* lse,              \
+            int T, int NH, float scale) {                                                      \
+        V3_DQF_BODY(HD, NWG, BN, MINB);                                                              \
+    }
+
 FLASH_V3_DKDV(64, 2, 64, 1)
 FLASH_V3_DKDV(64, 1, 64, 2)
 FLASH_V3_DKDV(128, 2, 64, 1)
@@ -403,3 +452,6 @@ FLASH_V3_DQ(64, 1, 64, 2)
 FLASH_V3_DQ(64, 2, 128, 1)
 FLASH_V3_DQ(128, 2, 64, 1)
 FLASH_V3_DQ(128, 1, 64, 2)
+FLASH_V3_DQF(64, 2, 128, 1)
+FLASH_V3_DQF(64, 2, 64, 1)
+FLASH_V3_DQF(128, 2, 64, 1)

@@ -422,14 +422,16 @@ def test_v3_tables_match_kernel_instantiations():
         return {hd: sorted(v) for hd, v in kernels.items()} == {hd: sorted(v) for hd, v in configs.items()}
 
     assert same(table(r[:3] for r in _instantiations(src, "FLASH_V3_DKDV")), attn.V3_DKDV_CONFIGS)
-    assert same(table(r[:3] for r in _instantiations(src, "FLASH_V3_DQ")), attn.V3_DQ_CONFIGS)
+    # fused-D dq kernels (FLASH_V3_DQF) are the table's (warpgroups, BN, 1) entries
+    assert same(table([r[:3] for r in _instantiations(src, "FLASH_V3_DQ")]
+                      + [(*r[:3], 1) for r in _instantiations(src, "FLASH_V3_DQF")]), attn.V3_DQ_CONFIGS)
     assert set(attn.V3_DKDV_CONFIGS) == set(attn.V3_DQ_CONFIGS) <= set(attn.FWD_CONFIGS)
     for hd in attn.V3_DKDV_CONFIGS:
         for g, bm in attn.V3_DKDV_CONFIGS[hd]:
             assert bm in (64, 128) and attn._v3_dkdv_smem(hd, g, bm) <= 227 * 1024
             assert (bm * hd // 8) % (128 * g) == 0 and (64 * g * hd // 8) % (128 * g) == 0
-        for g, bn in attn.V3_DQ_CONFIGS[hd]:
-            assert bn in (64, 128) and attn._v3_dq_smem(hd, g, bn) <= 227 * 1024
+        for g, bn, *fd in attn.V3_DQ_CONFIGS[hd]:
+            assert bn in (64, 128) and attn._v3_dq_smem(hd, g, bn) <= 227 * 1024 and fd in ([], [1])
             assert (bn * hd // 8) % (128 * g) == 0
 
 
@@ -454,7 +456,8 @@ def test_v3_backward_kernels_compile_for_sm90a_without_spills():
     names = {r["kernel"] for r in rows}
     for hd in attn.V3_DKDV_CONFIGS:
         assert {f"attention_backward_dkdv_kernel_v3_hd{hd}_g{g}_m{m}_bf16" for g, m in attn.V3_DKDV_CONFIGS[hd]} <= names
-        assert {f"attention_backward_dq_kernel_v3_hd{hd}_g{g}_n{n}_bf16" for g, n in attn.V3_DQ_CONFIGS[hd]} <= names
+        assert {f"attention_backward_dq_kernel_v3_hd{hd}_g{c[0]}_n{c[1]}{'_fd' if c[2:] else ''}_bf16"
+                for c in attn.V3_DQ_CONFIGS[hd]} <= names
 
 
 def _need_sm90():
@@ -514,6 +517,35 @@ def test_gpu_deterministic_v3(rng, hd):
     out, lse = gpucore.attention_forward(qkv, NH, version=2)
     runs = [to_cpu(gpucore.attention_backward(dout, qkv, out, lse, NH, version=3)).tobytes() for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("hd", [64, 128])
+def test_gpu_backward_v3_streams_and_fused_d_same_bits(rng, hd):
+    """The concurrent dQ pass (side stream) gives the bits of the one-stream order, run after run,
+    also on a non-default caller stream; the fused-D dq configs are deterministic and correct."""
+    _need_sm90()
+    cp = runtime.cupy
+    B, NH, T = 2, 3, 300
+    qkv = cp.asarray(_qkv(rng, B, T, NH, hd, BF16))
+    dout = cp.asarray(rng.standard_normal((B, T, NH * hd)).astype(BF16))
+    out, lse = gpucore.attention_forward(qkv, NH, version=2)
+
+    def run(**kw):
+        dqkv = poison(qkv.shape, BF16)
+        attn._backward_v3(dout, qkv, out, lse, NH, dqkv, **kw)
+        return to_cpu(dqkv).tobytes()        # reads on the caller's stream: must see the side stream's dQ
+
+    one = run(streams=False)
+    assert run(streams=True) == one and run(streams=True) == one
+    with cp.cuda.Stream(non_blocking=True):
+        assert run(streams=True) == one
+    for cfg in [c for c in attn.V3_DQ_CONFIGS[hd] if c[2:]]:
+        fd = [run(dq_cfg=cfg) for _ in range(2)]
+        assert fd[0] == fd[1], cfg
+        ref = np.frombuffer(one, dtype=BF16).astype(np.float32)
+        got = np.frombuffer(fd[0], dtype=BF16).astype(np.float32)
+        assert rel_err(got, ref) < 1e-2, cfg
 
 
 @pytest.mark.cuda

@@ -105,12 +105,20 @@ def _dq_smem(hd, warps, bn):
 V3_DKDV_CONFIGS = {64: [(2, 64), (1, 64)], 128: [(2, 64)]}
 # dQ pass: head dim -> [(warpgroups, keys per KV tile)]; Q tile = 64 * warpgroups rows
 # hd 64 on an H200 (whole backward, 2026-11-22): dq (2,128) 1.345 ms, (2,64) 1.391, (1,64) 1.440.
-V3_DQ_CONFIGS = {64: [(2, 128), (2, 64), (1, 64)], 128: [(2, 64), (1, 64)]}
+# A third element 1 = fused D (FLASH_V3_DQF): the dQ pass computes D = rowsum(dout * out) of its
+# own rows and writes it; no preprocess kernel, the dK/dV pass runs after the dQ pass.
+V3_DQ_CONFIGS = {64: [(2, 128), (2, 128, 1), (2, 64), (1, 64), (2, 64, 1)],
+                 128: [(2, 64), (2, 64, 1), (1, 64)]}
 V3_ARCH = "90a"
 # The default backward (version=None) is 3 where it applies (bf16, sm_90, head dim in the
 # tables, 16-byte aligned), else as before. False reverts the default to v2 without code changes.
 V3_BWD_DEFAULT = True
 BWD_VERSIONS = (1, 2, 3)
+# Non-fused dq configs: after the preprocess, run the dQ pass on a side stream concurrently with
+# the dK/dV pass on the caller's (both only read qkv/dout/lse/D and write disjoint column blocks
+# of dqkv, so the result is the same bits). The GPU then fills the idle SMs of one pass' causal
+# tail with the other's blocks. False: one stream, preprocess -> dkdv -> dq.
+V3_BWD_STREAMS = True
 
 
 def _v3_stages(hd):
@@ -388,28 +396,71 @@ def _v3_bwd_reason(dtype, hd, arrays) -> str | None:
     return None
 
 
-def _backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None):
-    """v2's preprocess (D = rowsum(dout * out)), then the wgmma dK/dV and dQ passes."""
+_V3_SIDE: dict[int, tuple] = {}
+
+
+def _v3_side_stream():
+    """(stream, fork event, join event) of this device for the concurrent dQ pass, made once."""
+    cp = runtime.cupy
+    dev = cp.cuda.Device().id
+    if dev not in _V3_SIDE:
+        _V3_SIDE[dev] = (cp.cuda.Stream(non_blocking=True), cp.cuda.Event(disable_timing=True),
+                         cp.cuda.Event(disable_timing=True))
+    return _V3_SIDE[dev]
+
+
+def _backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None, streams=None):
+    """v2's preprocess (D = rowsum(dout * out)), then the wgmma dK/dV and dQ passes.
+
+    dq_cfg with a third element 1 (fused D): the dQ pass computes D itself and runs first, then
+    the dK/dV pass (no preprocess). Otherwise, with streams (default V3_BWD_STREAMS), the dQ pass
+    runs on a side stream concurrently with the dK/dV pass; the caller's stream waits for both.
+    """
     cp = runtime.cupy
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
     kv_wgs, bm = dkdv_cfg or V3_DKDV_CONFIGS[hd][0]
-    q_wgs, bn = dq_cfg or V3_DQ_CONFIGS[hd][0]
+    q_wgs, bn, *fused = dq_cfg or V3_DQ_CONFIGS[hd][0]
+    fused = bool(fused and fused[0])
+    streams = V3_BWD_STREAMS if streams is None else streams
     scale = np.float32(1.0 / math.sqrt(hd))
     D = cp.empty((B, NH, T), dtype=F32)
+    k1 = runtime.get_kernel("flash_attention_v3_bwd",
+                            f"attention_backward_dkdv_kernel_v3_hd{hd}_g{kv_wgs}_m{bm}_bf16", arch=V3_ARCH)
+    args = (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), scale)
+
+    def dkdv():
+        runtime.launch(k1, (B * NH, -(-T // (64 * kv_wgs))), 128 * kv_wgs, args,
+                       shared_mem=_v3_dkdv_smem(hd, kv_wgs, bm))
+
+    q_grid, q_smem = (B * NH, -(-T // (64 * q_wgs))), _v3_dq_smem(hd, q_wgs, bn)
+    if fused:   # dQ pass writes D, then the dK/dV pass reads it (same stream: ordered)
+        k2 = runtime.get_kernel("flash_attention_v3_bwd",
+                                f"attention_backward_dq_kernel_v3_hd{hd}_g{q_wgs}_n{bn}_fd_bf16", arch=V3_ARCH)
+        runtime.launch(k2, q_grid, 128 * q_wgs, (dqkv, D, qkv, dout, out, lse, np.int32(T), np.int32(NH), scale),
+                       shared_mem=q_smem)
+        dkdv()
+        return
     rows = B * T * NH
     k0 = runtime.get_kernel("flash_attention_bwd", f"attention_backward_preprocess_kernel_v2_hd{hd}_bf16")
     runtime.launch(k0, -(-rows * (hd // 8) // PREPROCESS_BLOCK), PREPROCESS_BLOCK,
                    (D, dout, out, np.int32(rows), np.int32(T), np.int32(NH)))
-    args = (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), scale)
-    k1 = runtime.get_kernel("flash_attention_v3_bwd",
-                            f"attention_backward_dkdv_kernel_v3_hd{hd}_g{kv_wgs}_m{bm}_bf16", arch=V3_ARCH)
-    runtime.launch(k1, (B * NH, -(-T // (64 * kv_wgs))), 128 * kv_wgs, args,
-                   shared_mem=_v3_dkdv_smem(hd, kv_wgs, bm))
     k2 = runtime.get_kernel("flash_attention_v3_bwd",
                             f"attention_backward_dq_kernel_v3_hd{hd}_g{q_wgs}_n{bn}_bf16", arch=V3_ARCH)
-    runtime.launch(k2, (B * NH, -(-T // (64 * q_wgs))), 128 * q_wgs, args,
-                   shared_mem=_v3_dq_smem(hd, q_wgs, bn))
+    if not streams:
+        dkdv()
+        runtime.launch(k2, q_grid, 128 * q_wgs, args, shared_mem=q_smem)
+        return
+    main = cp.cuda.get_current_stream()
+    side, forked, joined = _v3_side_stream()
+    forked.record(main)          # inputs, D (preprocess) and dqkv's allocation are ready
+    side.wait_event(forked)
+    # dQ first in launch order on its own stream: its heaviest tiles start while the dK/dV
+    # pass' blocks queue behind; each pass fills the other's causal tail.
+    runtime.launch(k2, q_grid, 128 * q_wgs, args, shared_mem=q_smem, stream=side)
+    dkdv()
+    joined.record(side)
+    main.wait_event(joined)      # whatever the caller queues next (and D's release) sees dQ done
 
 
 def scratch_bytes(B, T, NH, hd, dtype, version, backward=False) -> int:
