@@ -116,7 +116,7 @@ def _v3_backward_rows(qkv, dout, out, lse, dqkv, NH, hd, flops_b, shape, sweep):
     bwd = lambda: gpucore.attention_backward(dout, qkv, out, lse, NH, dqkv=dqkv, version=3)  # noqa: E731
     bwd()                                        # compile before measuring
     s_b = _measure_scratch(bwd)
-    rows = [Result(f"attention v3 backward {shape}", time_ms(bwd), flops=flops_b,
+    rows = [Result(f"attention v3 backward {shape}", time_ms(bwd), flops=flops_b,  # default configs
                    ref_tflops=BWD_TARGET_TFLOPS, target=1.0, extra={"scratch": _mib(s_b)})]
     if sweep:
         for kind, table in (("dkdv", attn.V3_DKDV_CONFIGS), ("dq", attn.V3_DQ_CONFIGS)):
@@ -124,7 +124,8 @@ def _v3_backward_rows(qkv, dout, out, lse, dqkv, NH, hd, flops_b, shape, sweep):
                 kw = {"dkdv_cfg" if kind == "dkdv" else "dq_cfg": cfg}
                 ms = time_ms(lambda: attn._backward_v3(dout, qkv, out, lse, NH, dqkv, **kw))
                 tile = "BM" if kind == "dkdv" else "BN"
-                rows.append(Result(f"  v3 backward {kind} warpgroups={cfg[0]} {tile}={cfg[1]}", ms, flops=flops_b,
+                fused = " (D fused into dq)" if len(cfg) > 2 and cfg[2] else ""
+                rows.append(Result(f"  v3 backward {kind} warpgroups={cfg[0]} {tile}={cfg[1]}{fused}", ms, flops=flops_b,
                                    ref_tflops=BWD_TARGET_TFLOPS, target=1.0))
     return rows
 
