@@ -136,9 +136,10 @@ def test_gelu_gpu_unaligned_and_extremes(rng, dtype):
 def test_gelu_gpu_float32_tail_accuracy():
     """The negative tail (gelu ~ 1e-12..1e-4) stays within float32's 1e-5 per element.
 
-    Regression: with __expf the float32 kernel measured 1.25e-5 at x = -6.27 (the
-    argument rounding of ex2(x * log2e)); with expf the float32 evaluation of u
-    itself bounds it at about 5.5e-6 down to x = -8 (NumPy emulation).
+    Regression: a GPU test once failed at x = -6.27 (1.25e-5) because the
+    reference's 0.5 x (1 + tanh u) cancels in float64; the reference now uses
+    the sigmoid form. The float32 kernel's error is bounded by float32's
+    evaluation of u, about 5.5e-6 down to x = -8 (NumPy emulation).
     """
     cp = runtime.cupy
     x = np.linspace(-8.0, -4.0, 40001).astype(np.float32)

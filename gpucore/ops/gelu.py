@@ -22,17 +22,31 @@ _K = np.sqrt(2.0 / np.pi)
 _A = 0.044715
 
 
+def _sigmoids(x64):
+    """s = sigmoid(2u) = 0.5 (1 + tanh u) and 1 - s, without cancellation.
+
+    The tanh form 0.5 x (1 + tanh u) loses everything in the negative tail even
+    in float64: at x = -6.27, 1 + tanh(u) ~ 2e-12 carries tanh's 1e-16 absolute
+    error, 5e-5 relative -- more than the float32 kernels' own error (a GPU test
+    caught the reference, not the kernel). exp overflow -> inf -> 0 is exact here.
+    """
+    u = _K * (x64 + _A * x64 ** 3)
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-2.0 * u)), 1.0 / (1.0 + np.exp(2.0 * u))
+
+
 def gelu_reference(x: np.ndarray) -> np.ndarray:
-    """float64 GELU (tanh approximation)."""
+    """float64 GELU (tanh approximation) = x * sigmoid(2u)."""
     x64 = np.asarray(x, dtype=np.float64)
-    return 0.5 * x64 * (1.0 + np.tanh(_K * (x64 + _A * x64 ** 3)))
+    s, _ = _sigmoids(x64)
+    return x64 * s
 
 
 def gelu_backward_reference(dout: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """float64 dx = gelu'(x) * dout."""
+    """float64 dx = gelu'(x) * dout, gelu' = s + 2 x s (1 - s) u'."""
     x64 = np.asarray(x, dtype=np.float64)
-    t = np.tanh(_K * (x64 + _A * x64 ** 3))
-    grad = 0.5 * (1.0 + t) + 0.5 * x64 * (1.0 - t * t) * _K * (1.0 + 3.0 * _A * x64 * x64)
+    s, one_minus_s = _sigmoids(x64)
+    grad = s + 2.0 * x64 * s * one_minus_s * _K * (1.0 + 3.0 * _A * x64 * x64)
     return grad * np.asarray(dout, dtype=np.float64)
 
 
