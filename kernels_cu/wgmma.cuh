@@ -166,26 +166,3 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs_mn(float* d, const u32 (&a)[
 
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
-
-// ---- appended for flash_attention_v3pp.cu: named barriers and mbarriers (sm_90a only) ----
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Named barrier `id` (1..15; 0 is __syncthreads) completing when n threads (multiple of 32) have
-// arrived; wg_bar_arrive signals without waiting (producer/consumer and ping-pong hand-offs).
-__device__ __forceinline__ void wg_bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
-__device__ __forceinline__ void wg_bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
-// mbarrier (8-byte aligned shared word): init with an expected arrival count (one thread, then a
-// __syncthreads before any use); arrive = release.cta; wait(parity) spins (acquire.cta) until the
-// phase with that parity has completed (phase k of a barrier has parity k & 1).
-__device__ __forceinline__ void wg_mbar_init(u32 bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void wg_mbar_arrive(u32 bar) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void wg_mbar_wait(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred P1;\nWG_MBAR_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-        "@P1 bra WG_MBAR_DONE;\nbra WG_MBAR_WAIT;\nWG_MBAR_DONE:\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -586,9 +586,6 @@ def _v3_fwd_table():
         t.setdefault(hd, []).append((g, bn))
     for hd, g, bn, st, _minb in _instantiations(runtime.KERNEL_DIR / "flash_attention_v3p.cu", "FLASH_FWD_V3P"):
         t.setdefault(hd, []).append((g, bn, st))
-    for hd, g, bn, st, sched, _minb in re.findall(r"^FLASH_FWD_V3PP\((\d+), (\d+), (\d+), (\d+), (\w+), (\d+)\)",
-                                                  (runtime.KERNEL_DIR / "flash_attention_v3pp.cu").read_text(), re.M):
-        t.setdefault(int(hd), []).append((int(g), int(bn), int(st), sched))
     return {hd: sorted(c) for hd, c in t.items()}
 
 
@@ -599,12 +596,8 @@ def test_v3_forward_table_matches_kernel_instantiations():
         assert hd in (64, 128)
         for g, bn, *st in cfgs:
             nt = 128 * g
-            assert bn in (64, 128) and attn._v3_fwd_smem(hd, g, bn, *st) <= 227 * 1024
+            assert g in (1, 2) and bn in (64, 128) and attn._v3_fwd_smem(hd, g, bn, *st) <= 227 * 1024
             assert not st or st[0] in (3, 4)
-            if len(st) == 2:   # flash_attention_v3pp.cu: 32-lane producer warp copies
-                assert g in (2, 3) and st[1] in ("pp", "ws") and (bn * hd // 8) % 32 == 0
-                continue
-            assert g in (1, 2)
             assert (64 * g * hd // 8) % nt == 0 and (bn * hd // 8) % nt == 0   # copy loops divide evenly
 
 
@@ -620,18 +613,16 @@ def test_v3_forward_version_argument_on_numpy(rng):
 @pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
 def test_v3_forward_kernels_compile_for_sm90a_without_spills():
     rows = runtime.check_kernels(("90a",), [runtime.KERNEL_DIR / "flash_attention_v3.cu",
-                                            runtime.KERNEL_DIR / "flash_attention_v3p.cu",
-                                            runtime.KERNEL_DIR / "flash_attention_v3pp.cu"])
+                                            runtime.KERNEL_DIR / "flash_attention_v3p.cu"])
     assert rows and not [r for r in rows if not r["ok"]], rows
     # ptxas C7520 etc.: wgmma serialised (e.g. a branch while one is in flight) -- the pipelined
     # kernels would still be correct but lose their overlap
-    for f in ("flash_attention_v3p.cu", "flash_attention_v3pp.cu"):
-        log = runtime.compile_cubin(runtime.KERNEL_DIR / f, "90a", verbose_ptxas=True).log
-        assert "serialized" not in log, [ln for ln in log.splitlines() if "serialized" in ln]
+    log = runtime.compile_cubin(runtime.KERNEL_DIR / "flash_attention_v3p.cu", "90a", verbose_ptxas=True).log
+    assert "serialized" not in log, [ln for ln in log.splitlines() if "serialized" in ln]
     names = {r["kernel"] for r in rows}
     for hd, cfgs in attn.V3_FWD_CONFIGS.items():
-        assert {f"attention_forward_kernel_v3_hd{hd}_g{c[0]}_n{c[1]}" + "".join(f"_s{x}" for x in c[2:3])
-                + "".join(f"_{x}" for x in c[3:]) + "_bf16" for c in cfgs} <= names
+        assert {f"attention_forward_kernel_v3_hd{hd}_g{c[0]}_n{c[1]}" + "".join(f"_s{x}" for x in c[2:]) + "_bf16"
+                for c in cfgs} <= names
 
 
 def _need_sm90_fwd():

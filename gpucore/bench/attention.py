@@ -162,7 +162,6 @@ def _v3_forward_rows(qkv, out, lse, NH, hd, flops_f, shape, sweep, results):
         for cfg in attn.V3_FWD_CONFIGS[hd]:
             ms = time_ms(lambda: attn._forward_v3(qkv, NH, out, lse, cfg=cfg))
             stages = f" stages={cfg[2]} (pipelined)" if len(cfg) > 2 else ""
-            stages += f" schedule={cfg[3]} (producer warp)" if len(cfg) > 3 else ""
             rows.append(Result(f"  v3 forward warpgroups={cfg[0]} BN={cfg[1]}{stages}", ms, flops=flops_f,
                                ref_tflops=FWD_TARGET_TFLOPS, target=1.0))
     return rows

@@ -68,22 +68,18 @@ V1_PERMUTE_BLOCK = 256
 # softmax, FA3's intra-warpgroup overlap); 2-tuples are flash_attention_v3.cu's kernels.
 # First entry = default. Measured on an H200 (B=64 NH=12 T=1024 hd=64 causal, 2026-11-22):
 # (2,64,3) 256.5 TFLOP/s, (2,64,4) 248.5, (2,64) 238.5, (2,128) 204.7, (1,128) 195.8, (2,128,3) 194.8.
-# A fourth element names a warp-specialised schedule of kernels_cu/flash_attention_v3pp.cu
-# (FLASH_FWD_V3PP: producer warp + mbarrier K/V ring, no per-tile __syncthreads; "pp" adds FA3's
-# ping-pong between the consumer warpgroups, "ws" is the producer warp alone); block =
-# 128 * warpgroups + 32 threads, up to 3 consumer warpgroups (Q tile 192).
-V3_FWD_CONFIGS = {64: [(2, 64, 3), (3, 64, 3, "pp"), (2, 64), (2, 64, 4), (2, 128, 3), (2, 128), (1, 128),
-                       (3, 64, 4, "pp"), (3, 64, 3, "ws"), (2, 64, 3, "pp"), (2, 64, 3, "ws")],
-                  128: [(2, 64, 3), (2, 64, 3, "pp"), (2, 64), (2, 128)]}
+# (Warp-specialised / ping-pong variants, flash_attention_v3pp.cu, ran 142-173 TFLOP/s and were
+# removed; code in commit 6df0503, see tools/notes/attention.md.)
+V3_FWD_CONFIGS = {64: [(2, 64, 3), (2, 64), (2, 64, 4), (2, 128, 3), (2, 128), (1, 128)],
+                  128: [(2, 64, 3), (2, 64), (2, 128)]}
 V3_FWD_ARCH = "90a"
 # The default forward (version=None) is 3 where it applies (bf16, sm_90, head dim in
 # V3_FWD_CONFIGS, 16-byte aligned), else 2, else 1. False reverts the default to v2.
 V3_FWD_DEFAULT = True
 
 
-def _v3_fwd_smem(hd, wgs, bn, stages=2, sched=None):
-    # sched ("pp"/"ws", flash_attention_v3pp.cu): plus 2 * stages 8-byte mbarriers
-    return 1024 + (64 * wgs + 2 * stages * bn) * hd * 2 + (16 * stages if sched else 0)
+def _v3_fwd_smem(hd, wgs, bn, stages=2):
+    return 1024 + (64 * wgs + 2 * stages * bn) * hd * 2
 
 
 def _fwd_smem(hd, warps, mt, bn):
@@ -341,19 +337,13 @@ def _forward_v3(qkv, NH, out, lse, cfg=None):
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
     wgs, bn, *st = cfg or V3_FWD_CONFIGS[hd][0]
-    threads = 128 * wgs
-    if len(st) == 2:   # warp-specialised (flash_attention_v3pp.cu): + 1 producer warp
-        k = runtime.get_kernel("flash_attention_v3pp",
-                               f"attention_forward_kernel_v3_hd{hd}_g{wgs}_n{bn}_s{st[0]}_{st[1]}_bf16",
-                               arch=V3_FWD_ARCH)
-        threads += 32
-    elif st:   # pipelined variant (flash_attention_v3p.cu), st[0] K/V stages
+    if st:   # pipelined variant (flash_attention_v3p.cu), st[0] K/V stages
         k = runtime.get_kernel("flash_attention_v3p",
                                f"attention_forward_kernel_v3_hd{hd}_g{wgs}_n{bn}_s{st[0]}_bf16", arch=V3_FWD_ARCH)
     else:
         k = runtime.get_kernel("flash_attention_v3", f"attention_forward_kernel_v3_hd{hd}_g{wgs}_n{bn}_bf16",
                                arch=V3_FWD_ARCH)
-    runtime.launch(k, (B * NH, -(-T // (64 * wgs))), threads,
+    runtime.launch(k, (B * NH, -(-T // (64 * wgs))), 128 * wgs,
                    (out, lse, qkv, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd))),
                    shared_mem=_v3_fwd_smem(hd, wgs, bn, *st))
 
