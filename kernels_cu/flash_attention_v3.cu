@@ -41,44 +41,9 @@
  */
 #include "flash_attention.cuh"   // FA_LOG2E, FA_LN2, FA_NEG_INF, fast_exp2, pack_bf16x2_rn
 #include "wgmma.cuh"
-
-// Byte offset of 16-byte chunk c (8 bf16 of the head dim) of row r in a (ROWS, HD) tile stored
-// as HD/64 column blocks of (ROWS x 128 B), each 128B-swizzled.
-template <int ROWS>
-__device__ __forceinline__ u32 v3_off(int r, int c) { return (u32)((c >> 3) * (ROWS * 128)) + wg_swz128(r, c & 7); }
-
-// Rows [r0, r0 + ROWS) of a (T, HD) slice (rows `stride` elements apart) -> swizzled tile at
-// shared address s. Rows >= T become zeros (src-size 0; src stays a valid address).
-template <int ROWS, int HD, int NT>
-__device__ __forceinline__ void v3_load_tile(u32 s, const bf16* g, int r0, int T, int stride) {
-    constexpr int CPR = HD / 8;
-    static_assert((ROWS * CPR) % NT == 0, "tile chunks must divide evenly among threads");
-    #pragma unroll
-    for (int it = 0; it < ROWS * CPR / NT; it++) {
-        const int i = it * NT + threadIdx.x;
-        const int row = i / CPR, c = i % CPR;
-        const bool valid = r0 + row < T;
-        const bf16* src = valid ? g + (size_t)(r0 + row) * stride + c * 8 : g;
-        wg_cp_async16(s + v3_off<ROWS>(row, c), src, valid ? 16 : 0);
-    }
-}
+#include "flash_attention_v3.cuh"   // v3_off, v3_load_tile, v3_to_frags, v3_mma_ss/rs
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-
-template <int BN> struct V3SS;
-template <> struct V3SS<64> {
-    static __device__ __forceinline__ void run(float* d, u64 a, u64 b, int sc) { wgmma_m64n64k16_ss_kk(d, a, b, sc); }
-};
-template <> struct V3SS<128> {
-    static __device__ __forceinline__ void run(float* d, u64 a, u64 b, int sc) { wgmma_m64n128k16_ss_kk(d, a, b, sc); }
-};
-template <int HD> struct V3RS;
-template <> struct V3RS<64> {
-    static __device__ __forceinline__ void run(float* d, const u32 (&a)[4], u64 b) { wgmma_m64n64k16_rs_mn(d, a, b, 1); }
-};
-template <> struct V3RS<128> {
-    static __device__ __forceinline__ void run(float* d, const u32 (&a)[4], u64 b) { wgmma_m64n128k16_rs_mn(d, a, b, 1); }
-};
 
 template <int HD, int NWG, int BN>
 __device__ __forceinline__ void flash_forward_v3(bf16* out,          // (B, T, C)
@@ -143,7 +108,7 @@ __device__ __forceinline__ void flash_forward_v3(bf16* out,          // (B, T, C
             for (int ks = 0; ks < HD / 16; ks++) {
                 const u64 da = smem_desc(sQ + (ks >> 2) * (BM * 128) + wg * (64 * 128) + (ks & 3) * 32, 16, 1024);
                 const u64 db = smem_desc(kb + (ks >> 2) * (BN * 128) + (ks & 3) * 32, 16, 1024);
-                V3SS<BN>::run(s, da, db, ks > 0);
+                v3_mma_ss<BN>(s, da, db, ks > 0);
             }
             wgmma_commit();
             wgmma_wait<0>();
@@ -163,22 +128,8 @@ __device__ __forceinline__ void flash_forward_v3(bf16* out,          // (B, T, C
             // Online softmax (v2's): row r of this thread = s[4 nt + 2 r + e].
             #pragma unroll
             for (int r = 0; r < 2; r++) {
-                float mx = FA_NEG_INF;
-                #pragma unroll
-                for (int nt = 0; nt < NS; nt++) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * r], s[4 * nt + 2 * r + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float mn = fmaxf(m_run[r], mx * sl2);
-                const float ref = mn == FA_NEG_INF ? 0.f : mn;   // all masked so far: no -inf - -inf
-                const float alpha = fast_exp2(m_run[r] - ref);
-                m_run[r] = mn;
-                float rs = 0.f;
-                #pragma unroll
-                for (int nt = 0; nt < NS; nt++) {
-                    s[4 * nt + 2 * r] = fast_exp2(fmaf(s[4 * nt + 2 * r], sl2, -ref));
-                    s[4 * nt + 2 * r + 1] = fast_exp2(fmaf(s[4 * nt + 2 * r + 1], sl2, -ref));
-                    rs += s[4 * nt + 2 * r] + s[4 * nt + 2 * r + 1];
-                }
+                float rs;
+                const float alpha = v3_softmax_row<BN>(s, m_run[r], sl2, r, rs);
                 l_run[r] = l_run[r] * alpha + rs;
                 #pragma unroll
                 for (int dt = 0; dt < ND; dt++) {
@@ -188,18 +139,12 @@ __device__ __forceinline__ void flash_forward_v3(bf16* out,          // (B, T, C
             }
             // O += P V: P's k-step kk (keys 16kk..16kk+15) = S n8 blocks 2kk, 2kk+1 as bf16.
             u32 pa[BN / 16][4];
-            #pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++) {
-                pa[kk][0] = pack_bf16x2_rn(s[8 * kk + 0], s[8 * kk + 1]);
-                pa[kk][1] = pack_bf16x2_rn(s[8 * kk + 2], s[8 * kk + 3]);
-                pa[kk][2] = pack_bf16x2_rn(s[8 * kk + 4], s[8 * kk + 5]);
-                pa[kk][3] = pack_bf16x2_rn(s[8 * kk + 6], s[8 * kk + 7]);
-            }
+            v3_to_frags<BN>(pa, s);
             wg_fence_regs<HD / 2>(o);
             wgmma_fence();
             #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++)                // V k-step: 16 key rows = 2048 B
-                V3RS<HD>::run(o, pa[kk], smem_desc(vb + kk * 2048, BN * 128, 1024));
+                v3_mma_rs<HD>(o, pa[kk], smem_desc(vb + kk * 2048, BN * 128, 1024), 1);
             wgmma_commit();
             wgmma_wait<0>();
             wg_fence_regs<HD / 2>(o);
@@ -209,7 +154,8 @@ __device__ __forceinline__ void flash_forward_v3(bf16* out,          // (B, T, C
     }
     wg_cp_async_wait<0>();
 
-    // Epilogue. Quad sums, lse, O / l rounded to bf16 into this warp's own 16 Q rows
+    // Epilogue (the same code as flash_attention_v3.cuh's v3_fwd_epilogue, which v3p calls; kept
+    // inline here because calling it changed this file's cubin). Quad sums, lse, O / l rounded to bf16 into this warp's own 16 Q rows
     // (swizzled like Q: chunk c of row r at v3_off<BM>(r, c); conflict-free 4-byte writes),
     // then the warp reads its rows back as 16-byte chunks and stores them coalesced.
     float inv[2];

@@ -40,11 +40,13 @@
  */
 #include "flash_attention.cuh"
 #include "wgmma.cuh"
+#include "flash_attention_v3.cuh"   // v3_to_frags, v3_mma_ss/rs
 
 // Tile (ROWS, HD) of a (T, HD) global slice, rows `stride` elements apart, starting at row r0
-// -> swizzled smem at byte address s. Rows >= T become zeros.
+// -> swizzled smem at byte address s. Rows >= T become zeros. (flash_attention_v3.cuh's v3_load_tile
+// writes the same bytes but points rows >= T at g itself; kept apart to keep this file's code.)
 template <int ROWS, int HD, int NT>
-__device__ __forceinline__ void v3_load_tile(u32 s, const bf16* g, int r0, int T, int stride) {
+__device__ __forceinline__ void v3_bwd_load_tile(u32 s, const bf16* g, int r0, int T, int stride) {
     constexpr int CPR = HD / 8;
     static_assert((ROWS * CPR) % NT == 0, "tile chunks must divide evenly among threads");
     #pragma unroll
@@ -91,19 +93,6 @@ __device__ __forceinline__ float v3_row_dot(const bf16* x, const bf16* y, size_t
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-template <int N>
-__device__ __forceinline__ void v3_mma_ss(float* d, u64 a, u64 b, int scale_d) {
-    static_assert(N == 64 || N == 128, "N");
-    if constexpr (N == 64) wgmma_m64n64k16_ss_kk(d, a, b, scale_d);
-    else wgmma_m64n128k16_ss_kk(d, a, b, scale_d);
-}
-template <int N>
-__device__ __forceinline__ void v3_mma_rs(float* d, const u32 (&a)[4], u64 b, int scale_d) {
-    static_assert(N == 64 || N == 128, "N");
-    if constexpr (N == 64) wgmma_m64n64k16_rs_mn(d, a, b, scale_d);
-    else wgmma_m64n128k16_rs_mn(d, a, b, scale_d);
-}
-
 // D (64 x N) = A (64 x HD, K-major at a + wgrow bytes, column blocks arows * 128 apart)
 //            @ B^T (B: N x HD K-major at b, column blocks N * 128 apart). No commit.
 template <int N, int HD>
@@ -113,18 +102,6 @@ __device__ __forceinline__ void v3_product_kk(float* d, u32 a, int arows, u32 b)
         const u32 off_a = (ks >> 2) * (arows * 128) + (ks & 3) * 32;
         const u32 off_b = (ks >> 2) * (N * 128) + (ks & 3) * 32;
         v3_mma_ss<N>(d, smem_desc(a + off_a, 16, 1024), smem_desc(b + off_b, 16, 1024), ks > 0);
-    }
-}
-
-// A fragments (bf16) of a 64 x KN product from f32 values x (wgmma D layout, KN/8 n8 blocks).
-template <int KN>
-__device__ __forceinline__ void v3_to_frags(u32 (&f)[KN / 16][4], const float* x) {
-    #pragma unroll
-    for (int k = 0; k < KN / 16; k++) {
-        f[k][0] = pack_bf16x2_rn(x[8 * k + 0], x[8 * k + 1]);
-        f[k][1] = pack_bf16x2_rn(x[8 * k + 2], x[8 * k + 3]);
-        f[k][2] = pack_bf16x2_rn(x[8 * k + 4], x[8 * k + 5]);
-        f[k][3] = pack_bf16x2_rn(x[8 * k + 6], x[8 * k + 7]);
     }
 }
 
@@ -167,10 +144,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
     const float* d_g = Dv + (size_t)bh * T;
     const int i_first = n0 / BM, i_end = ceil_div(T, BM);
 
-    v3_load_tile<BN, HD, NT>(sK, q_g + C, n0, T, stride);
-    v3_load_tile<BN, HD, NT>(sV, q_g + 2 * C, n0, T, stride);
-    v3_load_tile<BM, HD, NT>(sQ, q_g, i_first * BM, T, stride);
-    v3_load_tile<BM, HD, NT>(sO, do_g, i_first * BM, T, C);
+    v3_bwd_load_tile<BN, HD, NT>(sK, q_g + C, n0, T, stride);
+    v3_bwd_load_tile<BN, HD, NT>(sV, q_g + 2 * C, n0, T, stride);
+    v3_bwd_load_tile<BM, HD, NT>(sQ, q_g, i_first * BM, T, stride);
+    v3_bwd_load_tile<BM, HD, NT>(sO, do_g, i_first * BM, T, C);
     load_vec_async<BM, NT>(sL, l_g, i_first * BM, T);
     load_vec_async<BM, NT>(sD, d_g, i_first * BM, T);
     wg_cp_async_commit();
@@ -194,8 +171,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
                                                   // the wgmma of tile i-1 (ST 2) / i-2 (ST 3)
         if (i + 1 < i_end) {                      // -> stage nxt (tile i+1-ST's) is free
             const int r = (i + 1) * BM;
-            v3_load_tile<BM, HD, NT>(sQ + nxt * Q_BYTES, q_g, r, T, stride);
-            v3_load_tile<BM, HD, NT>(sO + nxt * Q_BYTES, do_g, r, T, C);
+            v3_bwd_load_tile<BM, HD, NT>(sQ + nxt * Q_BYTES, q_g, r, T, stride);
+            v3_bwd_load_tile<BM, HD, NT>(sO + nxt * Q_BYTES, do_g, r, T, C);
             load_vec_async<BM, NT>(sL + nxt * BM, l_g, r, T);
             load_vec_async<BM, NT>(sD + nxt * BM, d_g, r, T);
         }
@@ -304,10 +281,10 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
     const bf16* do_g = dout + (size_t)b * T * C + h * HD;
     const int n_tiles = ceil_div(min(T, m0 + BM), BN);
 
-    v3_load_tile<BM, HD, NT>(sQ, q_g, m0, T, stride);
-    v3_load_tile<BM, HD, NT>(sO, do_g, m0, T, C);
-    v3_load_tile<BN, HD, NT>(sK, k_g, 0, T, stride);
-    v3_load_tile<BN, HD, NT>(sV, v_g, 0, T, stride);
+    v3_bwd_load_tile<BM, HD, NT>(sQ, q_g, m0, T, stride);
+    v3_bwd_load_tile<BM, HD, NT>(sO, do_g, m0, T, C);
+    v3_bwd_load_tile<BN, HD, NT>(sK, k_g, 0, T, stride);
+    v3_bwd_load_tile<BN, HD, NT>(sV, v_g, 0, T, stride);
     wg_cp_async_commit();
 
     const int wm0 = m0 + 64 * wg;                 // this warpgroup's first row
@@ -346,8 +323,8 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
         fence_proxy_async();
         __syncthreads();                          // everyone's; tile j+1-ST's wgmma all retired
         if (j + 1 < n_tiles) {
-            v3_load_tile<BN, HD, NT>(sK + nxt * KV_BYTES, k_g, (j + 1) * BN, T, stride);
-            v3_load_tile<BN, HD, NT>(sV + nxt * KV_BYTES, v_g, (j + 1) * BN, T, stride);
+            v3_bwd_load_tile<BN, HD, NT>(sK + nxt * KV_BYTES, k_g, (j + 1) * BN, T, stride);
+            v3_bwd_load_tile<BN, HD, NT>(sV + nxt * KV_BYTES, v_g, (j + 1) * BN, T, stride);
         }
         wg_cp_async_commit();
         const int n0 = j * BN;

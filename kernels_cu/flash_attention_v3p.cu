@@ -34,50 +34,16 @@
  */
 #include "flash_attention.cuh"   // FA_LOG2E, FA_LN2, FA_NEG_INF, fast_exp2, pack_bf16x2_rn
 #include "wgmma.cuh"
-
-// Byte offset of 16-byte chunk c of row r in a (ROWS, HD) tile stored as HD/64 column blocks of
-// (ROWS x 128 B), each 128B-swizzled (same as flash_attention_v3.cu's v3_off).
-template <int ROWS>
-__device__ __forceinline__ u32 v3p_off(int r, int c) { return (u32)((c >> 3) * (ROWS * 128)) + wg_swz128(r, c & 7); }
-
-// Rows [r0, r0 + ROWS) of a (T, HD) slice -> swizzled tile at shared address s; rows >= T zero.
-template <int ROWS, int HD, int NT>
-__device__ __forceinline__ void v3p_load_tile(u32 s, const bf16* g, int r0, int T, int stride) {
-    constexpr int CPR = HD / 8;
-    static_assert((ROWS * CPR) % NT == 0, "tile chunks must divide evenly among threads");
-    #pragma unroll
-    for (int it = 0; it < ROWS * CPR / NT; it++) {
-        const int i = it * NT + threadIdx.x;
-        const int row = i / CPR, c = i % CPR;
-        const bool valid = r0 + row < T;
-        const bf16* src = valid ? g + (size_t)(r0 + row) * stride + c * 8 : g;
-        wg_cp_async16(s + v3p_off<ROWS>(row, c), src, valid ? 16 : 0);
-    }
-}
+#include "flash_attention_v3.cuh"   // v3_off, v3_load_tile, v3_to_frags, v3_mma_ss/rs
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-
-template <int BN> struct V3PSS;
-template <> struct V3PSS<64> {
-    static __device__ __forceinline__ void run(float* d, u64 a, u64 b, int sc) { wgmma_m64n64k16_ss_kk(d, a, b, sc); }
-};
-template <> struct V3PSS<128> {
-    static __device__ __forceinline__ void run(float* d, u64 a, u64 b, int sc) { wgmma_m64n128k16_ss_kk(d, a, b, sc); }
-};
-template <int HD> struct V3PRS;
-template <> struct V3PRS<64> {
-    static __device__ __forceinline__ void run(float* d, const u32 (&a)[4], u64 b) { wgmma_m64n64k16_rs_mn(d, a, b, 1); }
-};
-template <> struct V3PRS<128> {
-    static __device__ __forceinline__ void run(float* d, const u32 (&a)[4], u64 b) { wgmma_m64n128k16_rs_mn(d, a, b, 1); }
-};
 
 // O += P V for one KV tile (V stage at shared address vb); issue only (caller commits/waits).
 template <int HD, int BN>
 __device__ __forceinline__ void v3p_issue_pv(float* o, u32 (&pa)[BN / 16][4], u32 vb) {
     #pragma unroll
     for (int kk = 0; kk < BN / 16; kk++)                       // V k-step: 16 key rows = 2048 B
-        V3PRS<HD>::run(o, pa[kk], smem_desc(vb + kk * 2048, BN * 128, 1024));
+        v3_mma_rs<HD>(o, pa[kk], smem_desc(vb + kk * 2048, BN * 128, 1024), 1);
 }
 
 // The warpgroup's last O += P V (nothing else in flight): fence, issue, wait<0>.
@@ -115,7 +81,7 @@ __device__ __forceinline__ void v3p_step(float (&s)[BN / 2], float (&o)[HD / 2],
     for (int ks = 0; ks < HD / 16; ks++) {                     // S_j: k-step ks = 16 head dims
         const u64 da = smem_desc(sQ + (ks >> 2) * (BM * 128) + wg * (64 * 128) + (ks & 3) * 32, 16, 1024);
         const u64 db = smem_desc(kb + (ks >> 2) * (BN * 128) + (ks & 3) * 32, 16, 1024);
-        V3PSS<BN>::run(s, da, db, ks > 0);
+        v3_mma_ss<BN>(s, da, db, ks > 0);
     }
     wgmma_commit();
     if (PV) {                                                  // compile-time
@@ -141,25 +107,7 @@ __device__ __forceinline__ void v3p_step(float (&s)[BN / 2], float (&o)[HD / 2],
     }
     float alpha[2], rsum[2];
     #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float mx = FA_NEG_INF;
-        #pragma unroll
-        for (int nt = 0; nt < NS; nt++) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * r], s[4 * nt + 2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mn = fmaxf(m_run[r], mx * sl2);
-        const float ref = mn == FA_NEG_INF ? 0.f : mn;           // all masked so far: no -inf - -inf
-        alpha[r] = fast_exp2(m_run[r] - ref);
-        m_run[r] = mn;
-        float rs = 0.f;
-        #pragma unroll
-        for (int nt = 0; nt < NS; nt++) {
-            s[4 * nt + 2 * r] = fast_exp2(fmaf(s[4 * nt + 2 * r], sl2, -ref));
-            s[4 * nt + 2 * r + 1] = fast_exp2(fmaf(s[4 * nt + 2 * r + 1], sl2, -ref));
-            rs += s[4 * nt + 2 * r] + s[4 * nt + 2 * r + 1];
-        }
-        rsum[r] = rs;
-    }
+    for (int r = 0; r < 2; r++) alpha[r] = v3_softmax_row<BN>(s, m_run[r], sl2, r, rsum[r]);
     if (PV) {                                                  // O and P_{j-1} free again
         wgmma_wait<0>();
         wg_fence_regs<HD / 2>(o);
@@ -176,13 +124,7 @@ __device__ __forceinline__ void v3p_step(float (&s)[BN / 2], float (&o)[HD / 2],
         }
     }
     // P_j: k-step kk (keys 16kk..16kk+15) = S n8 blocks 2kk, 2kk+1 as bf16.
-    #pragma unroll
-    for (int kk = 0; kk < BN / 16; kk++) {
-        pa[kk][0] = pack_bf16x2_rn(s[8 * kk + 0], s[8 * kk + 1]);
-        pa[kk][1] = pack_bf16x2_rn(s[8 * kk + 2], s[8 * kk + 3]);
-        pa[kk][2] = pack_bf16x2_rn(s[8 * kk + 4], s[8 * kk + 5]);
-        pa[kk][3] = pack_bf16x2_rn(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    v3_to_frags<BN>(pa, s);
 }
 
 template <int HD, int NWG, int BN, int NSTAGE>
@@ -213,12 +155,12 @@ __device__ __forceinline__ void flash_forward_v3p(bf16* out,          // (B, T, 
     const int n_tiles = ceil_div(min(T, m0 + BM), BN);         // KV tiles with a key <= last row
 
     // Prologue: group 0 = Q + tile 0, groups 1..PRE-1 = tiles 1..PRE-1 (empty past the end).
-    v3p_load_tile<BM, HD, NT>(sQ, q_g, m0, T, stride);
+    v3_load_tile<BM, HD, NT>(sQ, q_g, m0, T, stride);
     #pragma unroll
     for (int p = 0; p < PRE; p++) {
         if (p < n_tiles) {
-            v3p_load_tile<BN, HD, NT>(sK + p * KV_BYTES, k_g, p * BN, T, stride);
-            v3p_load_tile<BN, HD, NT>(sV + p * KV_BYTES, v_g, p * BN, T, stride);
+            v3_load_tile<BN, HD, NT>(sK + p * KV_BYTES, k_g, p * BN, T, stride);
+            v3_load_tile<BN, HD, NT>(sV + p * KV_BYTES, v_g, p * BN, T, stride);
         }
         wg_cp_async_commit();
     }
@@ -246,8 +188,8 @@ __device__ __forceinline__ void flash_forward_v3p(bf16* out,          // (B, T, 
         {
             const int jn = j + PRE;
             if (jn < n_tiles) {
-                v3p_load_tile<BN, HD, NT>(sK + (jn % NSTAGE) * KV_BYTES, k_g, jn * BN, T, stride);
-                v3p_load_tile<BN, HD, NT>(sV + (jn % NSTAGE) * KV_BYTES, v_g, jn * BN, T, stride);
+                v3_load_tile<BN, HD, NT>(sK + (jn % NSTAGE) * KV_BYTES, k_g, jn * BN, T, stride);
+                v3_load_tile<BN, HD, NT>(sV + (jn % NSTAGE) * KV_BYTES, v_g, jn * BN, T, stride);
             }
             wg_cp_async_commit();                              // one group per iteration, maybe empty
         }
@@ -277,35 +219,7 @@ __device__ __forceinline__ void flash_forward_v3p(bf16* out,          // (B, T, 
 
     // Epilogue (as v3): quad sums, lse, O / l as bf16 into this warp's own 16 Q rows (only this
     // warpgroup's wgmma read them, all retired), then 16-byte coalesced stores.
-    float inv[2];
-    #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float l = l_run[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        inv[r] = l > 0.f ? 1.f / l : 0.f;
-        const int row = row0 + 8 * r;
-        if (n_wg > 0 && t4 == 0 && row < T) lse[(size_t)bh * T + row] = (m_run[r] + log2f(l)) * FA_LN2;
-    }
-    const int lr0 = 64 * wg + 16 * w4;                          // this warp's first row in the tile
-    #pragma unroll
-    for (int dt = 0; dt < ND; dt++) {
-        const u32 cb = 4 * t4;                                  // byte offset of column 2t in a chunk
-        *reinterpret_cast<u32*>(smem_gen + v3p_off<BM>(lr0 + g, dt) + cb) = pack_bf16x2_rn(o[4 * dt] * inv[0], o[4 * dt + 1] * inv[0]);
-        *reinterpret_cast<u32*>(smem_gen + v3p_off<BM>(lr0 + g + 8, dt) + cb) = pack_bf16x2_rn(o[4 * dt + 2] * inv[1], o[4 * dt + 3] * inv[1]);
-    }
-    __syncwarp();
-    bf16* out_g = out + (size_t)b * T * C + h * HD;
-    #pragma unroll
-    for (int it = 0; it < 16 * ND / 32; it++) {
-        const int i = it * 32 + lane;
-        const int r = i / ND, c = i % ND;
-        const int row = m0 + lr0 + r;
-        if (row < T) {
-            const uint4 v = *reinterpret_cast<const uint4*>(smem_gen + v3p_off<BM>(lr0 + r, c));
-            *reinterpret_cast<uint4*>(out_g + (size_t)row * C + c * 8) = v;
-        }
-    }
+    v3_fwd_epilogue<HD, BM>(out, lse, o, m_run, l_run, n_wg > 0, smem_gen, row0, bh, b, h, T, C, m0, wg, w4, lane);
 }
 
 #define FLASH_V3P_BODY(HD, NWG, BN, NSTAGE) flash_forward_v3p<HD, NWG, BN, NSTAGE>(out, lse, qkv, T, NH, scale)
