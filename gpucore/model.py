@@ -378,7 +378,7 @@ class GPT2:
                              "materialises the full logits)")
         if targets is None and not return_logits:
             raise ValueError("targets: give targets (for the loss) or return_logits=True")
-        L, C, NH, V = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.vocab_size
+        L, NH, V = cfg.num_layers, cfg.num_heads, cfg.vocab_size
         if check_tokens and tokens.size:
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi >= V:

@@ -107,10 +107,14 @@ def test_memory_plan_d12_fits_the_budget():
 # ---------------------------------------------------------------- forward ----
 
 def test_initial_loss_is_uniform(rng):
-    """At init the logits are ~0, so the loss is ~ln(V) (the padded columns are excluded)."""
+    """At init the logits are ~0, so the loss is ~ln(V) (the padded columns are excluded).
+
+    512 random tokens: the mean loss sits 0.011 above ln(V) with a spread of 0.008 over
+    random batches (64 tokens spread 0.016, which made this test fail now and then).
+    """
     cfg = GPT2Config.from_preset("tiny")
     m = GPT2(cfg)
-    x, y = _batch(rng, cfg, 2, 32)
+    x, y = _batch(rng, cfg, 8, 64)
     loss = float(m.forward(x, y))
     assert abs(loss - math.log(cfg.vocab_size)) < 0.05
 
