@@ -92,6 +92,31 @@ def time_ms(fn: Callable[[], object], warmup: int = 3, repeat: int = 10, batches
     return statistics.median(times)
 
 
+def time_interleaved(fns, rounds: int = 9, repeat: int = 10) -> list[float]:
+    """Median milliseconds per call of each fn, timed in alternation.
+
+    For comparisons (our path vs the library it wraps): clocks and the memory
+    system drift between back-to-back measurements by more than the few
+    percent being compared, so each round times every fn once, and each fn's
+    median over the rounds is returned.
+    """
+    import cupy
+    for fn in fns:
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            for _ in range(repeat):
+                fn()
+            stop.record()
+            stop.synchronize()
+            times[i].append(cupy.cuda.get_elapsed_time(start, stop) / repeat)
+    return [statistics.median(t) for t in times]
+
+
 def random_array(shape, dtype, scale=1.0):
     """Standard-normal data * scale on the GPU, in `dtype` (never zeros: they time too well)."""
     import cupy

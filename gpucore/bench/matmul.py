@@ -29,7 +29,7 @@ from __future__ import annotations
 
 
 from .. import dtypes
-from . import Result, benchmark, random_array, time_ms
+from . import Result, benchmark, random_array, time_interleaved, time_ms
 
 SQUARE = (4096, 4096, 4096)
 GPT2_SHAPES = [(65536, 768, 2304), (65536, 768, 3072), (65536, 3072, 768), (65536, 768, 50304)]
@@ -92,10 +92,11 @@ def _bench_train(M, K, N, with_bias):
     shape = f"{M}x{K}x{N}"
     fl = _flops(M, K, N)
     rows = []
-    raw_ms = time_ms(lambda: mm._gemm_rowmajor(x, w, out, M, N, K, transpose_b=True))
+    # raw and path timed in alternation (time_interleaved): back-to-back runs drift by 5-10%
+    raw_ms, ms = time_interleaved([lambda: mm._gemm_rowmajor(x, w, out, M, N, K, transpose_b=True),
+                                   lambda: gpucore.matmul_forward(x, w, b, out=out)])
     raw = Result(f"cublas gemmEx bf16 NT {shape}", raw_ms, flops=fl)
     rows.append(raw)
-    ms = time_ms(lambda: gpucore.matmul_forward(x, w, b, out=out))
     path = "cublasLt" if mm._lt() is not None else f"gemmEx ({mm.LT_STATUS})"
     extra = {"path": path}
     if not with_bias:
@@ -125,13 +126,14 @@ def _bench_train(M, K, N, with_bias):
         dw = _rand((N, K), gdt)
         db = _rand((N,), gdt) if with_bias else None
         tag = "" if gdt == "float32" else " bf16 grads"
-        raw_dx = time_ms(lambda: mm._gemm_rowmajor(dout, w, dx, M, K, N))
-        raw_dw = time_ms(lambda: mm._gemm_rowmajor(dout, x, dw, N, K, M, transpose_a=True, beta=1.0))
-        raw_bwd = Result(f"cublas gemmEx bf16 dx+dW{tag} {shape}", raw_dx + raw_dw, flops=2 * fl,
-                         extra={"dx_ms": f"{raw_dx:.3f}", "dW_ms": f"{raw_dw:.3f}"})
+        def raw_backward():
+            mm._gemm_rowmajor(dout, w, dx, M, K, N)
+            mm._gemm_rowmajor(dout, x, dw, N, K, M, transpose_a=True, beta=1.0)
+
+        raw_ms, ms = time_interleaved([raw_backward, lambda: gpucore.matmul_backward(
+            dout, x, w, dx=dx, dweight=dw, dbias=db, need_dbias=with_bias)])
+        raw_bwd = Result(f"cublas gemmEx bf16 dx+dW{tag} {shape}", raw_ms, flops=2 * fl)
         rows.append(raw_bwd)
-        ms = time_ms(lambda: gpucore.matmul_backward(dout, x, w, dx=dx, dweight=dw, dbias=db,
-                                                     need_dbias=with_bias))
         extra = {}
         if with_bias:                   # one more call, to learn which dbias path it took
             scratch = mm._dweight_dbias_fused(db, dout, x, dw, N, K, M, 1.0)
