@@ -33,53 +33,11 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dtypes
-from . import Result, benchmark, copy_bandwidth_gbps, time_ms
+from . import (Result, benchmark, copy_bandwidth_gbps, dtype_list, random_array, time_device_ms, time_ms,
+               version_list)
 
 
-def _rand(shape, dtype, scale=1.0):
-    import cupy
-    return (cupy.random.standard_normal(shape, dtype=np.float32) * scale).astype(dtypes.normalize(dtype))
-
-
-def _dtypes(dtype):
-    return ["float32", "bfloat16"] if dtype == "all" else [dtype or "bfloat16"]
-
-
-def _versions(version, available):
-    if version in (None, "all"):
-        return list(available)
-    return [int(v) for v in str(version).split(",") if int(v) in available]
-
-
-def time_device_ms(fn, repeat: int = 10, batches: int = 5, lead_fills: int = 48) -> float:
-    """Milliseconds of device time per fn() call, host launch overhead excluded.
-
-    time_ms measures host time when a call's Python + launch overhead exceeds its GPU time
-    (the encoder backward: ~10 launches, events, a CuPy sort). A training step hides that
-    overhead because the host runs ahead of the GPU; this timer reproduces it: each batch
-    first queues a head start of large memsets (~3 ms of GPU work), then the start event and
-    `repeat` calls, which the host queues while the GPU is still busy with the memsets.
-    """
-    import statistics
-
-    import cupy
-    lead = cupy.empty(256 << 20, dtype=np.uint8)
-    for _ in range(3):
-        fn()
-    cupy.cuda.get_current_stream().synchronize()
-    times = []
-    for _ in range(batches):
-        for _ in range(lead_fills):
-            lead.fill(0)
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        for _ in range(repeat):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / repeat)
-    del lead
-    return statistics.median(times)
+_rand, _dtypes, _versions = random_array, dtype_list, version_list
 
 
 def _available(pick, dtype, C, arrays, versions=(1, 2)):
