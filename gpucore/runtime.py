@@ -248,6 +248,20 @@ def kernel_attributes(kernel) -> dict:
             "shared_bytes": a["shared_size_bytes"], "max_threads": a["max_threads_per_block"]}
 
 
+_SIDE_STREAMS: dict[tuple, tuple] = {}
+
+
+def side_stream(name: str):
+    """(stream, fork event, join event) for work that runs beside the current stream, made once
+    per (device, name). The caller records `fork` on its stream, makes the side stream wait on
+    it, launches there, records `join` there and makes its own stream wait on `join`."""
+    key = (cupy.cuda.Device().id, name)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
+                              cupy.cuda.Event(disable_timing=True))
+    return _SIDE_STREAMS[key]
+
+
 def launch(kernel, grid, block, args, shared_mem: int = 0, stream=None):
     """Launch on the current CuPy stream (or `stream`), raising CUDA errors at once."""
     grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))

@@ -317,18 +317,17 @@ def _forward_v2(qkv, NH, out, lse, cfg=None):
                    shared_mem=_fwd_smem(hd, warps, mt, bn))
 
 
-def _v3_fwd_reason(dtype, hd, arrays) -> str | None:
-    """None if the version 3 forward runs on these arrays here, else the reason it does not."""
+def _v3_reason(what, dtype, hd, configs, arch, arrays) -> str | None:
+    """None if the version 3 `what` ("forward"/"backward") runs on these arrays here, else why not."""
     if dtype != BF16:
-        return f"version 3 forward takes bfloat16, got {dtypes.name(dtype)}"
-    if hd not in V3_FWD_CONFIGS:
-        return f"version 3 forward supports head dims {sorted(V3_FWD_CONFIGS)}, got {hd}"
+        return f"version 3 {what} takes bfloat16, got {dtypes.name(dtype)}"
+    if hd not in configs:
+        return f"version 3 {what} supports head dims {sorted(configs)}, got {hd}"
     for name, a in arrays:
         if a.data.ptr % 16:
-            return f"{name}: version 3 forward needs 16-byte aligned arrays"
-    if runtime.device_arch() != V3_FWD_ARCH[:-1]:
-        return (f"version 3 forward needs an sm_{V3_FWD_ARCH[:-1]} GPU (wgmma), "
-                f"this one is sm_{runtime.device_arch()}")
+            return f"{name}: version 3 {what} needs 16-byte aligned arrays"
+    if runtime.device_arch() != arch[:-1]:
+        return f"version 3 {what} needs an sm_{arch[:-1]} GPU (wgmma), this one is sm_{runtime.device_arch()}"
     return None
 
 
@@ -371,32 +370,6 @@ def _backward_v2(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None):
 
 
 # -------------------------------------------------------------- version 3 ----
-
-def _v3_bwd_reason(dtype, hd, arrays) -> str | None:
-    """None if the version 3 backward runs on these arrays here, else the reason it does not."""
-    if dtype != BF16:
-        return f"version 3 backward takes bfloat16, got {dtypes.name(dtype)}"
-    if hd not in V3_DKDV_CONFIGS:
-        return f"version 3 backward supports head dims {sorted(V3_DKDV_CONFIGS)}, got {hd}"
-    for name, a in arrays:
-        if a.data.ptr % 16:
-            return f"{name}: version 3 backward needs 16-byte aligned arrays"
-    if runtime.device_arch() != V3_ARCH[:-1]:
-        return f"version 3 backward needs an sm_{V3_ARCH[:-1]} GPU (wgmma), this one is sm_{runtime.device_arch()}"
-    return None
-
-
-_V3_SIDE: dict[int, tuple] = {}
-
-
-def _v3_side_stream():
-    """(stream, fork event, join event) of this device for the concurrent dQ pass, made once."""
-    cp = runtime.cupy
-    dev = cp.cuda.Device().id
-    if dev not in _V3_SIDE:
-        _V3_SIDE[dev] = (cp.cuda.Stream(non_blocking=True), cp.cuda.Event(disable_timing=True),
-                         cp.cuda.Event(disable_timing=True))
-    return _V3_SIDE[dev]
 
 
 def _backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None, streams=None):
@@ -442,7 +415,7 @@ def _backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None, stre
         runtime.launch(k2, q_grid, 128 * q_wgs, args, shared_mem=q_smem)
         return
     main = cp.cuda.get_current_stream()
-    side, forked, joined = _v3_side_stream()
+    side, forked, joined = runtime.side_stream("attention dq")
     forked.record(main)          # inputs, D (preprocess) and dqkv's allocation are ready
     side.wait_event(forked)
     # dQ first in launch order on its own stream: its heaviest tiles start while the dK/dV
@@ -489,7 +462,7 @@ def attention_forward(qkv, num_heads, out=None, lse=None, version=None):
         lse[...] = r_lse.astype(F32)
         return out, lse
     if version == 3 or (version is None and V3_FWD_DEFAULT):
-        reason = _v3_fwd_reason(qkv.dtype, hd, (("qkv", qkv), ("out", out)))
+        reason = _v3_reason("forward", qkv.dtype, hd, V3_FWD_CONFIGS, V3_FWD_ARCH, (("qkv", qkv), ("out", out)))
         if reason is None:
             if B * T:
                 _forward_v3(qkv, NH, out, lse)
@@ -527,7 +500,8 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None):
         dqkv[...] = attention_backward_reference(dout, qkv, NH).astype(dqkv.dtype)
         return dqkv
     if version == 3 or (version is None and V3_BWD_DEFAULT):
-        reason = _v3_bwd_reason(qkv.dtype, hd, (("qkv", qkv), ("dout", dout), ("out", out), ("dqkv", dqkv)))
+        reason = _v3_reason("backward", qkv.dtype, hd, V3_DKDV_CONFIGS, V3_ARCH,
+                            (("qkv", qkv), ("dout", dout), ("out", out), ("dqkv", dqkv)))
         if reason is None:
             if B * T:
                 _backward_v3(dout, qkv, out, lse, NH, dqkv)

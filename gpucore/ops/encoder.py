@@ -260,18 +260,6 @@ def _sort_keys(tokens, V):
     return keys, bits
 
 
-_SIDE: dict[int, tuple] = {}
-
-
-def _side_stream():
-    """(stream, fork event, join event) of this device, made once."""
-    cp = runtime.cupy
-    dev = cp.cuda.Device().id
-    if dev not in _SIDE:
-        _SIDE[dev] = (cp.cuda.Stream(non_blocking=True), cp.cuda.Event(disable_timing=True),
-                      cp.cuda.Event(disable_timing=True))
-    return _SIDE[dev]
-
 
 def _backward_v3(dwte, dwpe, dout, tokens, V, W, sort=None, dwte_launch=None):
     """dwpe (v2's kernel) on a side stream, concurrently with the key sort and dwte (v3) on the current one.
@@ -289,7 +277,7 @@ def _backward_v3(dwte, dwpe, dout, tokens, V, W, sort=None, dwte_launch=None):
         dwte_launch(dwte, dout, keys, bits)
         return
     main = cp.cuda.get_current_stream()
-    side, forked, joined = _side_stream()
+    side, forked, joined = runtime.side_stream("encoder dwpe")
     forked.record(main)                  # dout, tokens, dwpe (and everything before) are ready
     side.wait_event(forked)
     with side:
