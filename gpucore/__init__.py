@@ -14,7 +14,7 @@ from .ops.reduce import reduce_sum as sum  # noqa: A004
 from .ops.adamw import adamw_update, grad_norm
 from .ops.classifier import cross_entropy, fused_classifier
 from .ops.softmax import softmax, softmax_backward
-from .ops.encoder import encoder_backward, encoder_forward
+from .ops.encoder import encoder_backward, encoder_backward_plan, encoder_forward
 from .ops.gelu import gelu, gelu_backward
 from .ops.layernorm import fused_residual_layernorm_forward, layernorm, layernorm_backward, layernorm_forward
 from .runtime import KernelCompileError, gpu_available
@@ -27,6 +27,6 @@ __all__ = [
     "attention", "attention_forward", "attention_backward",
     "matmul", "matmul_forward", "matmul_backward", "batched_matmul", "gemm",
     "softmax", "softmax_backward", "cross_entropy", "fused_classifier", "grad_norm", "adamw_update",
-    "encoder_forward", "encoder_backward", "gelu", "gelu_backward",
+    "encoder_forward", "encoder_backward", "encoder_backward_plan", "gelu", "gelu_backward",
     "layernorm", "layernorm_forward", "layernorm_backward", "fused_residual_layernorm_forward",
 ]

@@ -40,7 +40,7 @@ import numpy as np
 from . import dtypes, runtime
 from .ops.attention import attention_backward, attention_forward
 from .ops.classifier import fused_classifier
-from .ops.encoder import encoder_backward, encoder_forward
+from .ops.encoder import encoder_backward, encoder_backward_plan, encoder_forward
 from .ops.gelu import gelu, gelu_backward
 from .ops.layernorm import fused_residual_layernorm_forward, layernorm_backward, layernorm_forward
 from .ops.matmul import matmul_backward, matmul_forward
@@ -260,6 +260,7 @@ class GPT2:
         self._acts_full = self._grad_full = None    # the allocated Tensors
         self._shape = None          # (B, T) the buffers were allocated for
         self._backward_ready = None  # tokens of the last forward(..., for_backward=True)
+        self._encoder_plan = None    # its token sort for the encoder backward (GPU; made in forward)
         if seed is not None:
             self.init_weights(seed)
 
@@ -387,6 +388,7 @@ class GPT2:
         self._backward_ready = None
 
         encoder_forward(tokens, p.wte, p.wpe, out=a.encoded, check_tokens=False)   # checked just above
+        self._encoder_plan = _encoder_plan_beside(tokens, V) if for_backward and xp is not np else None
         layernorm_forward(a.encoded, p.ln1w[0], p.ln1b[0], out=a.ln1[0], mean=a.ln1_mean[0], rstd=a.ln1_rstd[0])
         for l in range(L):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
@@ -482,8 +484,27 @@ class GPT2:
             matmul_backward(_2d(dqkv), _2d(a.ln1[l]), p.qkvw[l], dx=_2d(dsmall), dweight=g.qkvw[l], dbias=g.qkvb[l])
             layernorm_backward(dsmall, residual, p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l],
                                dx=dres, dweight=g.ln1w[l], dbias=g.ln1b[l])
-        encoder_backward(dres, tokens, g.wte, g.wpe, check_tokens=False)   # checked in forward
+        plan, self._encoder_plan = self._encoder_plan, None
+        encoder_backward(dres, tokens, g.wte, g.wpe, check_tokens=False, plan=plan)   # checked in forward
         return g
+
+
+def _encoder_plan_beside(tokens, V):
+    """The encoder backward's token sort, made on a side stream while the forward runs (it needs
+    only the tokens; ~20 us of small latency-bound launches that would otherwise sit at the end of
+    the backward). The plan's `ready` event makes encoder_backward's stream wait for it; its
+    memory is allocated on the side stream, whose next use waits (fork) for everything queued
+    before it on the main stream, including the backward that read these keys."""
+    cp = runtime.cupy
+    main = cp.cuda.get_current_stream()
+    side, forked, _ = runtime.side_stream("encoder plan")
+    forked.record(main)
+    side.wait_event(forked)
+    with side:
+        plan = encoder_backward_plan(tokens, V)
+        plan.ready = cp.cuda.Event(disable_timing=True)
+        plan.ready.record(side)
+    return plan
 
 
 def is_gpu(model: GPT2) -> bool:

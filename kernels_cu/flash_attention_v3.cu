@@ -63,8 +63,10 @@ __device__ __forceinline__ void flash_forward_v3(bf16* out,          // (B, T, C
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, w4 = warp & 3;
     const int g = lane >> 2, t4 = lane & 3;
-    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
-    const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;           // heaviest tiles first
+    int bh, rank;
+    v3_block_order(bh, rank);
+    const int b = bh / NH, h = bh % NH;
+    const int m0 = (gridDim.y - 1 - rank) * BM;                 // heaviest tiles first
     const int C = NH * HD, stride = 3 * C;
     const bf16* q_g = qkv + (size_t)b * T * stride + h * HD;
     const bf16* k_g = q_g + C;

@@ -91,7 +91,34 @@ __device__ __forceinline__ float v3_row_dot(const bf16* x, const bf16* y, size_t
     return acc;
 }
 
+// Register-A fragments (wgmma.cuh's layout) of the 64 x HD rows starting at tile row r0 - g of a
+// swizzled (ROWS, HD) bf16 tile at generic address `tile`: this thread's rows r0 and r0 + 8.
+// k-step ks covers columns 16ks..16ks+15 = 16-byte chunks 2(ks%4), 2(ks%4)+1 of column block ks/4.
+template <int ROWS, int HD>
+__device__ __forceinline__ void v3_tile_frags(u32 (&f)[HD / 16][4], const unsigned char* tile, int r0, int t4) {
+    #pragma unroll
+    for (int ks = 0; ks < HD / 16; ks++) {
+        const unsigned char* blk = tile + (ks >> 2) * (ROWS * 128) + 4 * t4;
+        const int c = 2 * (ks & 3);
+        f[ks][0] = *reinterpret_cast<const u32*>(blk + wg_swz128(r0, c));
+        f[ks][1] = *reinterpret_cast<const u32*>(blk + wg_swz128(r0 + 8, c));
+        f[ks][2] = *reinterpret_cast<const u32*>(blk + wg_swz128(r0, c + 1));
+        f[ks][3] = *reinterpret_cast<const u32*>(blk + wg_swz128(r0 + 8, c + 1));
+    }
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// D (64 x 64) = A (64 x HD, fragments held in registers) @ B^T (B: 64 x HD K-major at b, column
+// blocks 64 * 128 apart). The RA ("register A") variants use it for S^T = K Q^T, dP^T = V dO^T
+// (dK/dV pass) and S = Q K^T, dP = dO V^T (dQ pass): only B is read from shared memory, which
+// halves the smem operand traffic of these N = 64 products. No commit.
+template <int HD>
+__device__ __forceinline__ void v3_product_rk(float* d, const u32 (&a)[HD / 16][4], u32 b) {
+    #pragma unroll
+    for (int ks = 0; ks < HD / 16; ks++)
+        wgmma_m64n64k16_rs_kk(d, a[ks], smem_desc(b + (ks >> 2) * (64 * 128) + (ks & 3) * 32, 16, 1024), ks > 0);
+}
 
 // D (64 x N) = A (64 x HD, K-major at a + wgrow bytes, column blocks arows * 128 apart)
 //            @ B^T (B: N x HD K-major at b, column blocks N * 128 apart). No commit.
@@ -114,7 +141,7 @@ __device__ __forceinline__ void v3_product_rs(float* d, u32 (&f)[KN / 16][4], u3
     for (int k = 0; k < KN / 16; k++) v3_mma_rs<HD>(d, f[k], smem_desc(b + k * 2048, KN * 128, 1024), 1);
 }
 
-template <int HD, int NWG, int BM, int MINB>
+template <int HD, int NWG, int BM, int MINB, bool RA>
 __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, const bf16* dout, const float* lse,
                                                   const float* Dv, int T, int NH, float scale) {
     constexpr int BN = 64 * NWG, NT = 128 * NWG;
@@ -135,8 +162,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wg = warp >> 2, w4 = warp & 3, g = lane >> 2, t4 = lane & 3;
-    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
-    const int n0 = blockIdx.y * BN;               // tile 0 has the most Q tiles: launched first
+    int bh, rank;
+    v3_block_order(bh, rank);
+    const int b = bh / NH, h = bh % NH;
+    const int n0 = rank * BN;                     // tile 0 has the most Q tiles: launched first
     const int C = NH * HD, stride = 3 * C;
     const bf16* q_g = qkv + (size_t)b * T * stride + h * HD;
     const bf16* do_g = dout + (size_t)b * T * C + h * HD;
@@ -162,6 +191,14 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
     for (int e = 0; e < BM / 2; e++) st[e] = dpt[e] = 0.f;
     wg_fence_regs<HD / 2>(dk);
     wg_fence_regs<HD / 2>(dv);
+    static_assert(!RA || BM == 64, "register-A products are m64n64");
+    [[maybe_unused]] u32 ka[RA ? HD / 16 : 1][4], va[RA ? HD / 16 : 1][4];
+    if constexpr (RA) {                           // this warpgroup's K and V rows, once per block
+        wg_cp_async_wait<0>();
+        __syncthreads();                          // everyone's copies of K, V landed
+        v3_tile_frags<BN, HD>(ka, smem_v3 + (sK - raw), 64 * wg + 16 * w4 + g, t4);
+        v3_tile_frags<BN, HD>(va, smem_v3 + (sV - raw), 64 * wg + 16 * w4 + g, t4);
+    }
 
     for (int i = i_first; i < i_end; i++) {
         const int buf = (i - i_first) % ST, nxt = (i - i_first + 1) % ST;
@@ -185,9 +222,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
             wg_fence_regs<BM / 2>(st);
             wg_fence_regs<BM / 2>(dpt);
             wgmma_fence();
-            v3_product_kk<BM, HD>(st, sK + wg * 8192, BN, q_s);    // S^T = K Q^T
+            if constexpr (RA) v3_product_rk<HD>(st, ka, q_s);       // S^T = K Q^T
+            else v3_product_kk<BM, HD>(st, sK + wg * 8192, BN, q_s);
             wgmma_commit();
-            v3_product_kk<BM, HD>(dpt, sV + wg * 8192, BN, o_s);   // dP^T = V dO^T
+            if constexpr (RA) v3_product_rk<HD>(dpt, va, o_s);      // dP^T = V dO^T
+            else v3_product_kk<BM, HD>(dpt, sV + wg * 8192, BN, o_s);
             wgmma_commit();
             wgmma_wait<1>();                      // S^T (and the previous tile's dV, dK) retired
             wg_fence_regs<BM / 2>(st);
@@ -252,7 +291,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
 // FD (fused D): the block computes D = rowsum(dout * out) of its own rows itself (no preprocess
 // kernel; out is read once per row, dout's rows are L2-hot from the tile copy) and writes it to
 // Dw for the dK/dV pass, which then runs after this pass. Else D comes from Dv (preprocess).
-template <int HD, int NWG, int BN, int MINB, bool FD>
+template <int HD, int NWG, int BN, int MINB, bool FD, bool RA>
 __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf16* qkv, const bf16* dout,
                                                 const bf16* out, const float* lse, const float* Dv, int T, int NH,
                                                 float scale) {
@@ -272,8 +311,10 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wg = warp >> 2, w4 = warp & 3, g = lane >> 2, t4 = lane & 3;
-    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
-    const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;        // heaviest tiles first
+    int bh, rank;
+    v3_block_order(bh, rank);
+    const int b = bh / NH, h = bh % NH;
+    const int m0 = (gridDim.y - 1 - rank) * BM;              // heaviest tiles first
     const int C = NH * HD, stride = 3 * C;
     const bf16* q_g = qkv + (size_t)b * T * stride + h * HD;
     const bf16* k_g = q_g + C;
@@ -316,6 +357,14 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
     #pragma unroll
     for (int e = 0; e < BN / 2; e++) s[e] = dp[e] = 0.f;
     wg_fence_regs<HD / 2>(dq);
+    static_assert(!RA || BN == 64, "register-A products are m64n64");
+    [[maybe_unused]] u32 qa[RA ? HD / 16 : 1][4], oa[RA ? HD / 16 : 1][4];
+    if constexpr (RA) {                           // this warpgroup's Q and dout rows, once per block
+        wg_cp_async_wait<0>();
+        __syncthreads();
+        v3_tile_frags<BM, HD>(qa, smem_v3 + (sQ - raw), 64 * wg + 16 * w4 + g, t4);
+        v3_tile_frags<BM, HD>(oa, smem_v3 + (sO - raw), 64 * wg + 16 * w4 + g, t4);
+    }
 
     for (int j = 0; j < n_tiles; j++) {
         const int buf = j % ST, nxt = (j + 1) % ST;
@@ -333,9 +382,11 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
             wg_fence_regs<BN / 2>(s);
             wg_fence_regs<BN / 2>(dp);
             wgmma_fence();
-            v3_product_kk<BN, HD>(s, sQ + wg * 8192, BM, k_s);     // S = Q K^T
+            if constexpr (RA) v3_product_rk<HD>(s, qa, k_s);        // S = Q K^T
+            else v3_product_kk<BN, HD>(s, sQ + wg * 8192, BM, k_s);
             wgmma_commit();
-            v3_product_kk<BN, HD>(dp, sO + wg * 8192, BM, v_s);    // dP = dO V^T
+            if constexpr (RA) v3_product_rk<HD>(dp, oa, v_s);       // dP = dO V^T
+            else v3_product_kk<BN, HD>(dp, sO + wg * 8192, BM, v_s);
             wgmma_commit();
             wgmma_wait<1>();                      // S (and the previous tile's dQ) retired
             wg_fence_regs<BN / 2>(s);
@@ -377,14 +428,15 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
     v3_store_acc<HD>(dqkv + (size_t)b * T * stride + h * HD, dq, scale, row0, T, stride, t4);
 }
 
-#define V3_DKDV_BODY(HD, NWG, BM, MINB) flash_bwd_dkdv_v3<HD, NWG, BM, MINB>(dqkv, qkv, dout, lse, D, T, NH, scale)
-#define V3_DQ_BODY(HD, NWG, BN, MINB) \
-    flash_bwd_dq_v3<HD, NWG, BN, MINB, false>(dqkv, nullptr, qkv, dout, nullptr, lse, D, T, NH, scale)
+#define V3_DKDV_BODY(HD, NWG, BM, MINB, RA) \
+    flash_bwd_dkdv_v3<HD, NWG, BM, MINB, RA>(dqkv, qkv, dout, lse, D, T, NH, scale)
+#define V3_DQ_BODY(HD, NWG, BN, MINB, RA) \
+    flash_bwd_dq_v3<HD, NWG, BN, MINB, false, RA>(dqkv, nullptr, qkv, dout, nullptr, lse, D, T, NH, scale)
 #define V3_DQF_BODY(HD, NWG, BN, MINB) \
-    flash_bwd_dq_v3<HD, NWG, BN, MINB, true>(dqkv, D, qkv, dout, out, lse, nullptr, T, NH, scale)
+    flash_bwd_dq_v3<HD, NWG, BN, MINB, true, false>(dqkv, D, qkv, dout, out, lse, nullptr, T, NH, scale)
 #else
-#define V3_DKDV_BODY(HD, NWG, BM, MINB) __trap()    // not sm_90a: Python never launches this
-#define V3_DQ_BODY(HD, NWG, BN, MINB) __trap()
+#define V3_DKDV_BODY(HD, NWG, BM, MINB, RA) __trap()    // not sm_90a: Python never launches this
+#define V3_DQ_BODY(HD, NWG, BN, MINB, RA) __trap()
 #define V3_DQF_BODY(HD, NWG, BN, MINB) __trap()
 #endif
 
@@ -396,20 +448,26 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
 //        smem = 1024 + (2 * 64 * NWG + 2 * ST * BN) * HD * 2 bytes
 // MINB = __launch_bounds__' minimum blocks per SM: 2 / NWG keeps 255 registers allowed. (dq hd64
 // G2 BN64 at MINB 2 fit 128 registers before the overlapped loop; with it, it spills 8 bytes.)
-#define FLASH_V3_DKDV(HD, NWG, BM, MINB)                                                             \
+// The _RA macros instantiate the register-A variants (kernel names end in _ra_bf16; ops/attention.py:
+// a third config element 2): K/V (dK/dV pass) or Q/dout (dQ pass) fragments held in registers.
+#define FLASH_V3_DKDV_(HD, NWG, BM, MINB, RA, SUF)                                                   \
     extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \
-    attention_backward_dkdv_kernel_v3_hd##HD##_g##NWG##_m##BM##_bf16(bf16* dqkv,               \
+    attention_backward_dkdv_kernel_v3_hd##HD##_g##NWG##_m##BM##SUF##_bf16(bf16* dqkv,          \
             const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
             int T, int NH, float scale) {                                                      \
-        V3_DKDV_BODY(HD, NWG, BM, MINB);                                                             \
+        V3_DKDV_BODY(HD, NWG, BM, MINB, RA);                                                         \
     }
-#define FLASH_V3_DQ(HD, NWG, BN, MINB)                                                               \
+#define FLASH_V3_DQ_(HD, NWG, BN, MINB, RA, SUF)                                                     \
     extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \
-    attention_backward_dq_kernel_v3_hd##HD##_g##NWG##_n##BN##_bf16(bf16* dqkv,                 \
+    attention_backward_dq_kernel_v3_hd##HD##_g##NWG##_n##BN##SUF##_bf16(bf16* dqkv,            \
             const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
             int T, int NH, float scale) {                                                      \
-        V3_DQ_BODY(HD, NWG, BN, MINB);                                                               \
+        V3_DQ_BODY(HD, NWG, BN, MINB, RA);                                                           \
     }
+#define FLASH_V3_DKDV(HD, NWG, BM, MINB) FLASH_V3_DKDV_(HD, NWG, BM, MINB, false, )
+#define FLASH_V3_DKDV_RA(HD, NWG, BM, MINB) FLASH_V3_DKDV_(HD, NWG, BM, MINB, true, _ra)
+#define FLASH_V3_DQ(HD, NWG, BN, MINB) FLASH_V3_DQ_(HD, NWG, BN, MINB, false, )
+#define FLASH_V3_DQ_RA(HD, NWG, BN, MINB) FLASH_V3_DQ_(HD, NWG, BN, MINB, true, _ra)
 
 // dq with fused D (ops/attention.py: dq config (NWG, BN, 1)): writes D (B, NH, T) as well, so
 // the preprocess kernel is gone and the dK/dV pass runs after this one.
@@ -423,10 +481,14 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
 
 FLASH_V3_DKDV(64, 2, 64, 1)
 FLASH_V3_DKDV(64, 1, 64, 2)
+FLASH_V3_DKDV_RA(64, 2, 64, 1)
+FLASH_V3_DKDV_RA(64, 1, 64, 2)
 FLASH_V3_DKDV(128, 2, 64, 1)
 FLASH_V3_DQ(64, 2, 64, 1)
 FLASH_V3_DQ(64, 1, 64, 2)
 FLASH_V3_DQ(64, 2, 128, 1)
+FLASH_V3_DQ_RA(64, 2, 64, 1)
+FLASH_V3_DQ_RA(64, 1, 64, 2)
 FLASH_V3_DQ(128, 2, 64, 1)
 FLASH_V3_DQ(128, 1, 64, 2)
 FLASH_V3_DQF(64, 2, 128, 1)

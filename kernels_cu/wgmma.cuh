@@ -165,4 +165,16 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs_mn(float* d, const u32 (&a)[
 }
 
 
+// _rs_kk: A from registers, B from shared memory K-major (imm-trans-b = 0): D (64 x 64) (+)= A @ B^T
+// with B stored (64, 16) K-major, e.g. S^T = K Q^T with K's fragments held in registers.
+__device__ __forceinline__ void wgmma_m64n64k16_rs_kk(float* d, const u32 (&a)[4], u64 desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

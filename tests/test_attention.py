@@ -246,7 +246,9 @@ def _tol(dtype):
 SHAPES = [  # (B, NH, T, hd)
     (1, 1, 1, 64), (2, 3, 17, 64), (1, 2, 64, 64), (2, 2, 100, 64), (1, 2, 129, 64),
     (1, 3, 257, 64), (1, 2, 1024, 64),
+    (5, 7, 129, 64),   # 35 heads: v3's block order walks groups of 16 heads, the last one short
     (1, 1, 1, 128), (2, 1, 17, 128), (1, 2, 100, 128), (1, 2, 257, 128), (1, 1, 1024, 128),
+    (3, 6, 200, 128),
 ]
 CASES = ([(2, BF16, s) for s in SHAPES] + [(1, BF16, s) for s in SHAPES[1:6:2] + SHAPES[8:10]]
          + [(1, np.float32, s) for s in SHAPES[1:6:2] + SHAPES[8:10] + [(2, 2, 33, 32)]])
@@ -421,17 +423,22 @@ def test_v3_tables_match_kernel_instantiations():
     def same(kernels, configs):   # order-free: the Python tables put the measured default first
         return {hd: sorted(v) for hd, v in kernels.items()} == {hd: sorted(v) for hd, v in configs.items()}
 
-    assert same(table(r[:3] for r in _instantiations(src, "FLASH_V3_DKDV")), attn.V3_DKDV_CONFIGS)
-    # fused-D dq kernels (FLASH_V3_DQF) are the table's (warpgroups, BN, 1) entries
+    # fused-D dq kernels (FLASH_V3_DQF) are the table's (warpgroups, BN, V3_FD) entries, register-A
+    # ones (FLASH_V3_*_RA) the (warpgroups, tile, V3_RA) entries
+    assert same(table([r[:3] for r in _instantiations(src, "FLASH_V3_DKDV")]
+                      + [(*r[:3], attn.V3_RA) for r in _instantiations(src, "FLASH_V3_DKDV_RA")]), attn.V3_DKDV_CONFIGS)
     assert same(table([r[:3] for r in _instantiations(src, "FLASH_V3_DQ")]
-                      + [(*r[:3], 1) for r in _instantiations(src, "FLASH_V3_DQF")]), attn.V3_DQ_CONFIGS)
+                      + [(*r[:3], attn.V3_FD) for r in _instantiations(src, "FLASH_V3_DQF")]
+                      + [(*r[:3], attn.V3_RA) for r in _instantiations(src, "FLASH_V3_DQ_RA")]), attn.V3_DQ_CONFIGS)
     assert set(attn.V3_DKDV_CONFIGS) == set(attn.V3_DQ_CONFIGS) <= set(attn.FWD_CONFIGS)
     for hd in attn.V3_DKDV_CONFIGS:
-        for g, bm in attn.V3_DKDV_CONFIGS[hd]:
+        for g, bm, *var in attn.V3_DKDV_CONFIGS[hd]:
+            assert var in ([], [attn.V3_RA]) and (not var or (bm, hd) == (64, 64))
             assert bm in (64, 128) and attn._v3_dkdv_smem(hd, g, bm) <= 227 * 1024
             assert (bm * hd // 8) % (128 * g) == 0 and (64 * g * hd // 8) % (128 * g) == 0
-        for g, bn, *fd in attn.V3_DQ_CONFIGS[hd]:
-            assert bn in (64, 128) and attn._v3_dq_smem(hd, g, bn) <= 227 * 1024 and fd in ([], [1])
+        for g, bn, *var in attn.V3_DQ_CONFIGS[hd]:
+            assert bn in (64, 128) and attn._v3_dq_smem(hd, g, bn) <= 227 * 1024
+            assert var in ([], [attn.V3_FD], [attn.V3_RA]) and (var != [attn.V3_RA] or (bn, hd) == (64, 64))
             assert (bn * hd // 8) % (128 * g) == 0
 
 
@@ -455,8 +462,10 @@ def test_v3_backward_kernels_compile_for_sm90a_without_spills():
     assert "serialized" not in log, [ln for ln in log.splitlines() if "serialized" in ln]
     names = {r["kernel"] for r in rows}
     for hd in attn.V3_DKDV_CONFIGS:
-        assert {f"attention_backward_dkdv_kernel_v3_hd{hd}_g{g}_m{m}_bf16" for g, m in attn.V3_DKDV_CONFIGS[hd]} <= names
-        assert {f"attention_backward_dq_kernel_v3_hd{hd}_g{c[0]}_n{c[1]}{'_fd' if c[2:] else ''}_bf16"
+        suffix = lambda c: attn.V3_VARIANT_SUFFIX[attn._v3_variant(c)]  # noqa: E731
+        assert {f"attention_backward_dkdv_kernel_v3_hd{hd}_g{c[0]}_m{c[1]}{suffix(c)}_bf16"
+                for c in attn.V3_DKDV_CONFIGS[hd]} <= names
+        assert {f"attention_backward_dq_kernel_v3_hd{hd}_g{c[0]}_n{c[1]}{suffix(c)}_bf16"
                 for c in attn.V3_DQ_CONFIGS[hd]} <= names
 
 
@@ -540,7 +549,7 @@ def test_gpu_backward_v3_streams_and_fused_d_same_bits(rng, hd):
     assert run(streams=True) == one and run(streams=True) == one
     with cp.cuda.Stream(non_blocking=True):
         assert run(streams=True) == one
-    for cfg in [c for c in attn.V3_DQ_CONFIGS[hd] if c[2:]]:
+    for cfg in [c for c in attn.V3_DQ_CONFIGS[hd] if attn._v3_variant(c) == attn.V3_FD]:
         fd = [run(dq_cfg=cfg) for _ in range(2)]
         assert fd[0] == fd[1], cfg
         ref = np.frombuffer(one, dtype=BF16).astype(np.float32)

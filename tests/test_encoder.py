@@ -8,6 +8,8 @@ from gpucore import runtime
 from gpucore.ops import encoder as enc_ops
 from gpucore.ops.encoder import DWTE_CHUNK, encoder_backward_reference, encoder_forward_reference
 from conftest import poison, rel_err, to_cpu
+
+BF16 = gpucore.bfloat16
 from gradcheck import assert_grad_close, numerical_grad
 
 DTYPES = [np.float32, gpucore.bfloat16]
@@ -320,6 +322,49 @@ def test_gpu_backward(rng, dtype, B, T, C, V, maxT, dist):
     if 5 in by_version:   # v5 = v4's keys + v3's chunks and order through a cp.async ring: the same bits
         assert by_version[5][0].tobytes() == by_version[4][0].tobytes(), "v5 dwte differs from v4's bits"
         assert by_version[5][1].tobytes() == by_version[4][1].tobytes(), "v5 dwpe differs from v4's bits"
+
+
+    if 4 in by_version:   # a plan made ahead (as the model does in its forward) gives v4's bits
+        dwte, dwpe = cp.asarray(dwte0), cp.asarray(dwpe0)
+        plan = gpucore.encoder_backward_plan(cp.asarray(tok), V)
+        gpucore.encoder_backward(cp.asarray(dout), cp.asarray(tok), dwte=dwte, dwpe=dwpe, plan=plan)
+        assert to_cpu(dwte).tobytes() == by_version[4][0].tobytes(), "dwte with a plan differs from v4's bits"
+        assert to_cpu(dwpe).tobytes() == by_version[4][1].tobytes(), "dwpe with a plan differs from v4's bits"
+
+
+@pytest.mark.cuda
+def test_gpu_backward_plan_on_a_side_stream_and_mismatch(rng):
+    """A plan made on another stream (its `ready` event awaited) gives the bits of the plain call;
+    a plan of other tokens' count or vocabulary is refused before any launch."""
+    cp = runtime.cupy
+    B, T, C, V = 4, 256, 768, 5003
+    tok, _, _ = _inputs(rng, B, T, C, V, T, BF16, "zipf")
+    dout = cp.asarray(rng.standard_normal((B, T, C)).astype(BF16))
+    tok_d = cp.asarray(tok)
+    want = gpucore.encoder_backward(dout, tok_d, V=V)
+    side = cp.cuda.Stream(non_blocking=True)
+    with side:
+        plan = gpucore.encoder_backward_plan(tok_d, V)
+        plan.ready = cp.cuda.Event()
+        plan.ready.record(side)
+    got = gpucore.encoder_backward(dout, tok_d, V=V, plan=plan)
+    for g, w in zip(got, want):
+        assert to_cpu(g).tobytes() == to_cpu(w).tobytes()
+    with pytest.raises(ValueError, match="plan: made for"):
+        gpucore.encoder_backward(dout, tok_d, V=V + 1, plan=plan)
+    with pytest.raises(ValueError, match="plan: made for"):
+        gpucore.encoder_backward(dout[:2], tok_d[:2], V=V, plan=plan)
+    with pytest.raises(TypeError, match="plan: expected an EncoderPlan"):
+        gpucore.encoder_backward(dout, tok_d, V=V, plan=(plan.keys, plan.bits))
+
+
+def test_backward_plan_on_numpy_and_bad_v(rng):
+    tok = rng.integers(0, 7, size=(2, 5)).astype(np.int32)
+    assert gpucore.encoder_backward_plan(tok, 7) is None
+    with pytest.raises(ValueError, match="V: expected"):
+        gpucore.encoder_backward_plan(tok, 0)
+    with pytest.raises(TypeError):
+        gpucore.encoder_backward_plan(tok.astype(np.int64), 7)
 
 
 @pytest.mark.cuda

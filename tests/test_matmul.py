@@ -351,6 +351,30 @@ def test_gpu_bias_backward_kernel(rng, dtype, N, M):
 
 
 @pytest.mark.cuda
+def test_gpu_dbias_side_stream_same_bits(rng):
+    """Every DBIAS_STREAM placement (after the GEMMs; side stream first / last) gives the same bits,
+    also when the caller works on a non-default stream and reads the results there at once."""
+    cp = runtime.cupy
+    N, K, M = 4097, 256, 768
+    dout, x, w = (cp.asarray(_rand(rng, s, BF16)) for s in ((N, M), (N, K), (M, K)))
+    db0 = _rand(rng, (M,), np.float32)
+    ref = dout.astype(np.float32).sum(0).get().astype(np.float64) + db0
+    default, results = mm.DBIAS_STREAM, {}
+    try:
+        for mode in ("", "first", "last"):
+            mm.DBIAS_STREAM = mode
+            for stream in (None, cp.cuda.Stream(non_blocking=True)):
+                with stream or cp.cuda.get_current_stream():
+                    db = cp.asarray(db0)
+                    gpucore.matmul_backward(dout, x, w, dbias=db)
+                    results[(mode, stream is None)] = db.get(stream=cp.cuda.get_current_stream()).tobytes()
+    finally:
+        mm.DBIAS_STREAM = default
+    assert len(set(results.values())) == 1, sorted(k for k in results)
+    _check_close(np.frombuffer(results[("", True)], np.float32), ref, np.float32, "dbias", tol=1e-5)
+
+
+@pytest.mark.cuda
 def test_gpu_matmul_runs_on_current_stream(rng, gemm_path):
     cp = runtime.cupy
     x, w, b = _rand(rng, (512, 256), BF16), _rand(rng, (384, 256), BF16), _rand(rng, (384,), BF16)

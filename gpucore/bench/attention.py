@@ -102,29 +102,32 @@ def bench_attention(B: int = 64, NH: int = 12, T: int = 1024, hd: int = 64, vers
             version in (None, "all") or "3" in str(version).split(",")):
         results += _v3_forward_rows(qkv, out, lse, NH, hd, flops_f, shape, sweep, results)
     want3 = version in (None, "all") or "3" in str(version).split(",")
+    have3 = any(r.name.startswith("attention v3 backward") for r in results)   # from --version 3's loop
     if (want3 and dt == dtypes.bfloat16 and hd in attn.V3_DKDV_CONFIGS
-            and runtime.device_arch() == attn.V3_ARCH[:-1]
-            and not any(r.name.startswith("attention v3 backward") for r in results)):
-        results += _v3_backward_rows(qkv, dout, out, lse, dqkv, NH, hd, flops_b, shape, sweep)
+            and runtime.device_arch() == attn.V3_ARCH[:-1] and (sweep or not have3)):
+        results += _v3_backward_rows(qkv, dout, out, lse, dqkv, NH, hd, flops_b, shape, sweep, not have3)
     return results
 
 
-def _v3_backward_rows(qkv, dout, out, lse, dqkv, NH, hd, flops_b, shape, sweep):
-    """Version 3 backward (wgmma, sm_90) on v2 forward's out/lse; with sweep, every tile config."""
+def _v3_backward_rows(qkv, dout, out, lse, dqkv, NH, hd, flops_b, shape, sweep, main_row=True):
+    """Version 3 backward (wgmma, sm_90) on v2 forward's out/lse (the default configs' row unless
+    main_row is False); with sweep, every tile config."""
     import gpucore
     gpucore.attention_forward(qkv, NH, out=out, lse=lse, version=2)
     bwd = lambda: gpucore.attention_backward(dout, qkv, out, lse, NH, dqkv=dqkv, version=3)  # noqa: E731
     bwd()                                        # compile before measuring
-    s_b = _measure_scratch(bwd)
-    rows = [Result(f"attention v3 backward {shape}", time_ms(bwd), flops=flops_b,  # default configs
-                   ref_tflops=BWD_TARGET_TFLOPS, target=1.0, extra={"scratch": _mib(s_b)})]
+    rows = []
+    if main_row:
+        s_b = _measure_scratch(bwd)
+        rows.append(Result(f"attention v3 backward {shape}", time_ms(bwd), flops=flops_b,  # default configs
+                           ref_tflops=BWD_TARGET_TFLOPS, target=1.0, extra={"scratch": _mib(s_b)}))
     if sweep:
         for kind, table in (("dkdv", attn.V3_DKDV_CONFIGS), ("dq", attn.V3_DQ_CONFIGS)):
             for cfg in table[hd]:
                 kw = {"dkdv_cfg" if kind == "dkdv" else "dq_cfg": cfg}
                 ms = time_ms(lambda: attn._backward_v3(dout, qkv, out, lse, NH, dqkv, **kw))
                 tile = "BM" if kind == "dkdv" else "BN"
-                fused = " (D fused into dq)" if len(cfg) > 2 and cfg[2] else ""
+                fused = {0: "", attn.V3_FD: " (D fused into dq)", attn.V3_RA: " (register A)"}[attn._v3_variant(cfg)]
                 rows.append(Result(f"  v3 backward {kind} warpgroups={cfg[0]} {tile}={cfg[1]}{fused}", ms, flops=flops_b,
                                    ref_tflops=BWD_TARGET_TFLOPS, target=1.0))
     return rows

@@ -130,16 +130,31 @@ def _bench_train(M, K, N, with_bias):
             mm._gemm_rowmajor(dout, w, dx, M, K, N)
             mm._gemm_rowmajor(dout, x, dw, N, K, M, transpose_a=True, beta=1.0)
 
-        raw_ms, ms = time_interleaved([raw_backward, lambda: gpucore.matmul_backward(
-            dout, x, w, dx=dx, dweight=dw, dbias=db, need_dbias=with_bias)])
+        def path_backward(stream_mode=None):
+            default = mm.DBIAS_STREAM
+            mm.DBIAS_STREAM = default if stream_mode is None else stream_mode
+            try:
+                gpucore.matmul_backward(dout, x, w, dx=dx, dweight=dw, dbias=db, need_dbias=with_bias)
+            finally:
+                mm.DBIAS_STREAM = default
+
+        # with a bias: also the other places of the dbias kernel (DBIAS_STREAM), in the same rounds
+        modes = [m for m in ("", "first", "last") if m != mm.DBIAS_STREAM] if with_bias else []
+        raw_ms, ms, *mode_ms = time_interleaved([raw_backward, path_backward]
+                                                + [lambda m=m: path_backward(m) for m in modes])
         raw_bwd = Result(f"cublas gemmEx bf16 dx+dW{tag} {shape}", raw_ms, flops=2 * fl)
         rows.append(raw_bwd)
         extra = {}
         if with_bias:                   # one more call, to learn which dbias path it took
             scratch = mm._dweight_dbias_fused(db, dout, x, dw, N, K, M, 1.0)
             extra["dbias"] = f"BGRADB-epilogue,{scratch}-scratch" if scratch else "kernel"
+        if with_bias:
+            extra["dbias_stream"] = mm.DBIAS_STREAM or "after"
         rows.append(Result(f"matmul_backward {'+dbias' if with_bias else 'no bias'}{tag} {shape}", ms,
                            flops=2 * fl, ref_tflops=raw_bwd.tflops, target=0.95, extra=extra))
+        for m, m_ms in zip(modes, mode_ms):
+            rows.append(Result(f"matmul_backward +dbias{tag} {shape} (dbias kernel {m or 'after the GEMMs'}"
+                               f"{' on a side stream' if m else ''})", m_ms, flops=2 * fl, ref_tflops=raw_bwd.tflops))
         if with_bias and mm._lt() is not None:   # the other dbias path, for comparison
             default = mm.LT_BGRAD
             mm.LT_BGRAD = not default

@@ -105,6 +105,13 @@ def bench_encoder(n: int = 65536, dtype: str = "bfloat16", version=None, C: int 
                 results.append(Result(f"encoder backward counting sort v4 N={N} V={V}", ms, extra=extra))
                 ms = time_device_ms(lambda: enc._sort_keys_v4(tokens, V))
                 results.append(Result(f"encoder backward counting sort v4 (device) N={N} V={V}", ms, extra=extra))
+                keys, bits = enc._sort_keys_v4(tokens, V)
+                ms = time_device_ms(lambda: enc._launch_dwte_v3(dwte, dout, keys, bits))
+                results.append(Result(f"encoder backward dwte (device, chunk + merge) {tag}", ms,
+                                      bytes=dwte_bytes + keys.nbytes, ref_gbps=bw, target=0.7, extra=extra))
+                ms = time_device_ms(lambda: enc._launch_dwpe(dwpe, dout, 2, W))
+                results.append(Result(f"encoder backward dwpe (device) {tag}", ms, bytes=(N * C + 2 * T * C) * s,
+                                      ref_gbps=bw, target=0.7))
             elif ver == 5:                            # v4's sort (timed above); the ring chunk kernel + v3's merge
                 keys, bits = enc._sort_keys_v4(tokens, V)
                 for ring in (8, 16):                  # ring slots per thread (default DWTE_V5_RING)
@@ -136,8 +143,17 @@ def bench_encoder(n: int = 65536, dtype: str = "bfloat16", version=None, C: int 
             ms = time_device_ms(backward)
             results.append(Result(f"encoder backward total (device) {tag}", ms, bytes=one_read, ref_gbps=bw,
                                   extra={"note": "one read of dout counted"}))
-            results.append(Result(f"encoder backward total (device), 2 dout reads {tag}", ms,
-                                  bytes=one_read + N * C * s, ref_gbps=bw, target=0.7))
+            planned = ver in (3, 4)               # the model makes the token sort in its forward
+            results.append(Result(f"encoder backward total (device), 2 dout reads {tag}"
+                                  + (", sort inside" if planned else ""), ms, bytes=one_read + N * C * s, ref_gbps=bw,
+                                  **({} if planned else {"target": 0.7})))
+            if planned:
+                plan = gpucore.encoder_backward_plan(tokens, V)
+                ms = time_device_ms(lambda: gpucore.encoder_backward(dout, tokens, dwte=dwte, dwpe=dwpe,
+                                                                     check_tokens=False, version=ver, plan=plan))
+                results.append(Result(f"encoder backward total (device), 2 dout reads {tag}, token plan made in the "
+                                      "forward", ms, bytes=one_read + N * C * s, ref_gbps=bw, target=0.7,
+                                      extra={"note": "what a training step runs: dwpe beside dwte + merge"}))
         del wte, wpe, out, dout, dwte, dwpe
     return results
 

@@ -98,14 +98,33 @@ def _dq_smem(hd, warps, bn):
 # Hopper wgmma, compiled for sm_90a, runs on sm_90 only. Must match the FLASH_V3_DKDV /
 # FLASH_V3_DQ instantiations (tests check); first entry per head dim = default.
 # dK/dV pass: head dim -> [(warpgroups, Q-tile rows)]; KV tile = 64 * warpgroups keys
-V3_DKDV_CONFIGS = {64: [(2, 64), (1, 64)], 128: [(2, 64)]}
+# A third element names a kernel variant: V3_FD (1) = fused D (dQ pass only, below), V3_RA (2) =
+# "register A": the pass holds its warpgroup's fixed operand (K and V in dK/dV, Q and dout in dQ)
+# as wgmma register fragments, so the two N = 64 products read only B from shared memory
+# (FLASH_V3_*_RA, kernel names ..._ra_bf16; BM/BN 64 at hd 64 only).
+V3_FD, V3_RA = 1, 2
+# hd 64 on an H100 (whole backward with dq (2,128), V3_HEAD_GROUP 16, 2026-11-22): dkdv (2,64,RA)
+# 1.264 ms = 203.9 TFLOP/s, (2,64) 1.280 ms = 201.3 (before the block order: 191.1 vs 186.9).
+V3_DKDV_CONFIGS = {64: [(2, 64, V3_RA), (2, 64), (1, 64), (1, 64, V3_RA)], 128: [(2, 64)]}
 # dQ pass: head dim -> [(warpgroups, keys per KV tile)]; Q tile = 64 * warpgroups rows
 # hd 64 on an H200 (whole backward, 2026-11-22): dq (2,128) 1.345 ms, (2,64) 1.391, (1,64) 1.440.
 # A third element 1 = fused D (FLASH_V3_DQF): the dQ pass computes D = rowsum(dout * out) of its
 # own rows and writes it; no preprocess kernel, the dK/dV pass runs after the dQ pass.
-V3_DQ_CONFIGS = {64: [(2, 128), (2, 128, 1), (2, 64), (1, 64), (2, 64, 1)],
-                 128: [(2, 64), (2, 64, 1), (1, 64)]}
+V3_DQ_CONFIGS = {64: [(2, 128), (2, 128, V3_FD), (2, 64), (2, 64, V3_RA), (1, 64), (1, 64, V3_RA), (2, 64, V3_FD)],
+                 128: [(2, 64), (2, 64, V3_FD), (1, 64)]}
+V3_VARIANT_SUFFIX = {0: "", V3_FD: "_fd", V3_RA: "_ra"}
+
+
+def _v3_variant(cfg):
+    return cfg[2] if len(cfg) > 2 else 0
 V3_ARCH = "90a"
+# Blocks started together share the operands of V3_HEAD_GROUP heads through L2 (v3_block_order in
+# kernels_cu/flash_attention_v3.cuh); 0 = the old order (head = blockIdx.x). Compiled in (-D).
+V3_HEAD_GROUP = 16
+
+
+def _v3_options():
+    return (f"-DV3_HEAD_GROUP={int(V3_HEAD_GROUP)}",)
 # The default backward (version=None) is 3 where it applies (bf16, sm_90, head dim in the
 # tables, 16-byte aligned), else as before. False reverts the default to v2 without code changes.
 V3_BWD_DEFAULT = True
@@ -338,10 +357,11 @@ def _forward_v3(qkv, NH, out, lse, cfg=None):
     wgs, bn, *st = cfg or V3_FWD_CONFIGS[hd][0]
     if st:   # pipelined variant (flash_attention_v3p.cu), st[0] K/V stages
         k = runtime.get_kernel("flash_attention_v3p",
-                               f"attention_forward_kernel_v3_hd{hd}_g{wgs}_n{bn}_s{st[0]}_bf16", arch=V3_FWD_ARCH)
+                               f"attention_forward_kernel_v3_hd{hd}_g{wgs}_n{bn}_s{st[0]}_bf16",
+                               options=_v3_options(), arch=V3_FWD_ARCH)
     else:
         k = runtime.get_kernel("flash_attention_v3", f"attention_forward_kernel_v3_hd{hd}_g{wgs}_n{bn}_bf16",
-                               arch=V3_FWD_ARCH)
+                               options=_v3_options(), arch=V3_FWD_ARCH)
     runtime.launch(k, (B * NH, -(-T // (64 * wgs))), 128 * wgs,
                    (out, lse, qkv, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd))),
                    shared_mem=_v3_fwd_smem(hd, wgs, bn, *st))
@@ -375,21 +395,23 @@ def _backward_v2(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None):
 def _backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None, streams=None):
     """v2's preprocess (D = rowsum(dout * out)), then the wgmma dK/dV and dQ passes.
 
-    dq_cfg with a third element 1 (fused D): the dQ pass computes D itself and runs first, then
+    dq_cfg with a third element V3_FD (fused D): the dQ pass computes D itself and runs first, then
     the dK/dV pass (no preprocess). Otherwise, with streams (default V3_BWD_STREAMS), the dQ pass
     runs on a side stream concurrently with the dK/dV pass; the caller's stream waits for both.
     """
     cp = runtime.cupy
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
-    kv_wgs, bm = dkdv_cfg or V3_DKDV_CONFIGS[hd][0]
-    q_wgs, bn, *fused = dq_cfg or V3_DQ_CONFIGS[hd][0]
-    fused = bool(fused and fused[0])
+    dkdv_cfg, dq_cfg = dkdv_cfg or V3_DKDV_CONFIGS[hd][0], dq_cfg or V3_DQ_CONFIGS[hd][0]
+    kv_wgs, bm, q_wgs, bn = dkdv_cfg[0], dkdv_cfg[1], dq_cfg[0], dq_cfg[1]
+    kv_suffix, q_suffix = V3_VARIANT_SUFFIX[_v3_variant(dkdv_cfg)], V3_VARIANT_SUFFIX[_v3_variant(dq_cfg)]
+    fused = _v3_variant(dq_cfg) == V3_FD
     streams = V3_BWD_STREAMS if streams is None else streams
     scale = np.float32(1.0 / math.sqrt(hd))
     D = cp.empty((B, NH, T), dtype=F32)
     k1 = runtime.get_kernel("flash_attention_v3_bwd",
-                            f"attention_backward_dkdv_kernel_v3_hd{hd}_g{kv_wgs}_m{bm}_bf16", arch=V3_ARCH)
+                            f"attention_backward_dkdv_kernel_v3_hd{hd}_g{kv_wgs}_m{bm}{kv_suffix}_bf16",
+                            options=_v3_options(), arch=V3_ARCH)
     args = (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), scale)
 
     def dkdv():
@@ -399,7 +421,8 @@ def _backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None, stre
     q_grid, q_smem = (B * NH, -(-T // (64 * q_wgs))), _v3_dq_smem(hd, q_wgs, bn)
     if fused:   # dQ pass writes D, then the dK/dV pass reads it (same stream: ordered)
         k2 = runtime.get_kernel("flash_attention_v3_bwd",
-                                f"attention_backward_dq_kernel_v3_hd{hd}_g{q_wgs}_n{bn}_fd_bf16", arch=V3_ARCH)
+                                f"attention_backward_dq_kernel_v3_hd{hd}_g{q_wgs}_n{bn}{q_suffix}_bf16",
+                                options=_v3_options(), arch=V3_ARCH)
         runtime.launch(k2, q_grid, 128 * q_wgs, (dqkv, D, qkv, dout, out, lse, np.int32(T), np.int32(NH), scale),
                        shared_mem=q_smem)
         dkdv()
@@ -409,7 +432,8 @@ def _backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None, stre
     runtime.launch(k0, -(-rows * (hd // 8) // PREPROCESS_BLOCK), PREPROCESS_BLOCK,
                    (D, dout, out, np.int32(rows), np.int32(T), np.int32(NH)))
     k2 = runtime.get_kernel("flash_attention_v3_bwd",
-                            f"attention_backward_dq_kernel_v3_hd{hd}_g{q_wgs}_n{bn}_bf16", arch=V3_ARCH)
+                            f"attention_backward_dq_kernel_v3_hd{hd}_g{q_wgs}_n{bn}{q_suffix}_bf16",
+                            options=_v3_options(), arch=V3_ARCH)
     if not streams:
         dkdv()
         runtime.launch(k2, q_grid, 128 * q_wgs, args, shared_mem=q_smem)

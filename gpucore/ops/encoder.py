@@ -35,6 +35,10 @@ and a dwte chunk kernel (kernels_cu/encoder_v5.cu) that streams each thread's ro
 a cp.async ring in shared memory (R - 1 rows always in flight, refilled one row at a time)
 instead of v3's dependent batches of 4; same chunks and summation order: bit-identical to
 v3/v4. BACKWARD_DEFAULT says which of v4/v5 `version=None` picks.
+
+The sort depends on the tokens only: encoder_backward_plan(tokens, V) makes it ahead (an
+EncoderPlan) and encoder_backward(..., plan=) then runs only the gradient kernels (v3/v4). The
+model makes the plan during its forward on a side stream, off the step's critical path.
 """
 from __future__ import annotations
 
@@ -156,11 +160,36 @@ def encoder_forward(tokens, wte, wpe, out=None, *, check_tokens=True, version=No
 
 # ---------------------------------------------------------------- backward ---
 
-def encoder_backward(dout, tokens, dwte=None, dwpe=None, V=None, maxT=None, *, check_tokens=True, version=None):
+class EncoderPlan:
+    """The token sort of the GPU backward (v3/v4: the sorted keys (token << bits) | position), made
+    ahead of the backward by encoder_backward_plan. It depends on the tokens only, so a training
+    step can make it during the forward (the model does, on a side stream) and the backward runs
+    only the gradient kernels. `ready`: an event the backward's stream waits on, or None."""
+
+    def __init__(self, keys, bits, N, V, ready=None):
+        self.keys, self.bits, self.N, self.V, self.ready = keys, bits, N, V, ready
+
+
+def encoder_backward_plan(tokens, V):
+    """EncoderPlan for encoder_backward(..., plan=) on CuPy tokens (B, T) int32 in [0, V), made on
+    the current stream (v4's counting sort where V <= V4_MAX_V, else the CUB sort: the same keys).
+    NumPy tokens: None (the reference needs no plan). The ids are not checked here."""
+    check_array("tokens", tokens, dtype=np.int32, ndim=2)
+    if not isinstance(V, (int, np.integer)) or V < 1:
+        raise ValueError(f"V: expected a positive vocabulary size, got {V!r}")
+    if runtime.array_module(tokens) is np:
+        return None
+    keys, bits = (_sort_keys_v4 if V <= V4_MAX_V else _sort_keys)(tokens, int(V))
+    return EncoderPlan(keys, bits, tokens.size, int(V))
+
+
+def encoder_backward(dout, tokens, dwte=None, dwpe=None, V=None, maxT=None, *, check_tokens=True, version=None,
+                     plan=None):
     """Accumulate (+=) the embedding gradients -> (dwte (V, C), dwpe (maxT, C)).
 
     A None gradient is allocated zeroed: V is then required for dwte, and maxT
-    defaults to T for dwpe. Gradients have dout's dtype.
+    defaults to T for dwpe. Gradients have dout's dtype. plan: an EncoderPlan of these
+    tokens from encoder_backward_plan (v3/v4 then skip their sort; other versions ignore it).
     """
     check_array("dout", dout, ndim=3)
     check_array("tokens", tokens, dtype=np.int32, ndim=2)
@@ -182,6 +211,11 @@ def encoder_backward(dout, tokens, dwte=None, dwpe=None, V=None, maxT=None, *, c
         dwpe[...] = (dwpe.astype(np.float64) + gpe).astype(dwpe.dtype)
         return dwte, dwpe
     version, W = _pick(version, dout.dtype, C, (dout, dwte, dwpe), backward=True, V=V)
+    if plan is not None:
+        if not isinstance(plan, EncoderPlan):
+            raise TypeError(f"plan: expected an EncoderPlan from encoder_backward_plan, got {type(plan).__name__}")
+        if (plan.N, plan.V) != (B * T, V):
+            raise ValueError(f"plan: made for {plan.N} tokens and V={plan.V}, the call has {B * T} and V={V}")
     if B * T == 0 or C == 0:
         return dwte, dwpe
     if version == 5:
@@ -189,7 +223,12 @@ def encoder_backward(dout, tokens, dwte=None, dwpe=None, V=None, maxT=None, *, c
                      dwte_launch=_launch_dwte_v5)
         return dwte, dwpe
     if version >= 3:
-        _backward_v3(dwte, dwpe, dout, tokens, V, W, sort=_sort_keys_v4 if version == 4 else _sort_keys)
+        sort = _sort_keys_v4 if version == 4 else _sort_keys
+        if plan is not None:
+            if plan.ready is not None:
+                runtime.cupy.cuda.get_current_stream().wait_event(plan.ready)
+            sort = lambda tokens, V: (plan.keys, plan.bits)   # noqa: E731 -- the same keys, made ahead
+        _backward_v3(dwte, dwpe, dout, tokens, V, W, sort=sort)
         return dwte, dwpe
     _launch_dwpe(dwpe, dout, version, W)
     order, sorted_tokens = _sort_tokens(tokens)
