@@ -388,7 +388,8 @@ class GPT2:
         self._backward_ready = None
 
         encoder_forward(tokens, p.wte, p.wpe, out=a.encoded, check_tokens=False)   # checked just above
-        self._encoder_plan = _encoder_plan_beside(tokens, V) if for_backward and xp is not np else None
+        self._encoder_plan = (_encoder_plan_beside(tokens, p.wte.shape[0])   # dwte's (padded) rows
+                              if for_backward and xp is not np else None)
         layernorm_forward(a.encoded, p.ln1w[0], p.ln1b[0], out=a.ln1[0], mean=a.ln1_mean[0], rstd=a.ln1_rstd[0])
         for l in range(L):
             residual = a.encoded if l == 0 else a.residual3[l - 1]

@@ -228,7 +228,7 @@ def encoder_backward(dout, tokens, dwte=None, dwpe=None, V=None, maxT=None, *, c
             if plan.ready is not None:
                 runtime.cupy.cuda.get_current_stream().wait_event(plan.ready)
             sort = lambda tokens, V: (plan.keys, plan.bits)   # noqa: E731 -- the same keys, made ahead
-        _backward_v3(dwte, dwpe, dout, tokens, V, W, sort=sort)
+        _backward_v3(dwte, dwpe, dout, tokens, V, W, sort=sort, planned=plan is not None)
         return dwte, dwpe
     _launch_dwpe(dwpe, dout, version, W)
     order, sorted_tokens = _sort_tokens(tokens)
@@ -300,16 +300,34 @@ def _sort_keys(tokens, V):
 
 
 
-def _backward_v3(dwte, dwpe, dout, tokens, V, W, sort=None, dwte_launch=None):
+def _backward_v3(dwte, dwpe, dout, tokens, V, W, sort=None, dwte_launch=None, planned=False):
     """dwpe (v2's kernel) on a side stream, concurrently with the key sort and dwte (v3) on the current one.
 
     The sort is latency-bound (a few small CUB passes over N keys, or v4's counting sort: sort
     = _sort_keys_v4) and leaves most SMs idle; dwpe, independent of it, fills them, and then
-    shares the bandwidth with the dwte kernels.
+    shares the bandwidth with the dwte kernels. planned (the keys were made ahead, no sort here):
+    dwpe starts after the dwte chunk kernel instead, beside the merge -- a chain of dependent
+    loads over a hot token's partials (~16 us on an H100) that leaves the memory system idle --
+    rather than sharing bandwidth with the chunk kernel and leaving the merge alone at the end.
     """
     cp = runtime.cupy
     sort = sort or _sort_keys
     dwte_launch = dwte_launch or _launch_dwte_v3
+    if planned and OVERLAP_SORT and dwte_launch is _launch_dwte_v3:
+        main = cp.cuda.get_current_stream()
+        side, forked, joined = runtime.side_stream("encoder dwpe")
+        keys, bits = sort(tokens, V)
+
+        def dwpe_beside():
+            forked.record(main)          # dout, dwpe ready; the chunk kernel queued before it
+            side.wait_event(forked)
+            with side:
+                _launch_dwpe(dwpe, dout, 2, W)
+            joined.record(side)
+
+        _launch_dwte_v3(dwte, dout, keys, bits, before_merge=dwpe_beside)
+        main.wait_event(joined)
+        return
     if not OVERLAP_SORT:
         _launch_dwpe(dwpe, dout, 2, W)
         keys, bits = sort(tokens, V)
@@ -331,8 +349,9 @@ DWTE_V3_UNROLL = 4     # rows in flight per thread in the v3 chunk kernel (4 or 
 DWTE_MERGE_BLOCK = 64  # v3 merge threads per block (a multiple of 32: the kernel ballots per warp)
 
 
-def _launch_dwte_v3(dwte, dout, keys, bits, unroll=None):
-    """dwte += per-token sums of dout's rows from the sorted keys: chunk kernel, then merge."""
+def _launch_dwte_v3(dwte, dout, keys, bits, unroll=None, before_merge=None):
+    """dwte += per-token sums of dout's rows from the sorted keys: chunk kernel, then merge
+    (before_merge(), if given, is called between the two launches)."""
     B, T, C = dout.shape
     N = B * T
     W = 16 // dout.dtype.itemsize
@@ -348,6 +367,8 @@ def _launch_dwte_v3(dwte, dout, keys, bits, unroll=None):
     # The merge: one thread per 4 fp32 columns, 64 threads per block, so a hot token's chain of
     # partials (hundreds of chunks x C x 4 bytes) is read by C/256 blocks on as many SMs, not by
     # one SM at its ~100 GB/s share of L2 (most merge blocks exit at once).
+    if before_merge is not None:
+        before_merge()
     C4 = C // 4
     mblock = min(-(-C4 // 32) * 32, DWTE_MERGE_BLOCK)
     k_merge = runtime.get_kernel("encoder", f"encoder_backward_dwte_merge_kernel_v3_{suf}")
