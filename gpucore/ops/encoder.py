@@ -349,9 +349,10 @@ DWTE_V3_UNROLL = 4     # rows in flight per thread in the v3 chunk kernel (4 or 
 DWTE_MERGE_BLOCK = 64  # v3 merge threads per block (a multiple of 32: the kernel ballots per warp)
 
 
-def _launch_dwte_v3(dwte, dout, keys, bits, unroll=None, before_merge=None):
+def _launch_dwte_v3(dwte, dout, keys, bits, unroll=None, before_merge=None, merge=True):
     """dwte += per-token sums of dout's rows from the sorted keys: chunk kernel, then merge
-    (before_merge(), if given, is called between the two launches)."""
+    (before_merge(), if given, is called between the two launches; merge=False: the bench times
+    the chunk kernel alone, leaving dwte incomplete)."""
     B, T, C = dout.shape
     N = B * T
     W = 16 // dout.dtype.itemsize
@@ -369,6 +370,8 @@ def _launch_dwte_v3(dwte, dout, keys, bits, unroll=None, before_merge=None):
     # one SM at its ~100 GB/s share of L2 (most merge blocks exit at once).
     if before_merge is not None:
         before_merge()
+    if not merge:
+        return
     C4 = C // 4
     mblock = min(-(-C4 // 32) * 32, DWTE_MERGE_BLOCK)
     k_merge = runtime.get_kernel("encoder", f"encoder_backward_dwte_merge_kernel_v3_{suf}")
