@@ -701,6 +701,15 @@ def _bias_backward(dbias, dout2d):
     grid1 = (-(-M // (32 * V)), chunks)
     runtime.launch(k1, grid1, (32, BIAS_BWD_ROWS),
                    (partials, dout2d, np.int32(N), np.int32(M), np.int32(BIAS_BWD_ROWS_PER_CHUNK)))
+    bias_reduce_partials(dbias, partials)
+
+
+def bias_reduce_partials(dbias, partials):
+    """dbias (M,) += partials (chunks, M) float32 summed over chunks in chunk order, on the current
+    stream (matmul.cu's stage 2). The second stage of every deterministic column sum: the dbias
+    kernel above, and kernels that produce a matmul's dout with its column sums fused (they write
+    per-row-chunk partials and call this)."""
+    M, chunks = partials.shape[1], partials.shape[0]
     k2 = runtime.get_kernel("matmul", f"matmul_bias_backward_stage2_kernel_{dtypes.kernel_suffix(dbias.dtype)}")
     runtime.launch(k2, -(-M // 256), 256, (dbias, partials, np.int32(M), np.int32(chunks)))
 
