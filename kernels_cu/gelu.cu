@@ -18,6 +18,23 @@
  * Memory-bound: each thread handles UNROLL 16-byte packs, all loads issued
  * before the first store; the grid covers the data (no grid-stride loop), as
  * in add.cu. Edge blocks and unaligned pointers go element by element.
+ *
+ * gelu_backward_dbias_kernel_*: the same dx, plus the column sums of dx that
+ *   the NEXT layer's bias gradient needs (GPT-2: dfc_bias += sum over rows of
+ *   dfch = gelu_backward(...)), so matmul_backward need not read dx again.
+ *   dx is viewed as (N, C), C = last dimension. The sums are of dx AS STORED
+ *   (rounded to T: what a later column-sum kernel would read), in float32,
+ *   deterministic, no atomics: stage 1 of matmul.cu's two-stage column sum,
+ *   done here. Grid = (column strips of 32 packs, row chunks of
+ *   rows_per_chunk); thread (lane, w) owns one 16-byte pack of columns and the
+ *   rows row0 + w, row0 + w + DB_WARPS, ... of its chunk, each summed in row
+ *   order; the DB_WARPS per-warp sums are then added in warp order (shared
+ *   memory) into partials (chunks, C). The Python side picks rows_per_chunk
+ *   from N alone and calls matmul's stage 2 (bias_reduce_partials: chunks in
+ *   order), so the same input gives the same bits. Needs C % pack == 0 and
+ *   16-byte aligned pointers (the Python side falls back otherwise). Each
+ *   element is still read and written by one thread, loads before the store:
+ *   dx may alias dout.
  */
 #include "common.cuh"
 
@@ -106,6 +123,69 @@ __device__ void gelu_backward(T* dx, const T* dout, const T* x, int n) {   // (n
         }
 }
 
+// Column sums fused (see the header). blockDim = (32, DB_WARPS); DB_UNROLL rows
+// per thread have their loads in flight at once (the loads cannot move above
+// the previous rows' stores: dx may alias dout). dx's bits are gelu_backward's:
+// the same gelu_grad_f and rounding. __fadd_rn: the compiler must not contract
+// the float32 sum with the product that makes dx (an fma would add the
+// unrounded value, not the stored one).
+#define DB_WARPS 8
+#define DB_UNROLL 4
+
+template <typename T>
+__device__ void gelu_backward_dbias(T* dx, float* partials,            // (N, C) (chunks, C)
+                                    const T* dout, const T* x,         // (N, C) (N, C)
+                                    int N, int C, int rows_per_chunk) {
+    constexpr int P = Pack16<T>::size;
+    __shared__ float smem[DB_WARPS][32 * P];
+    const int lane = threadIdx.x, w = threadIdx.y;
+    const int col0 = (blockIdx.x * 32 + lane) * P;
+    const int row0 = blockIdx.y * rows_per_chunk;
+    const int row1 = min(N, row0 + rows_per_chunk);
+    float acc[P];
+    #pragma unroll
+    for (int k = 0; k < P; k++) acc[k] = 0.0f;
+    if (col0 < C) {
+        for (int r0 = row0 + w; r0 < row1; r0 += DB_UNROLL * DB_WARPS) {
+            Pack16<T> g[DB_UNROLL], v[DB_UNROLL];
+            #pragma unroll
+            for (int u = 0; u < DB_UNROLL; u++) {
+                const int r = r0 + u * DB_WARPS;
+                if (r < row1) {
+                    const size_t off = (size_t)r * C + col0;
+                    g[u] = load16_cs(dout + off);
+                    v[u] = load16_cs(x + off);
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < DB_UNROLL; u++) {
+                const int r = r0 + u * DB_WARPS;
+                if (r < row1) {
+                    Pack16<T> d;
+                    #pragma unroll
+                    for (int k = 0; k < P; k++) {
+                        d.v[k] = from_float<T>(gelu_grad_f<sizeof(T) == 4>(to_float(v[u].v[k]), to_float(g[u].v[k])));
+                        acc[k] = __fadd_rn(acc[k], to_float(d.v[k]));
+                    }
+                    store16(dx + (size_t)r * C + col0, d);
+                }
+            }
+        }
+    }
+    // Every thread reaches the barrier (no early return above).
+    #pragma unroll
+    for (int k = 0; k < P; k++) smem[w][lane * P + k] = acc[k];
+    __syncthreads();
+    for (int c = w * 32 + lane; c < 32 * P; c += 32 * DB_WARPS) {
+        const int col = blockIdx.x * 32 * P + c;
+        if (col >= C) continue;
+        float s = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < DB_WARPS; j++) s = __fadd_rn(s, smem[j][c]);
+        partials[(size_t)blockIdx.y * C + col] = s;
+    }
+}
+
 extern "C" __global__ void gelu_forward_kernel_f32(float* out, const float* x, int n) {
     gelu_forward(out, x, n);
 }
@@ -117,4 +197,12 @@ extern "C" __global__ void gelu_backward_kernel_f32(float* dx, const float* dout
 }
 extern "C" __global__ void gelu_backward_kernel_bf16(bf16* dx, const bf16* dout, const bf16* x, int n) {
     gelu_backward(dx, dout, x, n);
+}
+extern "C" __global__ void __launch_bounds__(32 * DB_WARPS) gelu_backward_dbias_kernel_f32(
+        float* dx, float* partials, const float* dout, const float* x, int N, int C, int rows_per_chunk) {
+    gelu_backward_dbias(dx, partials, dout, x, N, C, rows_per_chunk);
+}
+extern "C" __global__ void __launch_bounds__(32 * DB_WARPS) gelu_backward_dbias_kernel_bf16(
+        bf16* dx, float* partials, const bf16* dout, const bf16* x, int N, int C, int rows_per_chunk) {
+    gelu_backward_dbias(dx, partials, dout, x, N, C, rows_per_chunk);
 }

@@ -1,10 +1,16 @@
-"""gpucore.gelu / gelu_backward: reference vs finite differences, GPU vs reference, bad input."""
+"""gpucore.gelu / gelu_backward: reference vs finite differences, GPU vs reference, bad input.
+
+gelu_backward(..., dbias=) (the next matmul's bias gradient fused): the reference against a float64
+column sum of the rounded dx; on the GPU, dx bit for bit as without dbias, dbias bit for bit as a
+NumPy float32 emulation of the kernel's fixed summation order (and within an honest float32 bound of
+the float64 sum), determinism, dx aliasing dout, and the fallback layouts.
+"""
 import numpy as np
 import pytest
 
 import gpucore
 from gpucore import runtime
-from gpucore.ops.gelu import gelu_backward_reference, gelu_reference
+from gpucore.ops.gelu import DBIAS_WARPS, dbias_rows_per_chunk, gelu_backward_reference, gelu_reference
 from conftest import poison, rel_err, to_cpu
 from gradcheck import assert_grad_close, numerical_grad
 
@@ -63,6 +69,89 @@ def test_gelu_bad_input(rng):
         gpucore.gelu_backward([1.0], x)
     with pytest.raises(ValueError, match="dx: expected shape"):
         gpucore.gelu_backward(x, x, dx=np.empty(32, np.float32))
+
+
+# ---- dbias: the column sums of dx fused (reference path) ----
+
+def _colsum_ref(dx, start):
+    """start + float64 column sums of dx as stored (rows = all leading dims), rounded once."""
+    C = dx.shape[-1]
+    return (start.astype(np.float64) + dx.astype(np.float64).reshape(-1, C).sum(axis=0)).astype(start.dtype)
+
+
+@pytest.mark.parametrize("dtype,dbias_dtype", [(np.float32, np.float32), (gpucore.bfloat16, np.float32),
+                                               (gpucore.bfloat16, gpucore.bfloat16)])
+@pytest.mark.parametrize("shape", [(1, 8), (37, 24), (130, 12), (2, 5, 7), (9,)])
+def test_gelu_backward_dbias_cpu(rng, dtype, dbias_dtype, shape):
+    x = (rng.standard_normal(shape) * 2).astype(dtype)
+    dout = rng.standard_normal(shape).astype(dtype)
+    start = rng.standard_normal(shape[-1]).astype(dbias_dtype)     # += onto a non-zero start
+    dbias = start.copy()
+    dx = gpucore.gelu_backward(dout, x, dbias=dbias)
+    # dx is exactly what gelu_backward gives without dbias
+    plain = gpucore.gelu_backward(dout, x)
+    assert dx.tobytes() == plain.tobytes()
+    expected = _colsum_ref(dx, start)
+    assert dbias.dtype == dbias_dtype
+    np.testing.assert_array_equal(dbias.astype(np.float64), expected.astype(np.float64))
+    assert not np.array_equal(dbias.astype(np.float64), start.astype(np.float64))
+    # a second call adds again (+=); dx may alias dout
+    again = dbias.copy()
+    d_alias = dout.copy()
+    assert gpucore.gelu_backward(d_alias, x, dx=d_alias, dbias=again) is d_alias
+    assert d_alias.tobytes() == dx.tobytes()
+    np.testing.assert_array_equal(again.astype(np.float64), _colsum_ref(dx, dbias).astype(np.float64))
+
+
+def test_gelu_backward_dbias_cpu_sums_rounded_dx(rng):
+    # bf16: dbias is the sum of dx AS STORED, not of the float64 gelu' * dout before rounding
+    x = (rng.standard_normal((400, 3)) * 2).astype(gpucore.bfloat16)
+    dout = rng.standard_normal((400, 3)).astype(gpucore.bfloat16)
+    dbias = np.zeros(3, np.float32)
+    dx = gpucore.gelu_backward(dout, x, dbias=dbias)
+    exact = dx.astype(np.float64).sum(axis=0)
+    unrounded = gelu_backward_reference(dout, x).sum(axis=0)
+    np.testing.assert_array_equal(dbias, exact.astype(np.float32))
+    assert not np.array_equal(exact.astype(np.float32), unrounded.astype(np.float32))
+
+
+def test_gelu_backward_dbias_cpu_empty(rng):
+    dbias = np.arange(8, dtype=np.float32)
+    gpucore.gelu_backward(np.empty((0, 8), np.float32), np.empty((0, 8), np.float32), dbias=dbias)
+    np.testing.assert_array_equal(dbias, np.arange(8, dtype=np.float32))   # += nothing
+    empty = np.empty(0, np.float32)
+    gpucore.gelu_backward(np.empty((4, 0), np.float32), np.empty((4, 0), np.float32), dbias=empty)
+
+
+def test_gelu_backward_dbias_bad_input(rng):
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    xb = x.astype(gpucore.bfloat16)
+    dx = np.full((4, 8), 7.0, np.float32)
+    bad = [
+        (TypeError, "dbias: dtype must be float32, got float64", x, np.zeros(8)),
+        (TypeError, "dbias: dtype must be float32, got bfloat16", x, np.zeros(8, gpucore.bfloat16)),
+        (TypeError, "dbias: dtype must be float32 or bfloat16, got float16", xb, np.zeros(8, np.float16)),
+        (ValueError, "dbias: expected shape \\(8,\\)", x, np.zeros(7, np.float32)),
+        (ValueError, "dbias: expected 1 dimensions", x, np.zeros((1, 8), np.float32)),
+        (ValueError, "dbias: array must be C-contiguous", x, np.zeros(16, np.float32)[::2]),
+        (TypeError, "dbias: expected a NumPy or CuPy array", x, [0.0] * 8),
+        (ValueError, "dbias: needs dout with at least one dimension", np.ones((), np.float32), np.zeros(1, np.float32)),
+    ]
+    for exc, msg, d, dbias in bad:
+        out = dx.copy() if d.shape == dx.shape and d.dtype == dx.dtype else None
+        with pytest.raises(exc, match=msg):
+            gpucore.gelu_backward(d, d, dx=out, dbias=dbias)
+        if out is not None:                       # validated before anything is written
+            assert (out == 7.0).all()
+
+
+def test_dbias_rows_per_chunk():
+    # a function of N alone; 128 rows (16 per thread) until the grid's y limit forces more
+    assert dbias_rows_per_chunk(1) == 128 and dbias_rows_per_chunk(65536) == 128
+    assert dbias_rows_per_chunk(128 * 65535) == 128
+    for N in (128 * 65535 + 1, 10**8, 2**31 - 1):
+        rows = dbias_rows_per_chunk(N)
+        assert rows % (DBIAS_WARPS * 4) == 0 and -(-N // rows) <= 65535
 
 
 # ------------------------------------------------------------------ GPU ------
@@ -146,3 +235,142 @@ def test_gelu_gpu_float32_tail_accuracy():
     got = to_cpu(gpucore.gelu(cp.asarray(x))).astype(np.float64)
     ref = gelu_reference(x)
     assert np.max(np.abs(got - ref) / np.abs(ref)) < 1e-5
+
+
+# ---- dbias fused (GPU) ----
+
+def _dbias_emulated(dx32, start, rows, warps=DBIAS_WARPS):
+    """The kernel's exact float32 order: thread (warp w) of a chunk sums rows w, w + warps, ... in
+    order; the warps' sums are added in warp order into one partial per (chunk, column); stage 2
+    adds the chunks in order to dbias (float32), rounded once to dbias's dtype. NumPy float32 adds
+    are IEEE round-to-nearest like __fadd_rn, so this is bit-exact. Rows past N are zeros: x + 0 = x."""
+    N, C = dx32.shape
+    chunks = -(-N // rows)
+    padded = np.zeros((chunks * rows, C), np.float32)
+    padded[:N] = dx32
+    d = padded.reshape(chunks, rows // warps, warps, C)
+    acc = np.zeros((chunks, warps, C), np.float32)
+    for i in range(rows // warps):
+        acc += d[:, i]
+    part = np.zeros((chunks, C), np.float32)
+    for w in range(warps):
+        part += acc[:, w]
+    total = np.zeros(C, np.float32)
+    for k in range(chunks):
+        total += part[k]
+    return (start.astype(np.float32) + total).astype(start.dtype)
+
+
+def _check_dbias_gpu(dx_cpu, start, got, *, exact_order):
+    """got (dbias after the call) vs float64: per column, float32 summation error <= 2e-5 of
+    sum |terms| (the longest sequential chain is the stage-2 sum over chunks: 512 at 65536 rows,
+    random-walk error ~1e-6); a bf16 dbias adds its one rounding, 2^-8 of the value. Then, on the
+    fused path, bit-exactly the emulated order."""
+    C = dx_cpu.shape[-1]
+    d64 = dx_cpu.astype(np.float64).reshape(-1, C)
+    start64 = start.astype(np.float64)
+    ref = start64 + d64.sum(axis=0)
+    scale = np.abs(start64) + np.abs(d64).sum(axis=0)
+    got64 = got.astype(np.float64)
+    assert not np.isnan(got64).any()
+    tol = 2e-5 * scale + (2.0 ** -8 * np.abs(ref) if got.dtype == gpucore.bfloat16 else 0.0) + 1e-30
+    worst = np.max(np.abs(got64 - ref) / tol)
+    assert worst <= 1.0, f"dbias off the float64 column sum by {worst:.3g} x the tolerance"
+    if exact_order:
+        emu = _dbias_emulated(dx_cpu.astype(np.float32).reshape(-1, C), start, dbias_rows_per_chunk(d64.shape[0]))
+        mism = np.flatnonzero(emu.astype(np.float64) != got64)
+        assert got.tobytes() == emu.tobytes(), f"dbias differs from the emulated order in columns {mism[:10]}"
+
+
+DBIAS_CASES = [(np.float32, np.float32), (gpucore.bfloat16, np.float32), (gpucore.bfloat16, gpucore.bfloat16)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,dbias_dtype", DBIAS_CASES)
+@pytest.mark.parametrize("shape", [(1, 8), (37, 24), (1000, 776), (129, 3072), (300, 768), (2, 3, 40),
+                                   (4, 5000, 16), (0, 8)])
+def test_gelu_gpu_backward_dbias(rng, dtype, dbias_dtype, shape):
+    cp = runtime.cupy
+    x = (rng.standard_normal(shape) * 3).astype(dtype)
+    dout = rng.standard_normal(shape).astype(dtype)
+    start = rng.standard_normal(shape[-1]).astype(dbias_dtype)
+    xg, doutg = cp.asarray(x), cp.asarray(dout)
+    plain = to_cpu(gpucore.gelu_backward(doutg, xg))
+    dx = poison(shape, dtype)
+    dbias = cp.asarray(start)
+    assert gpucore.gelu_backward(doutg, xg, dx=dx, dbias=dbias) is dx
+    dx_cpu = to_cpu(dx)
+    assert dx_cpu.tobytes() == plain.tobytes(), "dx differs from gelu_backward without dbias"
+    got = to_cpu(dbias)
+    _check_dbias_gpu(dx_cpu, start, got, exact_order=True)
+    # deterministic: the same input gives the same bits
+    again = cp.asarray(start)
+    gpucore.gelu_backward(doutg, xg, dbias=again)
+    assert to_cpu(again).tobytes() == got.tobytes()
+    # dx may alias dout: same dx, same dbias
+    alias = cp.asarray(start)
+    gpucore.gelu_backward(doutg, xg, dx=doutg, dbias=alias)
+    assert to_cpu(doutg).tobytes() == plain.tobytes()
+    assert to_cpu(alias).tobytes() == got.tobytes()
+    # inputs untouched by the non-aliased calls
+    assert to_cpu(xg).tobytes() == x.tobytes()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dbias_dtype", [np.float32, gpucore.bfloat16])
+def test_gelu_gpu_backward_dbias_gpt2_shape(dbias_dtype):
+    """(65536, 3072) bf16: GPT-2 124M's dfch at B*T = 65536 (512 chunks: the longest stage-2 chain)."""
+    cp = runtime.cupy
+    N, C = 65536, 3072
+    xg = (cp.random.standard_normal((N, C), dtype=np.float32) * 3).astype(gpucore.bfloat16)
+    doutg = (cp.random.standard_normal((N, C), dtype=np.float32) * 1e-3).astype(gpucore.bfloat16)
+    start = (np.random.default_rng().standard_normal(C) * 1e-2).astype(dbias_dtype)
+    plain = to_cpu(gpucore.gelu_backward(doutg, xg)).tobytes()
+    dx = poison((N, C), gpucore.bfloat16)
+    dbias = cp.asarray(start)
+    gpucore.gelu_backward(doutg, xg, dx=dx, dbias=dbias)
+    dx_cpu = to_cpu(dx)
+    assert dx_cpu.tobytes() == plain, "dx differs from gelu_backward without dbias"
+    got = to_cpu(dbias)
+    _check_dbias_gpu(dx_cpu, start, got, exact_order=True)
+    again = cp.asarray(start)
+    gpucore.gelu_backward(doutg, xg, dx=doutg, dbias=again)       # aliased, deterministic
+    assert to_cpu(again).tobytes() == got.tobytes()
+    assert to_cpu(doutg).tobytes() == plain
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["C_not_pack", "misaligned"])
+def test_gelu_gpu_backward_dbias_fallback(rng, dtype, case):
+    """Layouts the 16-byte kernel cannot take: gelu_backward + matmul's column sum."""
+    cp = runtime.cupy
+    rows, C = (301, 770) if case == "C_not_pack" else (257, 768)
+    n = rows * C
+    x = (rng.standard_normal(n + 1) * 3).astype(dtype)
+    dout = rng.standard_normal(n + 1).astype(dtype)
+    start = rng.standard_normal(C).astype(np.float32)
+    off = 0 if case == "C_not_pack" else 1                 # one element in: not 16-byte aligned
+    xg = cp.asarray(x)[off:off + n].reshape(rows, C)
+    doutg = cp.asarray(dout)[off:off + n].reshape(rows, C)
+    assert case == "C_not_pack" or xg.data.ptr % 16
+    plain = to_cpu(gpucore.gelu_backward(doutg, xg))
+    dbias = cp.asarray(start)
+    dx = gpucore.gelu_backward(doutg, xg, dbias=dbias)
+    dx_cpu = to_cpu(dx)
+    assert dx_cpu.tobytes() == plain.tobytes()
+    assert rel_err(dx_cpu, gelu_backward_reference(to_cpu(doutg), to_cpu(xg))) < TOL[np.dtype(dtype)]
+    got = to_cpu(dbias)
+    _check_dbias_gpu(dx_cpu, start, got, exact_order=False)
+    again = cp.asarray(start)
+    gpucore.gelu_backward(doutg, xg, dx=doutg, dbias=again)
+    assert to_cpu(again).tobytes() == got.tobytes()
+    assert to_cpu(doutg).tobytes() == plain.tobytes()
+
+
+@pytest.mark.cuda
+def test_gelu_gpu_backward_dbias_bad_device(rng):
+    cp = runtime.cupy
+    x = cp.asarray(rng.standard_normal((4, 8)).astype(np.float32))
+    with pytest.raises(TypeError, match="dbias: must live on the same device"):
+        gpucore.gelu_backward(x, x, dbias=np.zeros(8, np.float32))

@@ -198,7 +198,12 @@ def bench_layernorm(n: int = 65536, dtype: str = "bfloat16", version=None, C: in
 
 @benchmark("gelu")
 def bench_gelu(n: int = 65536, dtype: str = "bfloat16", C: int = 768, **_):
+    import cupy
+
     import gpucore
+    from ..ops import matmul as mm
+    from ..ops.gelu import dbias_rows_per_chunk
+    from . import time_interleaved
     rows, C = int(n), int(C)
     bw = copy_bandwidth_gbps()
     results = []
@@ -213,5 +218,23 @@ def bench_gelu(n: int = 65536, dtype: str = "bfloat16", C: int = 768, **_):
             results.append(Result(f"gelu forward {tag}", ms, bytes=2 * x.nbytes, ref_gbps=bw, target=0.7))
             ms = time_ms(lambda: gpucore.gelu_backward(dout, x, dx=dx))
             results.append(Result(f"gelu backward {tag}", ms, bytes=3 * x.nbytes, ref_gbps=bw, target=0.7))
+            if cols == 4 * C:
+                # GPT-2's dfch: the backward with the fc bias gradient's column sum fused (dbias=),
+                # and the unfused pair it replaces (gelu_backward, then matmul's two-stage column
+                # sum reading dx again), timed in alternation. Both rows count the fused minimum
+                # (dout + x read, dx written, float32 partials written and read back, dbias read
+                # and written), so their percentages compare directly.
+                dbias = cupy.random.standard_normal(cols, dtype=np.float32)
+                partials = -(-rows // dbias_rows_per_chunk(rows)) * cols * 4
+                nbytes = 3 * x.nbytes + 2 * partials + 2 * dbias.nbytes
+                fused, unfused = time_interleaved([
+                    lambda: gpucore.gelu_backward(dout, x, dx=dx, dbias=dbias),
+                    lambda: (gpucore.gelu_backward(dout, x, dx=dx), mm._bias_backward(dbias, dx))])
+                dtag = f"{dtypes.kernel_suffix(x.dtype)} {rows} x {cols}"
+                results.append(Result(f"gelu backward + dbias (fused column sum) {dtag}", fused, bytes=nbytes,
+                                      ref_gbps=bw, target=0.7))
+                results.append(Result(f"gelu backward, then matmul column sum (unfused) {dtag}", unfused,
+                                      bytes=nbytes, ref_gbps=bw, extra={"bytes": "the fused minimum"}))
+                del dbias
             del x, out, dout, dx
     return results
