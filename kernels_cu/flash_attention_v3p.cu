@@ -36,11 +36,6 @@
 #include "wgmma.cuh"
 #include "flash_attention_v3.cuh"   // v3_off, v3_load_tile, v3_to_frags, v3_mma_ss/rs
 
-// 1: skip O's rescale in a warp whose rows' running maxima did not move this tile (alpha = 1).
-#ifndef V3_SKIP_RESCALE
-#define V3_SKIP_RESCALE 1
-#endif
-
 // K/V tile copies with the per-thread index math done once: the same chunks, addresses and bytes as
 // v3_load_tile (thread tid copies rows tid / CPR + it * RSTEP, chunk tid % CPR), but a tile costs
 // one 64-bit base per call instead of a row/chunk/swizzle/64-bit-offset computation per 16 bytes
@@ -146,13 +141,8 @@ __device__ __forceinline__ void v3p_step(float (&s)[BN / 2], float (&o)[HD / 2],
         }
     }
     float alpha[2], rsum[2];
-    const float m_old0 = m_run[0], m_old1 = m_run[1];
     #pragma unroll
     for (int r = 0; r < 2; r++) alpha[r] = v3_softmax_row<BN>(s, m_run[r], sl2, r, rsum[r]);
-    // O needs rescaling only where a row's running max moved; once the max has settled (most
-    // tiles after the first few) the warp skips the HD/2 multiplies by 1 (a warp-uniform branch:
-    // no wgmma is in flight across it).
-    const bool rescale = V3_SKIP_RESCALE == 0 || __any_sync(0xffffffffu, m_run[0] != m_old0 || m_run[1] != m_old1);
     if (PV) {                                                  // O and P_{j-1} free again
         wgmma_wait<0>();
         wg_fence_regs<HD / 2>(o);
@@ -160,15 +150,12 @@ __device__ __forceinline__ void v3p_step(float (&s)[BN / 2], float (&o)[HD / 2],
         for (int kk = 0; kk < BN / 16; kk++) wg_fence_regs<4>(pa[kk]);
     }
     #pragma unroll
-    for (int r = 0; r < 2; r++) l_run[r] = l_run[r] * alpha[r] + rsum[r];
-    if (rescale) {
+    for (int r = 0; r < 2; r++) {
+        l_run[r] = l_run[r] * alpha[r] + rsum[r];
         #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            #pragma unroll
-            for (int dt = 0; dt < ND; dt++) {
-                o[4 * dt + 2 * r] *= alpha[r];
-                o[4 * dt + 2 * r + 1] *= alpha[r];
-            }
+        for (int dt = 0; dt < ND; dt++) {
+            o[4 * dt + 2 * r] *= alpha[r];
+            o[4 * dt + 2 * r + 1] *= alpha[r];
         }
     }
     // P_j: k-step kk (keys 16kk..16kk+15) = S n8 blocks 2kk, 2kk+1 as bf16.

@@ -121,12 +121,10 @@ V3_ARCH = "90a"
 # Blocks started together share the operands of V3_HEAD_GROUP heads through L2 (v3_block_order in
 # kernels_cu/flash_attention_v3.cuh); 0 = the old order (head = blockIdx.x). Compiled in (-D).
 V3_HEAD_GROUP = 16
-# Pipelined forward: skip O's rescale in warps whose running maxima did not move (alpha = 1).
-V3_SKIP_RESCALE = 1
 
 
 def _v3_options():
-    return (f"-DV3_HEAD_GROUP={int(V3_HEAD_GROUP)}", f"-DV3_SKIP_RESCALE={int(V3_SKIP_RESCALE)}")
+    return (f"-DV3_HEAD_GROUP={int(V3_HEAD_GROUP)}",)
 # The default backward (version=None) is 3 where it applies (bf16, sm_90, head dim in the
 # tables, 16-byte aligned), else as before. False reverts the default to v2 without code changes.
 V3_BWD_DEFAULT = True

@@ -1,5 +1,5 @@
-"""Probe: the v3 pipelined forward at the bench shape under its compile-time options
-(V3_SKIP_RESCALE, V3_HEAD_GROUP; ops/attention.py passes them as -D), timed in alternation.
+"""Probe: the v3 pipelined forward at the bench shape under its compile-time option V3_HEAD_GROUP
+(ops/attention.py passes it as -D) and its two pipelined configs, timed in alternation.
 Run:  PYTHONPATH=. python3 tools/probes/attention_fwd_options.py
 """
 import itertools
@@ -17,16 +17,16 @@ qkv = cp.asarray(rng.standard_normal((B, T, 3 * NH * hd)).astype(np.float32).ast
 out = cp.empty((B, T, NH * hd), gpucore.bfloat16)
 lse = cp.empty((B, NH, T), np.float32)
 flops = 4.0 * B * NH * T * T * hd / 2
-combos = list(itertools.product((0, 1), (16, 64), [(2, 64, 3), (2, 64, 4)]))   # pipelined configs
+combos = list(itertools.product((16, 64), [(2, 64, 3), (2, 64, 4)]))   # pipelined configs
 
 
-def run(skip, group, cfg):
+def run(group, cfg):
     def fn():
-        attn.V3_SKIP_RESCALE, attn.V3_HEAD_GROUP = skip, group
+        attn.V3_HEAD_GROUP = group
         attn._forward_v3(qkv, NH, out, lse, cfg=cfg)
     return fn
 
 
-for (skip, group, cfg), ms in sorted(zip(combos, time_interleaved([run(*c) for c in combos], rounds=7)),
+for (group, cfg), ms in sorted(zip(combos, time_interleaved([run(*c) for c in combos], rounds=7)),
                                      key=lambda r: r[1]):
-    print(f"v3 forward skip_rescale={skip} head_group={group} cfg={cfg}: {ms:.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s")
+    print(f"v3 forward head_group={group} cfg={cfg}: {ms:.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s")
