@@ -61,47 +61,6 @@ __device__ __forceinline__ void v3_load_tile(u32 s, const bf16* g, int r0, int T
     }
 }
 
-// Tile copies with the per-thread index math done once (the backward's loops; the pipelined
-// forward has a one-pointer variant, V3KvCopier in flash_attention_v3p.cu, for its register
-// budget). Two (T, HD) sources a and b (rows sa / sb elements apart) are copied tile after tile,
-// rows [r0, r0 + ROWS), into swizzled smem tiles: the same chunks, addresses and bytes as
-// v3_load_tile (thread tid copies rows tid / CPR + it * RSTEP, chunk tid % CPR), but each thread
-// keeps a running source pointer per source instead of recomputing row, chunk, swizzle and a
-// 64-bit offset for every 16 bytes (that was ~60 of ~90 loop-top SASS instructions in the
-// forward). RSTEP % 8 == 0 keeps the swizzle phase: row it's smem offset is soff + it*RSTEP*128.
-template <int ROWS, int HD, int NT>
-struct V3PairCopier {
-    static constexpr int CPR = HD / 8, IT = ROWS * CPR / NT, RSTEP = NT / CPR;
-    static_assert(NT % CPR == 0 && RSTEP % 8 == 0 && (ROWS * CPR) % NT == 0, "copy walk");
-    const bf16* na;         // this thread's first chunk of the next tile, source a
-    const bf16* nb;         // ... source b
-    int row0, rsa, rsb;     // first row in a tile; RSTEP rows of a / b in elements
-    u32 soff;
-    // The first tile copied will be rows [r_start, r_start + ROWS).
-    __device__ __forceinline__ V3PairCopier(const bf16* a, int sa, const bf16* b, int sb, int r_start) {
-        row0 = threadIdx.x / CPR;
-        const int c = threadIdx.x % CPR;
-        na = a + (size_t)(r_start + row0) * sa + c * 8;
-        nb = b + (size_t)(r_start + row0) * sb + c * 8;
-        rsa = RSTEP * sa;
-        rsb = RSTEP * sb;
-        soff = v3_off<ROWS>(row0, c);
-    }
-    // The next tile (rows [r0, r0 + ROWS)) of a and b into the tiles at da, db; rows >= T are
-    // zero-filled (src-size 0, the source slice's start as address).
-    __device__ __forceinline__ void load_next(u32 da, u32 db, const bf16* a, int sa, const bf16* b, int sb,
-                                              int r0, int T) {
-        #pragma unroll
-        for (int it = 0; it < IT; it++) {
-            const bool valid = r0 + row0 + it * RSTEP < T;
-            wg_cp_async16(da + soff + it * RSTEP * 128, valid ? na + it * rsa : a, valid ? 16 : 0);
-            wg_cp_async16(db + soff + it * RSTEP * 128, valid ? nb + it * rsb : b, valid ? 16 : 0);
-        }
-        na += (size_t)ROWS * sa;
-        nb += (size_t)ROWS * sb;
-    }
-};
-
 // A fragments (bf16) of a 64 x KN product from f32 values x (wgmma D layout, KN/8 n8 blocks):
 // k-step k (16 columns) = n8 blocks 2k, 2k+1, e.g. P = bf16(S) for O += P V.
 template <int KN>

@@ -175,8 +175,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
 
     v3_bwd_load_tile<BN, HD, NT>(sK, q_g + C, n0, T, stride);
     v3_bwd_load_tile<BN, HD, NT>(sV, q_g + 2 * C, n0, T, stride);
-    V3PairCopier<BM, HD, NT> qo_copy(q_g, stride, do_g, C, i_first * BM);   // Q and dout tiles, in order
-    qo_copy.load_next(sQ, sO, q_g, stride, do_g, C, i_first * BM, T);
+    v3_bwd_load_tile<BM, HD, NT>(sQ, q_g, i_first * BM, T, stride);
+    v3_bwd_load_tile<BM, HD, NT>(sO, do_g, i_first * BM, T, C);
     load_vec_async<BM, NT>(sL, l_g, i_first * BM, T);
     load_vec_async<BM, NT>(sD, d_g, i_first * BM, T);
     wg_cp_async_commit();
@@ -208,7 +208,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
                                                   // the wgmma of tile i-1 (ST 2) / i-2 (ST 3)
         if (i + 1 < i_end) {                      // -> stage nxt (tile i+1-ST's) is free
             const int r = (i + 1) * BM;
-            qo_copy.load_next(sQ + nxt * Q_BYTES, sO + nxt * Q_BYTES, q_g, stride, do_g, C, r, T);
+            v3_bwd_load_tile<BM, HD, NT>(sQ + nxt * Q_BYTES, q_g, r, T, stride);
+            v3_bwd_load_tile<BM, HD, NT>(sO + nxt * Q_BYTES, do_g, r, T, C);
             load_vec_async<BM, NT>(sL + nxt * BM, l_g, r, T);
             load_vec_async<BM, NT>(sD + nxt * BM, d_g, r, T);
         }
@@ -323,8 +324,8 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
 
     v3_bwd_load_tile<BM, HD, NT>(sQ, q_g, m0, T, stride);
     v3_bwd_load_tile<BM, HD, NT>(sO, do_g, m0, T, C);
-    V3PairCopier<BN, HD, NT> kv_copy(k_g, stride, v_g, stride, 0);   // K and V tiles, in order
-    kv_copy.load_next(sK, sV, k_g, stride, v_g, stride, 0, T);
+    v3_bwd_load_tile<BN, HD, NT>(sK, k_g, 0, T, stride);
+    v3_bwd_load_tile<BN, HD, NT>(sV, v_g, 0, T, stride);
     wg_cp_async_commit();
 
     const int wm0 = m0 + 64 * wg;                 // this warpgroup's first row
@@ -370,8 +371,10 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
         wg_cp_async_wait<0>();                    // tile j landed (this thread's copies)
         fence_proxy_async();
         __syncthreads();                          // everyone's; tile j+1-ST's wgmma all retired
-        if (j + 1 < n_tiles)
-            kv_copy.load_next(sK + nxt * KV_BYTES, sV + nxt * KV_BYTES, k_g, stride, v_g, stride, (j + 1) * BN, T);
+        if (j + 1 < n_tiles) {
+            v3_bwd_load_tile<BN, HD, NT>(sK + nxt * KV_BYTES, k_g, (j + 1) * BN, T, stride);
+            v3_bwd_load_tile<BN, HD, NT>(sV + nxt * KV_BYTES, v_g, (j + 1) * BN, T, stride);
+        }
         wg_cp_async_commit();
         const int n0 = j * BN;
         if (wm0 < T && n0 <= wm0 + 63) {          // warpgroup-uniform: some key <= some row
