@@ -13,14 +13,23 @@
  *             dx      += rstd * (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat))
  *             dweight += sum over rows of dout * xhat
  *             dbias   += sum over rows of dout
+ *   colsum:   (optional) dx_colsum += sum over rows of dx AFTER the +=, as
+ *             stored (rounded to T): the column sums a following
+ *             matmul_backward needs as its dbias (GPT-2: the residual
+ *             gradient is the dout of the previous projection), without a
+ *             second pass over dx.
  * Shapes: x, out, residual, a, b, dout, dx (rows, C) with leading dims
- *   flattened to rows; weight, bias, dweight, dbias (C,); mean, rstd (rows,).
+ *   flattened to rows; weight, bias, dweight, dbias, dx_colsum (C,);
+ *   mean, rstd (rows,).
  * Gradient rule: dx is the residual stream's gradient (+=); dweight, dbias
  *   are parameter gradients (+=).
  * Determinism: no atomics. dweight/dbias are a two-stage reduction: stage 1
  *   writes per-block fp32 partial sums (a fixed row-to-warp assignment, a
  *   fixed in-block order) to `scratch` (num_partials, 2, C); stage 2
- *   (layernorm_backward_reduce_kernel) adds them up in partial order.
+ *   (layernorm_backward_reduce_kernel) adds them up in partial order. With
+ *   the column sum (v2 only, the _colsum_ kernels), scratch is
+ *   (num_partials, 3, C), slice 2 the dx partials, and the same grid is used,
+ *   so dx, dweight and dbias keep the bits they have without it.
  *
  * Versions (the launcher picks v2 whenever it applies):
  *   v2 (C a multiple of the 16-byte pack P, 16-byte aligned arrays, C <= 32*8*P):
@@ -30,10 +39,15 @@
  *      picks the smallest that holds the row. Every input element is read
  *      from memory once (llm.c's layernorm kernels are the model). The
  *      backward keeps per-lane dweight/dbias accumulators in registers over a
- *      grid-stride loop of rows and reduces the block's warps at the end.
+ *      grid-stride loop of rows and reduces the block's warps at the end. Its
+ *      COLSUM variant keeps the dx column sums per warp in shared memory, not
+ *      registers (the N = 8 kernels already use ~255 registers; N more packs
+ *      of accumulators would spill or cost occupancy), each lane owning its
+ *      columns' slots, so no barrier or atomic is needed until the end.
  *   v1 (any C, any alignment): one warp per row, element by element, the row
  *      re-read from L1/L2 by each pass; the backward's dweight/dbias stage 1
- *      is a separate column kernel (one thread per column and row chunk).
+ *      is a separate column kernel (one thread per column and row chunk);
+ *      its dx column sum is the launcher's job (matmul's column-sum kernels).
  */
 #include "common.cuh"
 
@@ -194,12 +208,15 @@ __device__ void layernorm_forward_v2(T* residual, T* out, float* mean, float* rs
 }
 
 // Stage 1 of the backward, fused: dx += ... for every row, and this block's
-// partial dweight/dbias into scratch[blockIdx.x][0 / 1][:].
-template <typename T, int N>
-__device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, const T* x,   // (grid,2,C) (rows,C) x3
+// partial dweight/dbias into scratch[blockIdx.x][0 / 1][:]; with COLSUM also
+// the partial column sums of the stored dx into scratch[blockIdx.x][2][:].
+template <typename T, int N, bool COLSUM>
+__device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, const T* x,   // (grid,2|3,C) (rows,C) x3
                                       const T* weight, const float* mean, const float* rstd,   // (C,) (rows,) (rows,)
                                       int rows, int C) {
     constexpr int P = Pack16<T>::size;
+    constexpr int NQ = COLSUM ? 3 : 2;        // partial slices per block in scratch
+    constexpr int H = P / 4;                  // float4 slots per pack
     __shared__ float red[WARPS][32 * P];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int nP = C / P;
@@ -208,6 +225,17 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
     for (int j = 0; j < N; j++)
         #pragma unroll
         for (int k = 0; k < P; k++) dw[j][k] = db[j][k] = 0.0f;
+    // COLSUM: this warp's column sums of dx, (N * H * 32) float4 slots; slot
+    // (j * H + h) * 32 + lane holds columns (j * 32 + lane) * P + 4h .. +3, so
+    // the warp's 32 lanes touch 512 consecutive bytes (no bank conflicts) and
+    // every lane only ever touches its own slots.
+    float4* csum = nullptr;
+    if constexpr (COLSUM) {
+        __shared__ float4 csum_all[WARPS * N * H * 32];
+        csum = csum_all + warp * N * H * 32;
+        #pragma unroll
+        for (int s = 0; s < N * H; s++) csum[s * 32 + lane] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
 
     // No barrier inside this loop: warps may run different numbers of rows.
     for (int row = blockIdx.x * WARPS + warp; row < rows; row += gridDim.x * WARPS) {
@@ -254,6 +282,17 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
                     db[j][k] += go;
                 }
                 store16(dx + off + i * P, d[j]);
+                if constexpr (COLSUM) {
+                    // The stored (rounded) values: what a later reader of dx sees.
+                    #pragma unroll
+                    for (int h = 0; h < H; h++) {
+                        float4& s = csum[(j * H + h) * 32 + lane];
+                        s.x += to_float(d[j].v[4 * h]);
+                        s.y += to_float(d[j].v[4 * h + 1]);
+                        s.z += to_float(d[j].v[4 * h + 2]);
+                        s.w += to_float(d[j].v[4 * h + 3]);
+                    }
+                }
             }
         }
     }
@@ -273,8 +312,21 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
                 #pragma unroll
                 for (int w = 0; w < WARPS; w++) s += red[w][t];
                 const int c = j * 32 * P + t;
-                if (c < C) scratch[((size_t)blockIdx.x * 2 + q) * C + c] = s;
+                if (c < C) scratch[((size_t)blockIdx.x * NQ + q) * C + c] = s;
             }
+        }
+    }
+    if constexpr (COLSUM) {
+        // Sum the warps' column sums in warp order, one thread per column.
+        __syncthreads();                      // every warp's last row is in csum_all
+        const float* cs = reinterpret_cast<const float*>(csum - warp * N * H * 32);   // (WARPS, N*H*32*4)
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            const int i = c / P, k = c % P;   // pack i = j * 32 + l, element k = 4h + e
+            const int f = (((i / 32) * H + k / 4) * 32 + i % 32) * 4 + k % 4;
+            float s = 0.0f;
+            #pragma unroll
+            for (int w = 0; w < WARPS; w++) s += cs[w * N * H * 32 * 4 + f];
+            scratch[((size_t)blockIdx.x * NQ + 2) * C + c] = s;
         }
     }
 }
@@ -283,35 +335,50 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
 
 // dweight[c] += sum_p scratch[p][0][c], dbias[c] += sum_p scratch[p][1][c], p in
 // order: warp w sums p = w, w + 8, ..., then warp 0 adds the 8 warp sums in order.
-template <typename TW>
-__device__ void layernorm_backward_reduce(TW* dweight, TW* dbias, const float* scratch,   // (C,) (C,) (np,2,C)
-                                          int num_partials, int C) {
-    __shared__ float part[2][REDUCE_WARPS][32];
+// COLSUM: scratch is (np, 3, C) and dx_colsum[c] += sum_p scratch[p][2][c] the
+// same way (its type TC may differ from the parameter gradients' TW).
+template <typename TW, typename TC, bool COLSUM>
+__device__ void layernorm_backward_reduce(TW* dweight, TW* dbias, TC* dx_colsum,   // (C,) (C,) (C,)
+                                          const float* scratch, int num_partials, int C) {   // (np,2|3,C)
+    constexpr int NQ = COLSUM ? 3 : 2;
+    __shared__ float part[NQ][REDUCE_WARPS][32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int c = blockIdx.x * 32 + lane;
-    float sw = 0.0f, sb = 0.0f;
+    float sw = 0.0f, sb = 0.0f, sc = 0.0f;
     if (c < C)
         for (int p = warp; p < num_partials; p += REDUCE_WARPS) {
-            sw += scratch[(size_t)p * 2 * C + c];
-            sb += scratch[((size_t)p * 2 + 1) * C + c];
+            sw += scratch[(size_t)p * NQ * C + c];
+            sb += scratch[((size_t)p * NQ + 1) * C + c];
+            if constexpr (COLSUM) sc += scratch[((size_t)p * NQ + 2) * C + c];
         }
     part[0][warp][lane] = sw;
     part[1][warp][lane] = sb;
+    if constexpr (COLSUM) part[2][warp][lane] = sc;
     __syncthreads();
     if (warp == 0 && c < C) {
         sw = 0.0f;
         sb = 0.0f;
+        sc = 0.0f;
         #pragma unroll
         for (int w = 0; w < REDUCE_WARPS; w++) {
             sw += part[0][w][lane];
             sb += part[1][w][lane];
+            if constexpr (COLSUM) sc += part[2][w][lane];
         }
         dweight[c] = from_float<TW>(to_float(dweight[c]) + sw);
         dbias[c] = from_float<TW>(to_float(dbias[c]) + sb);
+        if constexpr (COLSUM) dx_colsum[c] = from_float<TC>(to_float(dx_colsum[c]) + sc);
     }
 }
 
 // ------------------------------------------------------------ entry points ---
+
+// Blocks per SM the COLSUM kernels must keep: the launcher sizes their grid from
+// the plain kernel's occupancy (the same grid gives dx/dweight/dbias the same
+// bits), so a COLSUM kernel needing more registers would run a second, mostly
+// empty wave. ptxas keeps the occupancy by itself everywhere except bf16 N = 2
+// (94 registers against 80: 5 blocks instead of 6). 0 = no constraint.
+__host__ __device__ constexpr int colsum_min_blocks(int N, int P) { return N == 2 && P == 8 ? 6 : 0; }
 
 #define LN_V1(T, SUF)                                                                                       \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_forward_kernel_v1_##SUF(            \
@@ -336,7 +403,7 @@ __device__ void layernorm_backward_reduce(TW* dweight, TW* dbias, const float* s
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(REDUCE_WARPS * 32) layernorm_backward_reduce_kernel_##SUF( \
         T* dweight, T* dbias, const float* scratch, int num_partials, int C) {                              \
-        layernorm_backward_reduce<T>(dweight, dbias, scratch, num_partials, C);                            \
+        layernorm_backward_reduce<T, float, false>(dweight, dbias, nullptr, scratch, num_partials, C);     \
     }
 
 #define LN_V2(N, T, SUF)                                                                                    \
@@ -353,14 +420,31 @@ __device__ void layernorm_backward_reduce(TW* dweight, TW* dbias, const float* s
     extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_backward_kernel_v2_n##N##_##SUF(     \
         float* scratch, T* dx, const T* dout, const T* x, const T* weight, const float* mean,              \
         const float* rstd, int rows, int C) {                                                               \
-        layernorm_backward_v2<T, N>(scratch, dx, dout, x, weight, mean, rstd, rows, C);                    \
+        layernorm_backward_v2<T, N, false>(scratch, dx, dout, x, weight, mean, rstd, rows, C);             \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, colsum_min_blocks(N, Pack16<T>::size))          \
+        layernorm_backward_colsum_kernel_v2_n##N##_##SUF(                                                   \
+        float* scratch, T* dx, const T* dout, const T* x, const T* weight, const float* mean,              \
+        const float* rstd, int rows, int C) {                                                               \
+        layernorm_backward_v2<T, N, true>(scratch, dx, dout, x, weight, mean, rstd, rows, C);              \
     }
 
 #define LN_V2_ALL(T, SUF) \
     LN_V2(1, T, SUF) LN_V2(2, T, SUF) LN_V2(3, T, SUF) LN_V2(4, T, SUF) \
     LN_V2(5, T, SUF) LN_V2(6, T, SUF) LN_V2(7, T, SUF) LN_V2(8, T, SUF)
 
+// Stage 2 with the dx column sum: layernorm_backward_reduce_colsum_kernel_<dweight>_<dx_colsum>.
+#define LN_REDUCE_COLSUM(TW, TC, SUF)                                                                       \
+    extern "C" __global__ void __launch_bounds__(REDUCE_WARPS * 32) layernorm_backward_reduce_colsum_kernel_##SUF( \
+        TW* dweight, TW* dbias, TC* dx_colsum, const float* scratch, int num_partials, int C) {             \
+        layernorm_backward_reduce<TW, TC, true>(dweight, dbias, dx_colsum, scratch, num_partials, C);      \
+    }
+
 LN_V1(float, f32)
 LN_V1(bf16, bf16)
 LN_V2_ALL(float, f32)
 LN_V2_ALL(bf16, bf16)
+LN_REDUCE_COLSUM(float, float, f32_f32)
+LN_REDUCE_COLSUM(float, bf16, f32_bf16)
+LN_REDUCE_COLSUM(bf16, float, bf16_f32)
+LN_REDUCE_COLSUM(bf16, bf16, bf16_bf16)

@@ -1,10 +1,13 @@
 """gpucore layernorm_forward / layernorm_backward / fused_residual_layernorm_forward:
-reference vs float64 finite differences, GPU (v1 and v2) vs reference, determinism, bad input."""
+reference vs float64 finite differences, GPU (v1 and v2) vs reference, determinism, bad input.
+layernorm_backward's dx_colsum (column sums of the final dx, as stored): the CPU reference, and on
+the GPU dx/dweight/dbias bits unchanged by it, v2's column sums bit-exact against a NumPy float32
+emulation of the kernels' summation order, every path within an fp32 bound of the float64 sum."""
 import numpy as np
 import pytest
 
 import gpucore
-from gpucore import runtime
+from gpucore import dtypes, runtime
 from gpucore.ops.layernorm import layernorm_backward_reference, layernorm_forward_reference
 from conftest import poison, rel_err, to_cpu
 from gradcheck import assert_grad_close, numerical_grad
@@ -126,6 +129,106 @@ def test_bad_input(rng):
                                    dbias=np.zeros(8, gpucore.bfloat16))
     with pytest.raises(ValueError, match="dx: array must be C-contiguous"):
         gpucore.layernorm_backward(x, x, w, mean, rstd, dx=np.zeros((8, 4), np.float32).T)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("colsum_dtype", ["float32", "dout"])
+def test_public_cpu_dx_colsum(rng, dtype, colsum_dtype):
+    """dx_colsum += column sums of the FINAL dx as stored (old dx values included), rows not a
+    multiple of anything; dx/dweight/dbias exactly as without it."""
+    cdt = np.float32 if colsum_dtype == "float32" else dtype
+    shape, C = (3, 7, 24), 24                                   # 21 rows
+    x = (rng.standard_normal(shape) * 2 + 0.3).astype(dtype)
+    w, b = (p.astype(dtype) for p in _params(rng, C))
+    _, mean, rstd = gpucore.layernorm_forward(x, w, b)
+    dout = rng.standard_normal(shape).astype(dtype)
+    dx0 = (3 * rng.standard_normal(shape)).astype(dtype)      # non-zero: must be in the sum
+    c0 = rng.standard_normal(C).astype(cdt)
+    plain = gpucore.layernorm_backward(dout, x, w, mean, rstd, dx=dx0.copy())
+    colsum = c0.copy()
+    dx, dw, db = gpucore.layernorm_backward(dout, x, w, mean, rstd, dx=dx0.copy(), dx_colsum=colsum)
+    for name, g1, g2 in zip(("dx", "dweight", "dbias"), plain, (dx, dw, db)):
+        assert g1.tobytes() == g2.tobytes(), f"{name} changed by dx_colsum"
+    assert colsum.dtype == cdt
+    ref = (c0.astype(np.float64) + dx.reshape(-1, C).astype(np.float64).sum(0)).astype(cdt)
+    np.testing.assert_array_equal(colsum.astype(np.float64), ref.astype(np.float64))
+    # the old dx matters: the colsum differs from that of the contribution alone
+    contrib = (dx.astype(np.float64) - dx0.astype(np.float64)).reshape(-1, C).sum(0)
+    assert np.abs(colsum.astype(np.float64) - c0.astype(np.float64) - contrib).max() > 0.1
+    # += : a second call adds the (again updated) dx's column sums
+    dx2 = gpucore.layernorm_backward(dout, x, w, mean, rstd, dx=dx, dx_colsum=colsum)[0]
+    ref2 = (ref.astype(np.float64) + dx2.reshape(-1, C).astype(np.float64).sum(0)).astype(cdt)
+    np.testing.assert_array_equal(colsum.astype(np.float64), ref2.astype(np.float64))
+
+
+def test_bad_dx_colsum(rng):
+    x = rng.standard_normal((5, 8)).astype(np.float32)
+    w, b = (p.astype(np.float32) for p in _params(rng, 8))
+    _, mean, rstd = gpucore.layernorm_forward(x, w, b)
+    dx = np.ones((5, 8), np.float32)
+    bad = [(TypeError, "dx_colsum: dtype", np.zeros(8, np.float64)),
+           (TypeError, "dx_colsum: dtype", np.zeros(8, gpucore.bfloat16)),   # float32 dout: float32 only
+           (ValueError, "dx_colsum: expected shape", np.zeros(7, np.float32)),
+           (ValueError, "dx_colsum: expected shape", np.zeros((1, 8), np.float32)),
+           (ValueError, "dx_colsum: array must be C-contiguous", np.zeros(16, np.float32)[::2]),
+           (TypeError, "dx_colsum: expected a NumPy or CuPy array", [0.0] * 8)]
+    for exc, msg, colsum in bad:
+        with pytest.raises(exc, match=msg):
+            gpucore.layernorm_backward(x, x, w, mean, rstd, dx=dx, dx_colsum=colsum)
+    np.testing.assert_array_equal(dx, 1.0)                    # validated before anything was written
+    xb = x.astype(gpucore.bfloat16)
+    with pytest.raises(TypeError, match="dx_colsum: dtype must be float32 or bfloat16, got float64"):
+        gpucore.layernorm_backward(xb, xb, w.astype(gpucore.bfloat16), mean, rstd,
+                                   dx_colsum=np.zeros(8, np.float64))
+
+
+def _colsum_emulated(dx32, grid, c0, out_dtype, warps=4, reduce_warps=8):
+    """NumPy float32 emulation of v2's dx column sum, in the kernels' exact order: lane sums over the
+    rows of warp w of block b (rows k * grid * warps + b * warps + w, in k order), the block's warps
+    summed in warp order, then stage 2: reduce warp v sums partials v, v + 8, ..., and the 8 warp
+    sums are added in order; dx_colsum = round(c0 + sum). Padding rows are +0.0, which leaves a sum
+    that started at +0.0 unchanged bit for bit."""
+    rows, C = dx32.shape
+    K = -(-rows // (grid * warps))
+    padded = np.zeros((K * grid * warps, C), np.float32)
+    padded[:rows] = dx32
+    per_row = padded.reshape(K, grid, warps, C)
+    lane = np.zeros((grid, warps, C), np.float32)
+    for k in range(K):
+        lane += per_row[k]
+    block = np.zeros((grid, C), np.float32)
+    for w in range(warps):
+        block += lane[:, w]
+    part = np.zeros((reduce_warps, C), np.float32)
+    for p in range(grid):
+        part[p % reduce_warps] += block[p]
+    total = np.zeros(C, np.float32)
+    for v in range(reduce_warps):
+        total += part[v]
+    return (np.asarray(c0).astype(np.float32) + total).astype(out_dtype)
+
+
+def _colsum_bound(dx64, c0_64, out_dtype):
+    """Per column |got - float64 sum| bound for an fp32 blocked sum of up to a few hundred terms deep
+    (2e-5 of the sum of magnitudes) plus the final rounding to out_dtype (one ulp of the result)."""
+    ref = c0_64 + dx64.sum(0)
+    ulp = 2.0 ** -7 if np.dtype(out_dtype) == np.dtype(gpucore.bfloat16) else 2.0 ** -23
+    return ref, 2e-5 * (np.abs(c0_64) + np.abs(dx64).sum(0)) + ulp * np.abs(ref) + 1e-30
+
+
+@pytest.mark.parametrize("rows,grid", [(1, 1), (7, 2), (301, 5), (4099, 13)])
+def test_colsum_emulation_within_bound(rng, rows, grid):
+    """The emulation the GPU test holds the kernel to is itself within the fp32 bound."""
+    dx = (3 * rng.standard_normal((rows, 40))).astype(np.float32)
+    c0 = rng.standard_normal(40).astype(np.float32)
+    for out in (np.float32, gpucore.bfloat16):
+        got = _colsum_emulated(dx, grid, c0.astype(out), out).astype(np.float64)
+        ref, bound = _colsum_bound(dx.astype(np.float64), c0.astype(out).astype(np.float64), out)
+        assert (np.abs(got - ref) <= bound).all()
+    # the order is really blocked: a different grid gives a different rounding somewhere
+    big = (rng.standard_normal((4099, 256)) * 100).astype(np.float32)
+    assert _colsum_emulated(big, 13, np.zeros(256, np.float32), np.float32).tobytes() != \
+        _colsum_emulated(big, 7, np.zeros(256, np.float32), np.float32).tobytes()
 
 
 # ------------------------------------------------------------------ GPU ------
@@ -252,3 +355,112 @@ def test_gpu_unaligned_views_take_v1(rng):
     _check_forward(out, mean, rstd, flat[1:].reshape(rows, C), w, b, np.float32)
     with pytest.raises(ValueError, match="version: v2 needs"):
         gpucore.layernorm_forward(xg, cp.asarray(w), cp.asarray(b), version=2)
+
+
+# dx_colsum: GPT-2 widths (C=1600 float32 takes v1) plus a v1-only width (770) and GPT-2 124M's
+# full (B*T, C) = (65536, 768) in bf16; rows not multiples of the 4 rows per block. Cases are
+# (dtype, rows, C, dx_colsum dtype, dweight/dbias dtype): the grads share one dtype (as in the
+# model) except at 4099 x 768, which also takes the mixed pairs (stage 2's four instantiations).
+def _colsum_cases():
+    cases = []
+    for d in DTYPES:
+        types = list(dict.fromkeys([np.dtype(np.float32), np.dtype(d)]))
+        for rows, C in [(7, 768), (4099, 768), (301, 1024), (257, 1600), (37, 770)]:
+            for cd in types:
+                cases += [(d, rows, C, cd, pd) for pd in (types if (rows, C) == (4099, 768) else [cd])]
+    bf = np.dtype(gpucore.bfloat16)
+    return cases + [(gpucore.bfloat16, 65536, 768, bf, bf),
+                    (gpucore.bfloat16, 65536, 768, np.dtype(np.float32), np.dtype(np.float32))]
+
+
+COLSUM_CASES = _colsum_cases()
+
+
+def _colsum_id(case):
+    d, rows, C, cd, pd = case
+    return f"{np.dtype(d).name}-{rows}x{C}-colsum_{cd.name}-dweight_{pd.name}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", COLSUM_CASES, ids=_colsum_id)
+def test_gpu_backward_dx_colsum(rng, case):
+    """dx/dweight/dbias bits as without dx_colsum; dx_colsum = c0 + column sums of the returned
+    dx (v2: bit-exact vs the emulated order; every version: within the fp32 bound of float64);
+    deterministic."""
+    from gpucore.ops import layernorm as ln
+    cp = runtime.cupy
+    dtype, rows, C, cdt, pdt = case
+    x, w, b = _gpu_inputs(rng, rows, C, dtype)
+    xg, wg, bg = cp.asarray(x), cp.asarray(w), cp.asarray(b)
+    _, mean, rstd = gpucore.layernorm_forward(xg, wg, bg)
+    doutg = cp.asarray(rng.standard_normal((rows, C)).astype(dtype))
+    dx0 = (3 * rng.standard_normal((rows, C))).astype(dtype)   # non-zero: part of the column sums
+    dw0, db0 = rng.standard_normal(C).astype(pdt), rng.standard_normal(C).astype(pdt)
+    c0 = rng.standard_normal(C).astype(cdt)
+    for version in _versions(C, dtype):
+        def run(with_colsum):
+            dx, dw, db = cp.asarray(dx0), cp.asarray(dw0), cp.asarray(db0)
+            colsum = cp.asarray(c0) if with_colsum else None
+            gpucore.layernorm_backward(doutg, xg, wg, mean, rstd, dx=dx, dweight=dw, dbias=db, version=version,
+                                       dx_colsum=colsum)
+            return [to_cpu(g) for g in (dx, dw, db)] + ([to_cpu(colsum)] if with_colsum else [])
+        plain, fused, again = run(False), run(True), run(True)
+        for name, g1, g2 in zip(("dx", "dweight", "dbias"), plain, fused):
+            assert g1.tobytes() == g2.tobytes(), f"v{version} {name}: bits changed by dx_colsum"
+        for name, g1, g2 in zip(("dx", "dweight", "dbias", "dx_colsum"), fused, again):
+            assert g1.tobytes() == g2.tobytes(), f"v{version} {name} not deterministic with dx_colsum"
+        dx, colsum = fused[0], fused[3]
+        assert colsum.dtype == cdt
+        got = colsum.astype(np.float64)
+        assert not np.isnan(got).any(), f"v{version} dx_colsum has NaN"
+        ref, bound = _colsum_bound(dx.astype(np.float64), c0.astype(np.float64), cdt)
+        worst = int(np.argmax(np.abs(got - ref) - bound))
+        assert (np.abs(got - ref) <= bound).all(), (
+            f"v{version} dx_colsum column {worst}: {got[worst]!r} vs {ref[worst]!r} (bound {bound[worst]:.2e})")
+        assert rel_err(got, ref) < (1e-5 if cdt == np.float32 else 1e-2)
+        if version == 2:
+            N = ln._pick(2, dtype, C, (xg, wg, doutg))[1]
+            plain_kernel = runtime.get_kernel("layernorm", f"layernorm_backward_kernel_v2_n{N}_"
+                                                           f"{dtypes.kernel_suffix(dtype)}")
+            grid = min(runtime.sm_count() * ln._resident_blocks(plain_kernel, ln.BLOCK), -(-rows // ln.WARPS))
+            emu = _colsum_emulated(dx.astype(np.float32), grid, c0, cdt)
+            diff = np.flatnonzero(emu.astype(np.float64) != got)
+            assert diff.size == 0, (f"v2 dx_colsum differs from the emulated order in {diff.size} columns, "
+                                    f"first {diff[0]}: {got[diff[0]]!r} vs {emu[diff[0]]!r} (grid {grid})")
+
+
+@pytest.mark.cuda
+def test_gpu_dx_colsum_fresh_dx_and_bad_device(rng):
+    """dx=None (zeros, then +=): dx_colsum = column sums of the contribution; a host dx_colsum with
+    device inputs is refused before any launch."""
+    cp = runtime.cupy
+    rows, C = 513, 768
+    x, w, b = _gpu_inputs(rng, rows, C, gpucore.bfloat16)
+    xg, wg = cp.asarray(x), cp.asarray(w)
+    _, mean, rstd = gpucore.layernorm_forward(xg, wg, cp.asarray(b))
+    dout = cp.asarray(rng.standard_normal((rows, C)).astype(gpucore.bfloat16))
+    colsum = cp.zeros(C, np.float32)
+    dx = gpucore.layernorm_backward(dout, xg, wg, mean, rstd, dx_colsum=colsum)[0]
+    ref, bound = _colsum_bound(to_cpu(dx).astype(np.float64), np.zeros(C), np.float32)
+    assert (np.abs(to_cpu(colsum) - ref) <= bound).all()
+    dx_before = to_cpu(dx)
+    with pytest.raises(TypeError, match="dx_colsum: must live on the same device"):
+        gpucore.layernorm_backward(dout, xg, wg, mean, rstd, dx=dx, dx_colsum=np.zeros(C, np.float32))
+    assert to_cpu(dx).tobytes() == dx_before.tobytes()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_colsum_kernels_keep_the_plain_occupancy(dtype):
+    """The colsum kernels run at the plain kernels' grid (for identical dweight/dbias bits); with
+    fewer blocks per SM they would run a second, mostly idle wave. If this fails after a compiler
+    change, raise colsum_min_blocks in layernorm.cu for that N (the message names it)."""
+    from gpucore.ops import layernorm as ln
+    suf = dtypes.kernel_suffix(dtype)
+    for N in ln.V2_N:
+        plain = runtime.get_kernel("layernorm", f"layernorm_backward_kernel_v2_n{N}_{suf}")
+        colsum = runtime.get_kernel("layernorm", f"layernorm_backward_colsum_kernel_v2_n{N}_{suf}")
+        a_p, a_c = runtime.kernel_attributes(plain), runtime.kernel_attributes(colsum)
+        assert a_c["local_bytes"] == 0, f"N={N} {suf}: colsum kernel spills: {a_c}"
+        assert ln._resident_blocks(colsum, ln.BLOCK) >= ln._resident_blocks(plain, ln.BLOCK), (
+            f"N={N} {suf}: colsum kernel {a_c} vs plain {a_p}")

@@ -166,7 +166,9 @@ def bench_encoder(n: int = 65536, dtype: str = "bfloat16", version=None, C: int 
 @benchmark("layernorm")
 def bench_layernorm(n: int = 65536, dtype: str = "bfloat16", version=None, C: int = 768, **_):
     import gpucore
+    from ..ops import matmul as mm
     from ..ops.layernorm import _pick
+    from . import time_interleaved
     rows, C = int(n), int(C)
     bw = copy_bandwidth_gbps()
     results = []
@@ -192,6 +194,21 @@ def bench_layernorm(n: int = 65536, dtype: str = "bfloat16", version=None, C: in
                                                             version=ver))
             results.append(Result(f"layernorm backward {tag}", ms, bytes=4 * x.nbytes + stats + 3 * params,
                                   ref_gbps=bw, target=0.7))
+            # GPT-2's residual gradient: the backward with dx's column sum (the previous projection's
+            # dbias) fused, and the unfused pair it replaces (matmul's two-stage column sum reading dx
+            # again), timed in alternation. Both count the backward row's bytes (the fused minimum:
+            # the column sum adds only partials), so their percentages compare directly.
+            colsum = _rand(C, dt)
+            fused, unfused = time_interleaved([
+                lambda: gpucore.layernorm_backward(dout, x, w, mean, rstd, dx=dx, dweight=dw, dbias=db,
+                                                   version=ver, dx_colsum=colsum),
+                lambda: (gpucore.layernorm_backward(dout, x, w, mean, rstd, dx=dx, dweight=dw, dbias=db,
+                                                    version=ver), mm._bias_backward(colsum, dx))])
+            results.append(Result(f"layernorm backward + dx column sum {tag}", fused,
+                                  bytes=4 * x.nbytes + stats + 3 * params, ref_gbps=bw, target=0.7))
+            results.append(Result(f"layernorm backward, then matmul column sum (unfused) {tag}", unfused,
+                                  bytes=4 * x.nbytes + stats + 3 * params, ref_gbps=bw,
+                                  extra={"bytes": "the fused minimum"}))
         del x, a, b, out, residual, dout, dx
     return results
 

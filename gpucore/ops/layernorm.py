@@ -7,6 +7,7 @@ forward (kernels_cu/layernorm.cu).
     backward (all accumulated, +=):
       dx      += rstd * (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat)),  dnorm = weight * dout
       dweight += sum over rows of dout * xhat,  dbias += sum over rows of dout
+      optional dx_colsum += sum over rows of the final dx, as stored (rounded to dx's dtype)
 
 The references compute in float64 (the backward uses the mean/rstd it is
 given, as the kernels do) and round once to the output dtype; the kernels
@@ -19,6 +20,14 @@ Kernel versions (see layernorm.cu): v2 keeps a row in one warp's registers
 (C a multiple of the 16-byte pack, 16-byte aligned arrays, C <= 2048 bf16 /
 1024 fp32) and reads every element once; v1 takes anything else.
 `version=None` picks v2 whenever it applies.
+
+dx_colsum exists for GPT-2's backward: the residual gradient dx that a
+layernorm backward has just accumulated into is the dout of the projection
+before it, whose bias gradient is dx's column sum. v2 adds it to its
+deterministic two-stage reduction (a third slice of partials; the
+_colsum_ kernels, launched with the plain kernel's grid so dx/dweight/dbias
+keep their bits) instead of a second pass over dx; v1 runs matmul's
+two-stage column-sum kernels over the finished dx.
 """
 from __future__ import annotations
 
@@ -190,11 +199,17 @@ def _grad(name, g, xp, shape, dtype, allowed):
     return g
 
 
-def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias=None, *, version=None):
+def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias=None, *, version=None,
+                       dx_colsum=None):
     """Accumulate (+=) the LayerNorm gradients into dx (..., C), dweight (C,), dbias (C,).
 
     None allocates a zero buffer. dx has x's dtype; dweight/dbias have the
-    weight's dtype or float32 (both the same).
+    weight's dtype or float32 (both the same). dx_colsum (C,), float32 or
+    dout's dtype, optional: dx_colsum += the column sums over all rows of dx
+    after this call's +=, of the values as stored (what a later
+    matmul_backward reads), accumulated in float32, deterministic. Without
+    it nothing changes (same kernels, same bits); with it dx, dweight and
+    dbias get the same bits as without.
     """
     check_array("dout", dout, min_ndim=1)
     rows, C = _rows_cols(dout, "dout")
@@ -205,6 +220,11 @@ def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias
     check_array("mean", mean, dtype=np.float32, shape=dout.shape[:-1])
     check_array("rstd", rstd, dtype=np.float32, shape=dout.shape[:-1])
     xp = runtime.array_module(dout, x, weight, mean, rstd, dx, dweight, dbias)
+    if dx_colsum is not None:      # like every argument, before any allocation or launch
+        check_array("dx_colsum", dx_colsum, dtypes_=tuple(dict.fromkeys((np.dtype(np.float32), dout.dtype))),
+                    shape=(C,))
+        if (xp is np) != isinstance(dx_colsum, np.ndarray):
+            raise TypeError("dx_colsum: must live on the same device as the inputs")
     dx = _grad("dx", dx, xp, dout.shape, dout.dtype, (dout.dtype,))
     param_dtypes = (np.dtype(np.float32), weight.dtype)
     dweight = _grad("dweight", dweight, xp, (C,), weight.dtype, param_dtypes)
@@ -214,6 +234,9 @@ def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias
         ddx, ddw, ddb = layernorm_backward_reference(dout, x, weight, mean, rstd)
         for g, d in ((dx, ddx), (dweight, ddw), (dbias, ddb)):
             g[...] = (g.astype(np.float64) + d).astype(g.dtype)
+        if dx_colsum is not None:   # of the final, rounded dx (old values included)
+            dx_colsum[...] = (dx_colsum.astype(np.float64)
+                              + dx.reshape(-1, C).astype(np.float64).sum(axis=0)).astype(dx_colsum.dtype)
         return dx, dweight, dbias
     version, N = _pick(version, dout.dtype, C, (dout, x, weight, dx))
     if rows == 0:
@@ -222,8 +245,13 @@ def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias
     i32 = np.int32
     if version == 2:
         kernel = runtime.get_kernel("layernorm", f"layernorm_backward_kernel_v2_n{N}_{suf}")
+        # The grid (hence the partials' row grouping) comes from the plain kernel even when the
+        # colsum one runs: dweight/dbias must not change bits with dx_colsum (layernorm.cu's
+        # colsum_min_blocks keeps that kernel's occupancy at least the plain one's).
         grid = min(runtime.sm_count() * _resident_blocks(kernel, BLOCK), -(-rows // WARPS))
-        scratch = xp.empty((grid, 2, C), dtype=np.float32)
+        if dx_colsum is not None:
+            kernel = runtime.get_kernel("layernorm", f"layernorm_backward_colsum_kernel_v2_n{N}_{suf}")
+        scratch = xp.empty((grid, 2 if dx_colsum is None else 3, C), dtype=np.float32)
         runtime.launch(kernel, grid, BLOCK, (scratch, dx, dout, x, weight, mean, rstd, i32(rows), i32(C)))
     else:
         k_dx = runtime.get_kernel("layernorm", f"layernorm_backward_dx_kernel_v1_{suf}")
@@ -236,6 +264,16 @@ def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias
         k_dwdb = runtime.get_kernel("layernorm", f"layernorm_backward_dwdb_kernel_v1_{suf}")
         runtime.launch(k_dwdb, (col_blocks, chunks), V1_DWDB_BLOCK,
                        (scratch, dout, x, mean, rstd, i32(rows), i32(C), i32(rows_per_chunk)))
-    k_red = runtime.get_kernel("layernorm", f"layernorm_backward_reduce_kernel_{dtypes.kernel_suffix(dweight.dtype)}")
+    wsuf = dtypes.kernel_suffix(dweight.dtype)
+    if version == 2 and dx_colsum is not None:
+        k_red = runtime.get_kernel("layernorm", f"layernorm_backward_reduce_colsum_kernel_{wsuf}_"
+                                                f"{dtypes.kernel_suffix(dx_colsum.dtype)}")
+        runtime.launch(k_red, -(-C // 32), REDUCE_BLOCK,
+                       (dweight, dbias, dx_colsum, scratch, i32(scratch.shape[0]), i32(C)))
+        return dx, dweight, dbias
+    k_red = runtime.get_kernel("layernorm", f"layernorm_backward_reduce_kernel_{wsuf}")
     runtime.launch(k_red, -(-C // 32), REDUCE_BLOCK, (dweight, dbias, scratch, i32(scratch.shape[0]), i32(C)))
+    if dx_colsum is not None:      # v1: a second pass over the finished dx
+        from .matmul import _bias_backward
+        _bias_backward(dx_colsum, dx.reshape(rows, C))
     return dx, dweight, dbias
