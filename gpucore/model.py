@@ -50,6 +50,7 @@ from .tensors import TensorLayout
 GPT2_VOCAB = 50257
 VOCAB_MULTIPLE = 128               # pad the vocabulary to 50304 = 393 * 128 (tensor-core friendly)
 HEAD_CHUNK_BYTES = 1 << 30         # LM-head logits scratch budget (rows chosen to fit)
+FUSED_BIAS_GRADS = True            # fcproj/fc/attproj bias grads from the kernels writing their dout
 
 # name: (num_layers, num_heads, channels, max_seq_len, vocab_size, padded_vocab_size)
 PRESETS = {
@@ -466,25 +467,32 @@ class GPT2:
         dfch = d.dbig                                         # (B, T, 4C)
         dqkv = d.dbig.reshape(-1)[: B * T * 3 * C].reshape(B, T, 3 * C)
 
+        # Bias gradients of fcproj, fc and attproj: with FUSED_BIAS_GRADS the kernel that writes
+        # their dout also sums its columns (the layernorm backward that updates dres last, the
+        # gelu backward), so matmul_backward never reads dout a second time for them.
+        fuse = FUSED_BIAS_GRADS
         layernorm_backward(dsmall, a.residual3[L - 1], p.lnfw, a.lnf_mean, a.lnf_rstd,
-                           dx=dres, dweight=g.lnfw, dbias=g.lnfb)
+                           dx=dres, dweight=g.lnfw, dbias=g.lnfb, dx_colsum=g.fcprojb[L - 1] if fuse else None)
         for l in reversed(range(L)):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
             # MLP branch: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
             gelu(a.fch[l], out=a.fch_gelu)                    # recompute (not stored per layer)
             matmul_backward(_2d(dres), _2d(a.fch_gelu), p.fcprojw[l], dx=_2d(dfch),
-                            dweight=g.fcprojw[l], dbias=g.fcprojb[l])
-            gelu_backward(dfch, a.fch[l], dx=dfch)
-            matmul_backward(_2d(dfch), _2d(a.ln2[l]), p.fcw[l], dx=_2d(dsmall), dweight=g.fcw[l], dbias=g.fcb[l])
+                            dweight=g.fcprojw[l], dbias=None if fuse else g.fcprojb[l], need_dbias=not fuse)
+            gelu_backward(dfch, a.fch[l], dx=dfch, dbias=g.fcb[l] if fuse else None)
+            matmul_backward(_2d(dfch), _2d(a.ln2[l]), p.fcw[l], dx=_2d(dsmall), dweight=g.fcw[l],
+                            dbias=None if fuse else g.fcb[l], need_dbias=not fuse)
             layernorm_backward(dsmall, a.residual2[l], p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l],
-                               dx=dres, dweight=g.ln2w[l], dbias=g.ln2b[l])
+                               dx=dres, dweight=g.ln2w[l], dbias=g.ln2b[l],
+                               dx_colsum=g.attprojb[l] if fuse else None)
             # attention branch: residual2 = residual + attproj(attention(qkv(ln1(residual))))
             matmul_backward(_2d(dres), _2d(a.atty[l]), p.attprojw[l], dx=_2d(dsmall),
-                            dweight=g.attprojw[l], dbias=g.attprojb[l])
+                            dweight=g.attprojw[l], dbias=None if fuse else g.attprojb[l], need_dbias=not fuse)
             attention_backward(dsmall, a.qkv[l], a.atty[l], a.att_lse[l], NH, dqkv=dqkv)
             matmul_backward(_2d(dqkv), _2d(a.ln1[l]), p.qkvw[l], dx=_2d(dsmall), dweight=g.qkvw[l], dbias=g.qkvb[l])
             layernorm_backward(dsmall, residual, p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l],
-                               dx=dres, dweight=g.ln1w[l], dbias=g.ln1b[l])
+                               dx=dres, dweight=g.ln1w[l], dbias=g.ln1b[l],
+                               dx_colsum=g.fcprojb[l - 1] if fuse and l > 0 else None)
         plan, self._encoder_plan = self._encoder_plan, None
         encoder_backward(dres, tokens, g.wte, g.wpe, check_tokens=False, plan=plan)   # checked in forward
         return g

@@ -315,6 +315,37 @@ def test_gpu_fp32_matches_numpy(rng, preset, B, T):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_fused_bias_grads_match_unfused(rng, dtype):
+    """FUSED_BIAS_GRADS (fcproj/fc/attproj bias grads summed by the layernorm / gelu backward that
+    write their dout) gives the gradients of the matmul_backward dbias path: the same values summed
+    in another order (fp32 accumulation), and the very same every other gradient."""
+    import gpucore.model as model_mod
+    cp = runtime.cupy
+    cfg = GPT2Config.from_preset("tiny")
+    x, y = _batch(rng, cfg, 4, 64, cp)
+    grads = {}
+    default = model_mod.FUSED_BIAS_GRADS
+    try:
+        for fused in (False, True):
+            model_mod.FUSED_BIAS_GRADS = fused
+            m = GPT2(cfg, xp=cp, dtype=dtype, seed=9)
+            m.zero_grad()
+            m.forward(x, y, for_backward=True)
+            m.backward()
+            grads[fused] = {name: to_cpu(a).astype(np.float32) for name, a in m.grads}
+    finally:
+        model_mod.FUSED_BIAS_GRADS = default
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    for name in grads[False]:
+        a, b = grads[False][name], grads[True][name]
+        if name in ("fcprojb", "fcb", "attprojb"):
+            assert rel_err(b, a) < tol, name
+        else:
+            assert a.tobytes() == b.tobytes(), name
+
+
+@pytest.mark.cuda
 def test_gpu_bf16_close_to_numpy_fp32(rng):
     cfg = GPT2Config.from_preset("tiny")
     x, y = _batch(rng, cfg, 4, 64)
