@@ -230,12 +230,15 @@ USE_CUBLASLT = os.environ.get("GPUCORE_CUBLASLT", "1") != "0"
 LT_AUTOTUNE = os.environ.get("GPUCORE_LT_AUTOTUNE", "1") != "0"
 LT_BGRAD = os.environ.get("GPUCORE_LT_BGRAD", "0") == "1"
 # Where the dbias kernel runs relative to the two backward GEMMs (when the BGRADB epilogue is off):
-#   "" -- after them on the caller's stream (one more pass over dout, ~10% of the GEMMs' time at
-#         65536 x 768 x 3072);
+#   "" (default) -- after them on the caller's stream (one more pass over dout, ~10% of the GEMMs'
+#         time at 65536 x 768 x 3072);
 #   "first" / "last" -- on a side stream, launched before / after the GEMMs: it reads dout while
-#         the GEMMs leave multiprocessors idle (a dW GEMM of 72 to 144 output tiles, the tails);
-#         the caller's stream waits for it before returning. Same bits either way (its own output).
-DBIAS_STREAM = os.environ.get("GPUCORE_DBIAS_STREAM", "last")
+#         the GEMMs leave multiprocessors idle (the dW GEMM's tails); the caller's stream waits for
+#         it before returning. Same bits either way (its own output). Alone, "last" gains 2-4
+#         points over "" (`gpucore bench matmul`); inside the d12 step with every dbias on this
+#         path it measured 122.0 vs 117.0 ms (tools/probes/model_step_ab.py, H200), so it is opt-in.
+#         (The model computes three of its four bias gradients elsewhere: model.FUSED_BIAS_GRADS.)
+DBIAS_STREAM = os.environ.get("GPUCORE_DBIAS_STREAM", "")
 LT_TRY_GEMMEX = True                    # gemmEx races the Lt algorithms of epilogue-free GEMMs
 LT_ALGO_CANDIDATES = 8                  # heuristic results requested per plan
 LT_AUTOTUNE_MIN_FLOPS = 2e9             # below: the heuristic's first choice (timing costs more than it saves)
