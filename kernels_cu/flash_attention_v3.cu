@@ -156,39 +156,9 @@ __device__ __forceinline__ void flash_forward_v3(bf16* out,          // (B, T, C
     }
     wg_cp_async_wait<0>();
 
-    // Epilogue (the same code as flash_attention_v3.cuh's v3_fwd_epilogue, which v3p calls; kept
-    // inline here because calling it changed this file's cubin). Quad sums, lse, O / l rounded to bf16 into this warp's own 16 Q rows
-    // (swizzled like Q: chunk c of row r at v3_off<BM>(r, c); conflict-free 4-byte writes),
-    // then the warp reads its rows back as 16-byte chunks and stores them coalesced.
-    float inv[2];
-    #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float l = l_run[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        inv[r] = l > 0.f ? 1.f / l : 0.f;
-        const int row = row0 + 8 * r;
-        if (wg_active && t4 == 0 && row < T) lse[(size_t)bh * T + row] = (m_run[r] + log2f(l)) * FA_LN2;
-    }
-    const int lr0 = 64 * wg + 16 * w4;                          // this warp's first row in the tile
-    #pragma unroll
-    for (int dt = 0; dt < ND; dt++) {
-        const u32 cb = 4 * t4;                                  // byte offset of column 2t in a chunk
-        *reinterpret_cast<u32*>(smem_gen + v3_off<BM>(lr0 + g, dt) + cb) = pack_bf16x2_rn(o[4 * dt] * inv[0], o[4 * dt + 1] * inv[0]);
-        *reinterpret_cast<u32*>(smem_gen + v3_off<BM>(lr0 + g + 8, dt) + cb) = pack_bf16x2_rn(o[4 * dt + 2] * inv[1], o[4 * dt + 3] * inv[1]);
-    }
-    __syncwarp();
-    bf16* out_g = out + (size_t)b * T * C + h * HD;
-    #pragma unroll
-    for (int it = 0; it < 16 * ND / 32; it++) {
-        const int i = it * 32 + lane;
-        const int r = i / ND, c = i % ND;
-        const int row = m0 + lr0 + r;
-        if (row < T) {
-            const uint4 v = *reinterpret_cast<const uint4*>(smem_gen + v3_off<BM>(lr0 + r, c));
-            *reinterpret_cast<uint4*>(out_g + (size_t)row * C + c * 8) = v;
-        }
-    }
+    // Epilogue (flash_attention_v3.cuh, shared with v3p): quad sums, lse, O / l as bf16 into this
+    // warp's own 16 Q rows (only this warpgroup's wgmma read them, all retired), coalesced stores.
+    v3_fwd_epilogue<HD, BM>(out, lse, o, m_run, l_run, wg_active, smem_gen, row0, bh, b, h, T, C, m0, wg, w4, lane);
 }
 
 #define FLASH_V3_BODY(HD, NWG, BN) flash_forward_v3<HD, NWG, BN>(out, lse, qkv, T, NH, scale)

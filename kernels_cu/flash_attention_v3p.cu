@@ -168,7 +168,6 @@ __device__ __forceinline__ void flash_forward_v3p(bf16* out,          // (B, T, 
                                                   const bf16* qkv,    // (B, T, 3C)
                                                   int T, int NH, float scale) {
     constexpr int BM = 64 * NWG, NT = 128 * NWG;
-    constexpr int ND = HD / 8;
     constexpr int PRE = NSTAGE - 2;                           // tiles copied ahead of the one in use
     static_assert(PRE >= 1, "NSTAGE >= 3: V_{j-1}, tile j and PRE tiles in flight");
     constexpr u32 Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
