@@ -23,9 +23,6 @@
  *   The chunk count depends only on N (the Python side picks it), so the
  *   same input gives the same bits. Accumulation is float32 throughout.
  *   Used when cuBLASLt cannot fuse the bias gradient (see below).
- *   matmul_bias_backward_stage1_persistent_kernel_vec_*: the same partials,
- *   same bits, from a few persistent blocks (one warp per work item), for
- *   running on a few SMs while the GEMMs run on the others.
  *
  * matmul_bias_accumulate_kernel_<dbias>_<scratch>: dbias += scratch. The
  *   training path's usual dbias: cuBLASLt's BGRADB epilogue computes the
@@ -97,53 +94,6 @@ __device__ void bias_backward_stage1(float* partials, const T* dout,   // (chunk
     }
 }
 
-// The same partials from a persistent grid of BB_PWARPS-warp blocks, for running on a few
-// multiprocessors beside a GEMM (one block each: the caller sizes the dynamic shared memory so
-// that no second block and no GEMM block fits beside it). Here one WARP does a whole work item
-// (strip, chunk) -- the work of one stage-1 block -- keeping the BB_ROWS row-residue sums of the
-// block's warps as BB_ROWS accumulator sets, combined in the same order at the end: same bits,
-// but no block barrier, so every warp streams with BB_ROWS 16-byte loads in flight all the time
-// (the one-block-per-item shape drains its loads at each item's __syncthreads: ~50 GB/s per SM
-// instead of the ~120 a contiguous stream reaches; tools/probes/sm_stream_bandwidth.py).
-#define BB_PWARPS 12
-template <typename T, int V>
-__device__ void bias_backward_stage1_persistent(float* partials, const T* dout, int N, int M,
-                                                int rows_per_chunk) {
-    const int lane = threadIdx.x & 31;
-    const int strips = (M + 32 * V - 1) / (32 * V);
-    const int chunks = (N + rows_per_chunk - 1) / rows_per_chunk;
-    const int items = strips * chunks;
-    for (int item = blockIdx.x * BB_PWARPS + (threadIdx.x >> 5); item < items; item += gridDim.x * BB_PWARPS) {
-        const int strip = item % strips, chunk = item / strips;
-        const int col0 = (strip * 32 + lane) * V;
-        if (col0 >= M) continue;
-        const int row0 = chunk * rows_per_chunk, row1 = min(N, row0 + rows_per_chunk);
-        float acc[BB_ROWS][V];
-        #pragma unroll
-        for (int w = 0; w < BB_ROWS; w++)
-            #pragma unroll
-            for (int v = 0; v < V; v++) acc[w][v] = 0.0f;
-        for (int r = row0; r < row1; r += BB_ROWS) {
-            Pack16<T> x[BB_ROWS];
-            #pragma unroll
-            for (int w = 0; w < BB_ROWS; w++)
-                if (r + w < row1) x[w] = load16_cs(dout + (size_t)(r + w) * M + col0);
-            #pragma unroll
-            for (int w = 0; w < BB_ROWS; w++)
-                if (r + w < row1)
-                    #pragma unroll
-                    for (int v = 0; v < V; v++) acc[w][v] += to_float(x[w].v[v]);
-        }
-        #pragma unroll
-        for (int v = 0; v < V; v++) {
-            float s = 0.0f;
-            #pragma unroll
-            for (int w = 0; w < BB_ROWS; w++) s += acc[w][v];
-            partials[(size_t)chunk * M + col0 + v] = s;
-        }
-    }
-}
-
 template <typename Tout>
 __device__ void bias_backward_stage2(Tout* dbias, const float* partials, int M, int chunks) {   // (M,) (chunks, M)
     const int col = blockIdx.x * blockDim.x + threadIdx.x;
@@ -170,11 +120,6 @@ BIAS_FILL(float, bf16, 1, scalar_f32_bf16)
     extern "C" __global__ void matmul_bias_backward_stage1_kernel_vec_##SUF(                      \
             float* partials, const T* dout, int N, int M, int rows_per_chunk) {                   \
         bias_backward_stage1<T, Pack16<T>::size>(partials, dout, N, M, rows_per_chunk);           \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(32 * BB_PWARPS, 1)                               \
-    matmul_bias_backward_stage1_persistent_kernel_vec_##SUF(                                      \
-            float* partials, const T* dout, int N, int M, int rows_per_chunk) {                   \
-        bias_backward_stage1_persistent<T, Pack16<T>::size>(partials, dout, N, M, rows_per_chunk); \
     }                                                                                             \
     extern "C" __global__ void matmul_bias_backward_stage1_kernel_scalar_##SUF(                   \
             float* partials, const T* dout, int N, int M, int rows_per_chunk) {                   \

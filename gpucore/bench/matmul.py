@@ -139,7 +139,7 @@ def _bench_train(M, K, N, with_bias):
                 mm.DBIAS_STREAM = default
 
         # with a bias: also the other places of the dbias kernel (DBIAS_STREAM), in the same rounds
-        modes = [m for m in ("", "first", "last", "overlap") if m != mm.DBIAS_STREAM] if with_bias else []
+        modes = [m for m in ("", "first", "last") if m != mm.DBIAS_STREAM] if with_bias else []
         raw_ms, ms, *mode_ms = time_interleaved([raw_backward, path_backward]
                                                 + [lambda m=m: path_backward(m) for m in modes])
         raw_bwd = Result(f"cublas gemmEx bf16 dx+dW{tag} {shape}", raw_ms, flops=2 * fl)
@@ -153,9 +153,8 @@ def _bench_train(M, K, N, with_bias):
         rows.append(Result(f"matmul_backward {'+dbias' if with_bias else 'no bias'}{tag} {shape}", ms,
                            flops=2 * fl, ref_tflops=raw_bwd.tflops, target=0.95, extra=extra))
         for m, m_ms in zip(modes, mode_ms):
-            where = {"": "after the GEMMs", "overlap": f"on {mm.DBIAS_OVERLAP_SMS} SMs beside the GEMMs"}
-            rows.append(Result(f"matmul_backward +dbias{tag} {shape} (dbias kernel "
-                               f"{where.get(m, m + ' on a side stream')})", m_ms, flops=2 * fl, ref_tflops=raw_bwd.tflops))
+            rows.append(Result(f"matmul_backward +dbias{tag} {shape} (dbias kernel {m or 'after the GEMMs'}"
+                               f"{' on a side stream' if m else ''})", m_ms, flops=2 * fl, ref_tflops=raw_bwd.tflops))
         if with_bias and mm._lt() is not None:   # the other dbias path, for comparison
             default = mm.LT_BGRAD
             mm.LT_BGRAD = not default

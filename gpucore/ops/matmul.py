@@ -62,10 +62,6 @@ F32, BF16 = dtypes.float32, dtypes.bfloat16
 # reduction order depends on the shape only (determinism across calls).
 BIAS_BWD_ROWS_PER_CHUNK = 256
 BIAS_BWD_ROWS = 8          # BB_ROWS in matmul.cu: warps per stage-1 block
-BIAS_BWD_PERSISTENT_WARPS = 12   # BB_PWARPS: warps of a persistent stage-1 block (one work item each)
-# Dynamic shared memory a persistent stage-1 block asks for (and never touches), so that no
-# second block and no GEMM block lands on the multiprocessor it holds.
-BIAS_BWD_PERSISTENT_SMEM = 160 << 10
 
 
 # ------------------------------------------------------------------ checks ----
@@ -242,12 +238,7 @@ LT_BGRAD = os.environ.get("GPUCORE_LT_BGRAD", "0") == "1"
 #         points over "" (`gpucore bench matmul`); inside the d12 step with every dbias on this
 #         path it measured 122.0 vs 117.0 ms (tools/probes/model_step_ab.py, H200), so it is opt-in.
 #         (The model computes three of its four bias gradients elsewhere: model.FUSED_BIAS_GRADS.)
-#   "overlap" -- on a side stream, launched first as a persistent kernel on DBIAS_OVERLAP_SMS
-#         multiprocessors (one block each), while cuBLASLt plans both GEMMs for the remaining
-#         ones (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET): the column sum streams dout beside
-#         math-bound GEMMs instead of after them. Needs cuBLASLt (else: as "first").
 DBIAS_STREAM = os.environ.get("GPUCORE_DBIAS_STREAM", "")
-DBIAS_OVERLAP_SMS = int(os.environ.get("GPUCORE_DBIAS_OVERLAP_SMS", "8"))
 LT_TRY_GEMMEX = True                    # gemmEx races the Lt algorithms of epilogue-free GEMMs
 LT_ALGO_CANDIDATES = 8                  # heuristic results requested per plan
 LT_AUTOTUNE_MIN_FLOPS = 2e9             # below: the heuristic's first choice (timing costs more than it saves)
@@ -256,7 +247,6 @@ LT_TUNE_CACHE = runtime.CACHE_DIR / "cublaslt_algos.json"   # next to the compil
 LT_WORKSPACE_BYTES = 32 << 20           # cuBLAS' recommendation for Hopper
 _LT_DESC_TRANSA, _LT_DESC_TRANSB, _LT_DESC_EPILOGUE, _LT_DESC_BIAS_POINTER = 3, 4, 7, 8
 _LT_DESC_BIAS_DATA_TYPE = 26
-_LT_DESC_SM_COUNT_TARGET = 15           # int32: plan the GEMM for this many SMs (0 = all)
 _LT_EPILOGUE_DEFAULT, _LT_EPILOGUE_BIAS, _LT_EPILOGUE_BGRADB = 1, 4, 512
 _LT_PREF_MAX_WORKSPACE_BYTES = 1
 _LT_PREF_MIN_ALIGNMENT = (5, 6, 7, 8)   # A, B, C, D
@@ -333,8 +323,7 @@ class _CublasLt:
             self.workspaces[dev] = runtime.cupy.empty(LT_WORKSPACE_BYTES, dtype=np.uint8)
         return dev, self.handles[dev], self.workspaces[dev]
 
-    def plan(self, key, handle, op_b, op_a, N, M, K, ldb, lda, tb, ta, tc, epilogue, bias_ptr, bias_type, aligns,
-             sm_target=0):
+    def plan(self, key, handle, op_b, op_a, N, M, K, ldb, lda, tb, ta, tc, epilogue, bias_ptr, bias_type, aligns):
         """The _Plan for C^T = op(B)^T op(A)^T (+ epilogue), or None if Lt has no algorithm."""
         if key in self.plans:
             return self.plans[key]
@@ -347,8 +336,6 @@ class _CublasLt:
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, _LT_DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
         if bias_type is not None:
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, _LT_DESC_BIAS_DATA_TYPE, ctypes.c_int32(bias_type))
-        if sm_target:
-            self._set(lib.cublasLtMatmulDescSetAttribute, desc, _LT_DESC_SM_COUNT_TARGET, ctypes.c_int32(sm_target))
         # Column-major layouts of the stored matrices: (rows, cols, ld) = (row length, row count, row length).
         lay_b = self._create(lib.cublasLtMatrixLayoutCreate, tb, *((N, K) if op_b == 0 else (K, N)), ldb)
         lay_a = self._create(lib.cublasLtMatrixLayoutCreate, ta, *((K, M) if op_a == 0 else (M, K)), lda)
@@ -511,7 +498,7 @@ def _choose(lt, plan, key, launch, out, beta, flops, gemmex):
 
 
 def _lt_gemm_rowmajor(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0, bias=None,
-                      bgrad=None, sm_target=0):
+                      bgrad=None):
     """Row-major out = alpha * op(a) @ op(b) + beta * out [+ bias over rows] by cublasLtMatmul.
 
     bgrad (instead of bias): a float32 or bf16 (N,) array that receives, for
@@ -519,9 +506,6 @@ def _lt_gemm_rowmajor(a, b, out, M, N, K, transpose_a=False, transpose_b=False, 
     out = dW (M', K')), the column sums of dout: bgrad[j] = sum_r dout[r, j].
     That is Lt's CUBLASLT_EPILOGUE_BGRADB (Lt computes C^T = op(B)^T op(A)^T
     with our a as its B); it is written, not added.
-    sm_target > 0: Lt plans (and races) the GEMM for that many multiprocessors
-    (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET), leaving the others to a kernel
-    that runs beside it; plain gemmEx, which cannot be told, is then no candidate.
     Returns False (nothing launched) when cuBLASLt is unavailable, has no
     algorithm for this case, or plain gemmEx won the timing race; the caller
     then uses gemmEx (or, for bgrad, the dbias kernel).
@@ -541,9 +525,9 @@ def _lt_gemm_rowmajor(a, b, out, M, N, K, transpose_a=False, transpose_b=False, 
     vec_ptr = vec.data.ptr if vec is not None else 0
     aligns = tuple(_alignment(p) for p in (b.data.ptr, a.data.ptr, out.data.ptr, out.data.ptr))
     key = (dev, op_a, op_b, M, N, K, a.shape[-1], b.shape[-1], ta, tb, tc, epilogue, vec_type,
-           _alignment(vec_ptr) if vec is not None else 0, aligns, beta != 0.0) + ((sm_target,) if sm_target else ())
+           _alignment(vec_ptr) if vec is not None else 0, aligns, beta != 0.0)
     plan = lt.plan(key, handle, op_b, op_a, N, M, K, b.shape[-1], a.shape[-1], tb, ta, tc,
-                   epilogue, vec_ptr, vec_type, aligns, sm_target)
+                   epilogue, vec_ptr, vec_type, aligns)
     if plan is None:
         return False
     if vec is not None:
@@ -563,7 +547,7 @@ def _lt_gemm_rowmajor(a, b, out, M, N, K, transpose_a=False, transpose_b=False, 
     else:
         if plan.choice is None:
             gemmex = None
-            if epilogue == _LT_EPILOGUE_DEFAULT and LT_TRY_GEMMEX and not sm_target:
+            if epilogue == _LT_EPILOGUE_DEFAULT and LT_TRY_GEMMEX:
                 def gemmex(c):
                     _gemm_rowmajor(a, b, c, M, N, K, transpose_a, transpose_b, alpha, beta)
             _choose(lt, plan, key, launch, out, beta, 2.0 * M * N * K, gemmex)
@@ -574,12 +558,12 @@ def _lt_gemm_rowmajor(a, b, out, M, N, K, transpose_a=False, transpose_b=False, 
     return True
 
 
-def _train_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, beta=0.0, bias=None, sm_target=0):
+def _train_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, beta=0.0, bias=None):
     """The training path's GEMM: cuBLASLt (bias fused) when it can, else gemmEx (+ bias-fill kernel)."""
     if bias is not None and bias.dtype != out.dtype:
         lt_ok = False                   # Lt's bias has D's type; a bf16 bias into a float32 out takes the fill
     else:
-        lt_ok = _lt_gemm_rowmajor(a, b, out, M, N, K, transpose_a, transpose_b, 1.0, beta, bias, sm_target=sm_target)
+        lt_ok = _lt_gemm_rowmajor(a, b, out, M, N, K, transpose_a, transpose_b, 1.0, beta, bias)
     if lt_ok:
         return
     if bias is not None:
@@ -706,9 +690,8 @@ def matmul_forward(x, weight, bias=None, out=None):
     return out
 
 
-def _bias_backward(dbias, dout2d, sms=0):
-    """dbias (M,) += dout2d (N, M).sum(0): two deterministic launches, float32 partials.
-    sms > 0: stage 1 runs persistent on that many multiprocessors, one block each (same bits)."""
+def _bias_backward(dbias, dout2d):
+    """dbias (M,) += dout2d (N, M).sum(0): two deterministic launches, float32 partials."""
     N, M = dout2d.shape
     cp = runtime.cupy
     suf = dtypes.kernel_suffix(dout2d.dtype)
@@ -717,13 +700,10 @@ def _bias_backward(dbias, dout2d, sms=0):
     P = 16 // dout2d.dtype.itemsize
     vec = M % P == 0 and dout2d.data.ptr % 16 == 0
     V = P if vec else 1
-    args = (partials, dout2d, np.int32(N), np.int32(M), np.int32(BIAS_BWD_ROWS_PER_CHUNK))
-    if sms and vec:
-        k1 = runtime.get_kernel("matmul", f"matmul_bias_backward_stage1_persistent_kernel_vec_{suf}")
-        runtime.launch(k1, sms, 32 * BIAS_BWD_PERSISTENT_WARPS, args, shared_mem=BIAS_BWD_PERSISTENT_SMEM)
-    else:
-        k1 = runtime.get_kernel("matmul", f"matmul_bias_backward_stage1_kernel_{'vec' if vec else 'scalar'}_{suf}")
-        runtime.launch(k1, (-(-M // (32 * V)), chunks), (32, BIAS_BWD_ROWS), args)
+    k1 = runtime.get_kernel("matmul", f"matmul_bias_backward_stage1_kernel_{'vec' if vec else 'scalar'}_{suf}")
+    grid1 = (-(-M // (32 * V)), chunks)
+    runtime.launch(k1, grid1, (32, BIAS_BWD_ROWS),
+                   (partials, dout2d, np.int32(N), np.int32(M), np.int32(BIAS_BWD_ROWS_PER_CHUNK)))
     bias_reduce_partials(dbias, partials)
 
 
@@ -821,18 +801,13 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
     dout2d = dout.reshape(N, M)
     x2d = x.reshape(N, K)
     side = None                             # the dbias kernel beside the GEMMs (DBIAS_STREAM)
-    sm_target = 0                           # "overlap": the GEMMs planned for the SMs the dbias kernel leaves
-    if dbias is not None and M and N and DBIAS_STREAM in ("first", "last", "overlap") and not (LT_BGRAD and _lt()):
-        sms = 0
-        if DBIAS_STREAM == "overlap" and _lt() is not None and DBIAS_OVERLAP_SMS < runtime.sm_count():
-            sms = DBIAS_OVERLAP_SMS
-            sm_target = runtime.sm_count() - sms
-        side = _dbias_side(dbias, dout2d, launch=DBIAS_STREAM != "last", sms=sms)
+    if dbias is not None and M and N and DBIAS_STREAM in ("first", "last") and not (LT_BGRAD and _lt()):
+        side = _dbias_side(dbias, dout2d, launch=DBIAS_STREAM == "first")
     if dx is not None and N and K:
         if M == 0:
             dx.fill(0)
         else:
-            _train_gemm(dout2d, weight, dx.reshape(N, K), N, K, M, sm_target=sm_target)     # (N,M) @ (M,K)
+            _train_gemm(dout2d, weight, dx.reshape(N, K), N, K, M)               # (N,M) @ (M,K)
     dbias_done = False
     if dweight is not None and M and K:
         if N == 0:
@@ -843,8 +818,7 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
             if dbias is not None:           # dW GEMM + the bias gradient from its epilogue
                 dbias_done = _dweight_dbias_fused(dbias, dout2d, x2d, dweight, M, K, N, beta) is not None
             if not dbias_done:
-                _train_gemm(dout2d, x2d, dweight, M, K, N, transpose_a=True, beta=beta,   # (N,M)^T @ (N,K)
-                            sm_target=sm_target)
+                _train_gemm(dout2d, x2d, dweight, M, K, N, transpose_a=True, beta=beta)   # (N,M)^T @ (N,K)
     if side is not None:
         side.finish()
     elif dbias is not None and M and N and not dbias_done:
@@ -858,9 +832,9 @@ class _dbias_side:
     caller's stream wait for it. The partials are allocated while the side stream is current, so
     CuPy's pool hands their memory back to that stream only (no reuse racing the kernel)."""
 
-    def __init__(self, dbias, dout2d, launch, sms=0):
+    def __init__(self, dbias, dout2d, launch):
         cp = runtime.cupy
-        self.args, self.launched = (dbias, dout2d, sms), False
+        self.args, self.launched = (dbias, dout2d), False
         self.main = cp.cuda.get_current_stream()
         self.stream, forked, self.joined = runtime.side_stream("matmul dbias")
         forked.record(self.main)
