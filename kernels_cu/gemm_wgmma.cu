@@ -1,5 +1,6 @@
 /*
- * gemm_wgmma.cu -- rung v5 of the ladder: Hopper's warpgroup MMA (wgmma.mma_async, sm_90a).
+ * gemm_wgmma.cu -- rungs v5 and v6 of the ladder: Hopper's warpgroup MMA (wgmma.mma_async, sm_90a);
+ * v6 (at the end) is v5 warp-specialized: a producer warpgroup and mbarrier-handed stages.
  *
  * Math:   C (M, N) = A (M, K) @ B (K, N), all row-major; A, B bf16, float32
  *         accumulation, C float32 or bf16 (rounded once, to nearest even).
@@ -176,4 +177,173 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_forward_kernel_v5_bf16
 extern "C" __global__ void __launch_bounds__(256, 1) gemm_forward_kernel_v5_bf16_bf16(
         bf16* C, const bf16* A, const bf16* B, int M, int N, int K) {
     GEMM_V5_BODY(bf16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// v6: the same block tile and shared-memory layout as v5, warp-specialized. 384 threads:
+// warpgroup 0 is the PRODUCER (only copies), warpgroups 1 and 2 are CONSUMERS (only wgmma;
+// consumer c owns C rows 64c..64c+63). v5's every thread copies, waits for its copies and meets
+// every other thread at a __syncthreads per k-tile, so the tensor cores idle while the slowest
+// warp catches up. Here the stages are handed over by mbarriers, two per stage:
+//   full[s]  (count 128): each producer thread's cp.async.mbarrier.arrive.noinc fires when ITS
+//            copies into stage s have landed; the phase completes when all 128 have.
+//   empty[s] (count 256): each consumer thread arrives once the wgmma group that read stage s
+//            has retired (wgmma_wait<1> after the next tile's group is issued).
+// Use u = kt / STAGES6 of stage s is phase u of both barriers: consumers wait full[s] with
+// parity u & 1, the producer waits empty[s] with parity (u - 1) & 1 before refilling it.
+// setmaxnreg moves registers from the producer (56) to the consumers (224: 128 accumulators).
+// After the wait, a consumer's fence.proxy.async makes the (generic-proxy) cp.async writes
+// that the barrier published visible to its (async-proxy) wgmma reads.
+#define STAGES6 4
+#define THREADS6 384
+
+__device__ __forceinline__ void mbar_init6(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait6(u32 bar, u32 parity) {
+    u32 done = 0;
+    while (!done)
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive6(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// 16-byte cp.async without the zero-fill operand (the source is known to be in bounds)
+__device__ __forceinline__ void cp_async16_full6(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+// arrive on `bar` when all of this thread's earlier cp.async have completed
+__device__ __forceinline__ void cp_async_mbar_arrive6(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+template <typename Tout>
+__device__ __forceinline__ void gemm_v6(Tout* C, const bf16* A, const bf16* B, int M, int N, int K) {   // (M,N) (M,K) (K,N)
+    extern __shared__ unsigned char smem6[];
+    __shared__ __align__(8) unsigned long long bars6[2 * STAGES6];      // full[0..S), empty[0..S)
+    const u32 smem0 = (smem_u32_5(smem6) + 1023u) & ~1023u;
+    const u32 full0 = smem_u32_5(bars6), empty0 = full0 + 8 * STAGES6;
+
+    const int tiles_m = (M + BM5 - 1) / BM5, tiles_n = (N + BN5 - 1) / BN5;
+    const int pid = blockIdx.x;
+    const int per_group = GROUP_M5 * tiles_n;
+    const int first_m = (pid / per_group) * GROUP_M5;
+    const int group_rows = min(tiles_m - first_m, GROUP_M5);
+    const int bm = first_m + (pid % per_group) % group_rows;
+    const int bn = (pid % per_group) / group_rows;
+    const int m0 = bm * BM5, n0 = bn * BN5;
+    const int ktiles = (K + BK5 - 1) / BK5;
+
+    const int tid = threadIdx.x, wg = tid >> 7;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES6; s++) {
+            mbar_init6(full0 + 8 * s, 128);
+            mbar_init6(empty0 + 8 * s, 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {                                                    // ---- producer ----
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+        const int p = tid;
+        // A: chunk column a_c (8 k) of rows a_r0 + 16 i, i < 8. B: chunk column b_c (8 n) of
+        // k-rows b_r0 + 4 i, i < 16 (k-row & 7 = b_r0 + 4 (i & 1), b_r0 < 4).
+        const int a_r0 = p >> 3, a_c = p & 7, b_r0 = p >> 5, b_c = p & 31;
+        const u32 a_dst = a_r0 * 128 + ((a_c ^ (a_r0 & 7)) << 4);       // + 2048 i
+        const bf16* a_src = A + (size_t)(m0 + a_r0) * K + a_c * 8;
+        const bf16* b_src = B + (size_t)b_r0 * N + n0 + b_c * 8;
+        const bool b_col_ok = n0 + b_c * 8 < N;
+        // Fast path (whole tile inside the matrices): no bounds checks, no zero-fill, and every
+        // source address one IMAD.WIDE off a pointer that advances per k-tile -- a single warp
+        // per scheduler issues all copies, so its instruction count per tile is the budget
+        // (with v5's per-copy index math and checks, this warpgroup could not keep up).
+        const bool mn_inside = m0 + BM5 <= M && n0 + BN5 <= N;
+        const char* a_tile = reinterpret_cast<const char*>(a_src);   // advances BK5 * 2 bytes per k-tile
+        const char* b_tile = reinterpret_cast<const char*>(b_src);   // advances BK5 * N * 2 bytes
+        const u32 a_row_step = 16u * K * 2, b_row_step = 4u * N * 2;
+        const u32 b_dst_even = A_STAGE5 + (b_c >> 3) * 8192 + b_r0 * 128 + (((b_c & 7) ^ b_r0) << 4);
+        const u32 b_dst_odd = A_STAGE5 + (b_c >> 3) * 8192 + b_r0 * 128 + (((b_c & 7) ^ (b_r0 + 4)) << 4);
+        for (int kt = 0; kt < ktiles; kt++, a_tile += BK5 * 2, b_tile += (size_t)BK5 * N * 2) {
+            const int s = kt % STAGES6;
+            if (kt >= STAGES6) mbar_wait6(empty0 + 8 * s, ((kt / STAGES6) - 1) & 1);
+            const int k0 = kt * BK5;
+            const u32 base = smem0 + s * STAGE5;
+            if (mn_inside && k0 + BK5 <= K) {
+                #pragma unroll
+                for (int i = 0; i < 8; i++) cp_async16_full6(base + a_dst + 2048 * i, a_tile + i * a_row_step);
+                #pragma unroll
+                for (int i = 0; i < 16; i++)
+                    cp_async16_full6(base + ((i & 1) ? b_dst_odd : b_dst_even) + 512 * i, b_tile + i * b_row_step);
+                cp_async_mbar_arrive6(full0 + 8 * s);
+                continue;
+            }
+            const bool a_k_ok = k0 + a_c * 8 < K;       // edge tiles: checked, zero-filled
+            #pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const bool ok = a_k_ok && m0 + a_r0 + 16 * i < M;
+                cp_async16_5(base + a_dst + 2048 * i, ok ? a_src + (size_t)(16 * i) * K + k0 : A, ok ? 16 : 0);
+            }
+            #pragma unroll
+            for (int i = 0; i < 16; i++) {
+                const int kr = b_r0 + 4 * i;
+                const bool ok = b_col_ok && k0 + kr < K;
+                cp_async16_5(base + ((i & 1) ? b_dst_odd : b_dst_even) + 512 * i,
+                             ok ? b_src + (size_t)(k0 + 4 * i) * N : B, ok ? 16 : 0);
+            }
+            cp_async_mbar_arrive6(full0 + 8 * s);
+        }
+        cp_async_wait_5<0>();
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");     // ---- consumers ----
+    const int c = wg - 1, lane = tid & 31, warp = (tid >> 5) & 3;
+    float d[128];
+    #pragma unroll
+    for (int i = 0; i < 128; i++) d[i] = 0.0f;
+    for (int kt = 0; kt < ktiles; kt++) {
+        const int s = kt % STAGES6;
+        mbar_wait6(full0 + 8 * s, (kt / STAGES6) & 1);
+        fence_proxy_async();
+        const u32 sa = smem0 + s * STAGE5 + c * (64 * 128);
+        const u32 sb = smem0 + s * STAGE5 + A_STAGE5;
+        wgmma_fence();
+        #pragma unroll
+        for (int ks = 0; ks < BK5 / 16; ks++)
+            wgmma_m64n256k16(d, smem_desc(sa + 32 * ks, 16, 1024), smem_desc(sb + 2048 * ks, 8192, 1024));
+        wgmma_commit();
+        wgmma_wait<1>();                     // tile kt-1's group has retired: its stage is free
+        if (kt > 0) mbar_arrive6(empty0 + 8 * ((kt - 1) % STAGES6));
+    }
+    wgmma_wait<0>();
+    #pragma unroll
+    for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
+
+    const int g = lane >> 2, t = lane & 3;
+    const int row = m0 + c * 64 + warp * 16 + g;
+    #pragma unroll
+    for (int j = 0; j < BN5 / 8; j++) {
+        const int col = n0 + j * 8 + 2 * t;
+        if (col >= N) continue;
+        if (row < M) store2_5<Tout>(C + (size_t)row * N + col, d[4 * j], d[4 * j + 1]);
+        if (row + 8 < M) store2_5<Tout>(C + (size_t)(row + 8) * N + col, d[4 * j + 2], d[4 * j + 3]);
+    }
+}
+
+#define GEMM_V6_BODY(Tout) gemm_v6<Tout>(C, A, B, M, N, K)
+#else
+#define GEMM_V6_BODY(Tout) __trap()
+#endif
+
+extern "C" __global__ void __launch_bounds__(THREADS6, 1) gemm_forward_kernel_v6_bf16_f32(
+        float* C, const bf16* A, const bf16* B, int M, int N, int K) {
+    GEMM_V6_BODY(float);
+}
+extern "C" __global__ void __launch_bounds__(THREADS6, 1) gemm_forward_kernel_v6_bf16_bf16(
+        bf16* C, const bf16* A, const bf16* B, int M, int N, int K) {
+    GEMM_V6_BODY(bf16);
 }

@@ -546,7 +546,7 @@ def test_gpu_gemm_simt(rng, version, M, K, N):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("version", [4, "4w", "4b", "4c", 5])
+@pytest.mark.parametrize("version", [4, "4w", "4b", "4c", 5, 6])
 @pytest.mark.parametrize("out_dtype", [np.float32, BF16])
 @pytest.mark.parametrize("M,K,N", TC_SHAPES)
 def test_gpu_gemm_tc(rng, version, out_dtype, M, K, N):
@@ -560,7 +560,7 @@ def _assert_exact(out, want, what):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("version", [1, 2, 3, 4, "4w", "4b", "4c", 5])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, "4w", "4b", "4c", 5, 6])
 def test_gpu_gemm_structured(version):
     """Identity-like and index-coded inputs (small integers: exact in bf16 and fp32),
     so a wrong fragment, swizzle or tile offset shows up as a named (row, col)."""

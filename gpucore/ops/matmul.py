@@ -879,8 +879,11 @@ GEMM_VERSIONS = {
     # v5 (gemm_wgmma.cu, sm_90 only): wgmma.m64n256k16 from 128B-swizzled shared memory, 2
     # warpgroups on a 128x256x64 block, 4 cp.async stages (+1 KB to align the base to 1024).
     5: ("gemm_wgmma", BF16, (128, 256), 256, 4 * (128 * 64 + 64 * 256) * 2 + 1024),
+    # v6 (gemm_wgmma.cu): v5's tiles and stages, warp-specialized -- a producer warpgroup copies,
+    # 2 consumer warpgroups only multiply; stages handed over by mbarriers (no __syncthreads).
+    6: ("gemm_wgmma", BF16, (128, 256), 384, 4 * (128 * 64 + 64 * 256) * 2 + 1024),
 }
-_ARCH = {5: "90a"}                      # compiled for sm_90a (wgmma); runs on sm_90 devices only
+_ARCH = {5: "90a", 6: "90a"}            # compiled for sm_90a (wgmma); runs on sm_90 devices only
 TC_VERSIONS = tuple(v for v, spec in GEMM_VERSIONS.items() if spec[1] == BF16)
 # The bf16 default: the fastest measured at 4096^3 on an H200 (2026-11-22): v5 (wgmma) 545
 # TFLOP/s on sm_90, else v4b (mma.sync) 418 TFLOP/s; v4 309, v4w 317, v4c 375.
@@ -898,8 +901,8 @@ def _default_bf16_version():
 def gemm(a, b, out=None, version=None):
     """C (M, N) = A (M, K) @ B (K, N), all row-major, with our own kernels.
 
-    version 1-3: float32 in and out (SIMT). version 4, "4w", "4b", "4c", 5 (tensor
-    cores, see GEMM_VERSIONS; 5 = wgmma, Hopper only): bfloat16 in, bfloat16
+    version 1-3: float32 in and out (SIMT). version 4, "4w", "4b", "4c", 5, 6 (tensor
+    cores, see GEMM_VERSIONS; 5, 6 = wgmma, Hopper only): bfloat16 in, bfloat16
     (default) or float32 out; need N and K multiples of 8 (16-byte rows for
     cp.async), M any.
     Default: v5 for bfloat16 on sm_90 (else GEMM_DEFAULT_BF16), 3 for float32.
