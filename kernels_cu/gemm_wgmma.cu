@@ -180,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_forward_kernel_v5_bf16
 }
 
 // ---------------------------------------------------------------------------------------------
-// v6: the same block tile and shared-memory layout as v5, warp-specialized. 384 threads:
+// v6: the same block tile and shared-memory layout as v5, warp-specialized and persistent. 384 threads:
 // warpgroup 0 is the PRODUCER (only copies), warpgroups 1 and 2 are CONSUMERS (only wgmma;
 // consumer c owns C rows 64c..64c+63). v5's every thread copies, waits for its copies and meets
 // every other thread at a __syncthreads per k-tile, so the tensor cores idle while the slowest
@@ -194,6 +194,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_forward_kernel_v5_bf16
 // setmaxnreg moves registers from the producer (56) to the consumers (224: 128 accumulators).
 // After the wait, a consumer's fence.proxy.async makes the (generic-proxy) cp.async writes
 // that the barrier published visible to its (async-proxy) wgmma reads.
+// Persistent: the grid is min(tiles, SMs) blocks walking tiles blockIdx.x, + gridDim.x, ...
+// (v5's raster order), and "use u" counts k-tiles over all of a block's tiles, so the producer
+// runs on into the next tile while the consumers write this one's C (with K = 768, 12 k-tiles
+// per tile, a non-persistent block spends a fifth of its time filling and draining).
 #define STAGES6 4
 #define THREADS6 384
 
@@ -228,14 +232,15 @@ __device__ __forceinline__ void gemm_v6(Tout* C, const bf16* A, const bf16* B, i
     const u32 full0 = smem_u32_5(bars6), empty0 = full0 + 8 * STAGES6;
 
     const int tiles_m = (M + BM5 - 1) / BM5, tiles_n = (N + BN5 - 1) / BN5;
-    const int pid = blockIdx.x;
-    const int per_group = GROUP_M5 * tiles_n;
-    const int first_m = (pid / per_group) * GROUP_M5;
-    const int group_rows = min(tiles_m - first_m, GROUP_M5);
-    const int bm = first_m + (pid % per_group) % group_rows;
-    const int bn = (pid % per_group) / group_rows;
-    const int m0 = bm * BM5, n0 = bn * BN5;
+    const int tiles = tiles_m * tiles_n;
     const int ktiles = (K + BK5 - 1) / BK5;
+    auto tile_origin = [&](int pid, int& m0, int& n0) {            // v5's grouped raster order
+        const int per_group = GROUP_M5 * tiles_n;
+        const int first_m = (pid / per_group) * GROUP_M5;
+        const int group_rows = min(tiles_m - first_m, GROUP_M5);
+        m0 = (first_m + (pid % per_group) % group_rows) * BM5;
+        n0 = ((pid % per_group) / group_rows) * BN5;
+    };
 
     const int tid = threadIdx.x, wg = tid >> 7;
     if (tid == 0) {
@@ -254,47 +259,52 @@ __device__ __forceinline__ void gemm_v6(Tout* C, const bf16* A, const bf16* B, i
         // k-rows b_r0 + 4 i, i < 16 (k-row & 7 = b_r0 + 4 (i & 1), b_r0 < 4).
         const int a_r0 = p >> 3, a_c = p & 7, b_r0 = p >> 5, b_c = p & 31;
         const u32 a_dst = a_r0 * 128 + ((a_c ^ (a_r0 & 7)) << 4);       // + 2048 i
-        const bf16* a_src = A + (size_t)(m0 + a_r0) * K + a_c * 8;
-        const bf16* b_src = B + (size_t)b_r0 * N + n0 + b_c * 8;
-        const bool b_col_ok = n0 + b_c * 8 < N;
-        // Fast path (whole tile inside the matrices): no bounds checks, no zero-fill, and every
-        // source address one IMAD.WIDE off a pointer that advances per k-tile -- a single warp
-        // per scheduler issues all copies, so its instruction count per tile is the budget
-        // (with v5's per-copy index math and checks, this warpgroup could not keep up).
-        const bool mn_inside = m0 + BM5 <= M && n0 + BN5 <= N;
-        const char* a_tile = reinterpret_cast<const char*>(a_src);   // advances BK5 * 2 bytes per k-tile
-        const char* b_tile = reinterpret_cast<const char*>(b_src);   // advances BK5 * N * 2 bytes
         const u32 a_row_step = 16u * K * 2, b_row_step = 4u * N * 2;
         const u32 b_dst_even = A_STAGE5 + (b_c >> 3) * 8192 + b_r0 * 128 + (((b_c & 7) ^ b_r0) << 4);
         const u32 b_dst_odd = A_STAGE5 + (b_c >> 3) * 8192 + b_r0 * 128 + (((b_c & 7) ^ (b_r0 + 4)) << 4);
-        for (int kt = 0; kt < ktiles; kt++, a_tile += BK5 * 2, b_tile += (size_t)BK5 * N * 2) {
-            const int s = kt % STAGES6;
-            if (kt >= STAGES6) mbar_wait6(empty0 + 8 * s, ((kt / STAGES6) - 1) & 1);
-            const int k0 = kt * BK5;
-            const u32 base = smem0 + s * STAGE5;
-            if (mn_inside && k0 + BK5 <= K) {
+        int it = 0;                                      // k-tiles handed over so far (all tiles)
+        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+            int m0, n0;
+            tile_origin(tile, m0, n0);
+            const bf16* a_src = A + (size_t)(m0 + a_r0) * K + a_c * 8;
+            const bf16* b_src = B + (size_t)b_r0 * N + n0 + b_c * 8;
+            const bool b_col_ok = n0 + b_c * 8 < N;
+            // Fast path (whole tile inside the matrices): no bounds checks, no zero-fill, and every
+            // source address one IMAD.WIDE off a pointer that advances per k-tile -- a single warp
+            // per scheduler issues all copies, so its instruction count per tile is the budget
+            // (with v5's per-copy index math and checks, this warpgroup could not keep up).
+            const bool mn_inside = m0 + BM5 <= M && n0 + BN5 <= N;
+            const char* a_tile = reinterpret_cast<const char*>(a_src);   // advances BK5 * 2 bytes per k-tile
+            const char* b_tile = reinterpret_cast<const char*>(b_src);   // advances BK5 * N * 2 bytes
+            for (int kt = 0; kt < ktiles; kt++, it++, a_tile += BK5 * 2, b_tile += (size_t)BK5 * N * 2) {
+                const int s = it % STAGES6;
+                if (it >= STAGES6) mbar_wait6(empty0 + 8 * s, ((it / STAGES6) - 1) & 1);
+                const int k0 = kt * BK5;
+                const u32 base = smem0 + s * STAGE5;
+                if (mn_inside && k0 + BK5 <= K) {
+                    #pragma unroll
+                    for (int i = 0; i < 8; i++) cp_async16_full6(base + a_dst + 2048 * i, a_tile + i * a_row_step);
+                    #pragma unroll
+                    for (int i = 0; i < 16; i++)
+                        cp_async16_full6(base + ((i & 1) ? b_dst_odd : b_dst_even) + 512 * i, b_tile + i * b_row_step);
+                    cp_async_mbar_arrive6(full0 + 8 * s);
+                    continue;
+                }
+                const bool a_k_ok = k0 + a_c * 8 < K;       // edge tiles: checked, zero-filled
                 #pragma unroll
-                for (int i = 0; i < 8; i++) cp_async16_full6(base + a_dst + 2048 * i, a_tile + i * a_row_step);
+                for (int i = 0; i < 8; i++) {
+                    const bool ok = a_k_ok && m0 + a_r0 + 16 * i < M;
+                    cp_async16_5(base + a_dst + 2048 * i, ok ? a_src + (size_t)(16 * i) * K + k0 : A, ok ? 16 : 0);
+                }
                 #pragma unroll
-                for (int i = 0; i < 16; i++)
-                    cp_async16_full6(base + ((i & 1) ? b_dst_odd : b_dst_even) + 512 * i, b_tile + i * b_row_step);
+                for (int i = 0; i < 16; i++) {
+                    const int kr = b_r0 + 4 * i;
+                    const bool ok = b_col_ok && k0 + kr < K;
+                    cp_async16_5(base + ((i & 1) ? b_dst_odd : b_dst_even) + 512 * i,
+                                 ok ? b_src + (size_t)(k0 + 4 * i) * N : B, ok ? 16 : 0);
+                }
                 cp_async_mbar_arrive6(full0 + 8 * s);
-                continue;
             }
-            const bool a_k_ok = k0 + a_c * 8 < K;       // edge tiles: checked, zero-filled
-            #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                const bool ok = a_k_ok && m0 + a_r0 + 16 * i < M;
-                cp_async16_5(base + a_dst + 2048 * i, ok ? a_src + (size_t)(16 * i) * K + k0 : A, ok ? 16 : 0);
-            }
-            #pragma unroll
-            for (int i = 0; i < 16; i++) {
-                const int kr = b_r0 + 4 * i;
-                const bool ok = b_col_ok && k0 + kr < K;
-                cp_async16_5(base + ((i & 1) ? b_dst_odd : b_dst_even) + 512 * i,
-                             ok ? b_src + (size_t)(k0 + 4 * i) * N : B, ok ? 16 : 0);
-            }
-            cp_async_mbar_arrive6(full0 + 8 * s);
         }
         cp_async_wait_5<0>();
         return;
@@ -302,35 +312,42 @@ __device__ __forceinline__ void gemm_v6(Tout* C, const bf16* A, const bf16* B, i
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");     // ---- consumers ----
     const int c = wg - 1, lane = tid & 31, warp = (tid >> 5) & 3;
-    float d[128];
-    #pragma unroll
-    for (int i = 0; i < 128; i++) d[i] = 0.0f;
-    for (int kt = 0; kt < ktiles; kt++) {
-        const int s = kt % STAGES6;
-        mbar_wait6(full0 + 8 * s, (kt / STAGES6) & 1);
-        fence_proxy_async();
-        const u32 sa = smem0 + s * STAGE5 + c * (64 * 128);
-        const u32 sb = smem0 + s * STAGE5 + A_STAGE5;
-        wgmma_fence();
-        #pragma unroll
-        for (int ks = 0; ks < BK5 / 16; ks++)
-            wgmma_m64n256k16(d, smem_desc(sa + 32 * ks, 16, 1024), smem_desc(sb + 2048 * ks, 8192, 1024));
-        wgmma_commit();
-        wgmma_wait<1>();                     // tile kt-1's group has retired: its stage is free
-        if (kt > 0) mbar_arrive6(empty0 + 8 * ((kt - 1) % STAGES6));
-    }
-    wgmma_wait<0>();
-    #pragma unroll
-    for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
-
     const int g = lane >> 2, t = lane & 3;
-    const int row = m0 + c * 64 + warp * 16 + g;
-    #pragma unroll
-    for (int j = 0; j < BN5 / 8; j++) {
-        const int col = n0 + j * 8 + 2 * t;
-        if (col >= N) continue;
-        if (row < M) store2_5<Tout>(C + (size_t)row * N + col, d[4 * j], d[4 * j + 1]);
-        if (row + 8 < M) store2_5<Tout>(C + (size_t)(row + 8) * N + col, d[4 * j + 2], d[4 * j + 3]);
+    int it = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int m0, n0;
+        tile_origin(tile, m0, n0);
+        float d[128];
+        #pragma unroll
+        for (int i = 0; i < 128; i++) d[i] = 0.0f;
+        for (int kt = 0; kt < ktiles; kt++, it++) {
+            const int s = it % STAGES6;
+            mbar_wait6(full0 + 8 * s, (it / STAGES6) & 1);
+            fence_proxy_async();
+            const u32 sa = smem0 + s * STAGE5 + c * (64 * 128);
+            const u32 sb = smem0 + s * STAGE5 + A_STAGE5;
+            wgmma_fence();
+            #pragma unroll
+            for (int ks = 0; ks < BK5 / 16; ks++)
+                wgmma_m64n256k16(d, smem_desc(sa + 32 * ks, 16, 1024), smem_desc(sb + 2048 * ks, 8192, 1024));
+            wgmma_commit();
+            wgmma_wait<1>();                 // the previous k-tile's group has retired: its stage is free
+            if (kt > 0) mbar_arrive6(empty0 + 8 * ((it - 1) % STAGES6));
+        }
+        wgmma_wait<0>();
+        mbar_arrive6(empty0 + 8 * ((it - 1) % STAGES6));      // the tile's last stage
+        #pragma unroll
+        for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
+
+        // Epilogue straight from the accumulators; meanwhile the producer fills the next tile's stages.
+        const int row = m0 + c * 64 + warp * 16 + g;
+        #pragma unroll
+        for (int j = 0; j < BN5 / 8; j++) {
+            const int col = n0 + j * 8 + 2 * t;
+            if (col >= N) continue;
+            if (row < M) store2_5<Tout>(C + (size_t)row * N + col, d[4 * j], d[4 * j + 1]);
+            if (row + 8 < M) store2_5<Tout>(C + (size_t)(row + 8) * N + col, d[4 * j + 2], d[4 * j + 3]);
+        }
     }
 }
 
