@@ -44,9 +44,8 @@ template <int ROWS>
 __device__ __forceinline__ u32 v3_off(int r, int c) { return (u32)((c >> 3) * (ROWS * 128)) + wg_swz128(r, c & 7); }
 
 // Rows [r0, r0 + ROWS) of a (T, HD) slice (rows `stride` elements apart) -> swizzled tile at
-// shared address s. Rows >= T become zeros (src-size 0; src stays a valid address: g).
-// (The backward's v3_bwd_load_tile computes the same bytes with a different source address
-// for rows >= T; kept apart so that neither kernel's code changes.)
+// shared address s. Rows >= T become zeros (src-size 0; src stays a valid address: row 0).
+// Used by the forward (v3, v3p) and the backward.
 template <int ROWS, int HD, int NT>
 __device__ __forceinline__ void v3_load_tile(u32 s, const bf16* g, int r0, int T, int stride) {
     constexpr int CPR = HD / 8;
@@ -56,7 +55,7 @@ __device__ __forceinline__ void v3_load_tile(u32 s, const bf16* g, int r0, int T
         const int i = it * NT + threadIdx.x;
         const int row = i / CPR, c = i % CPR;
         const bool valid = r0 + row < T;
-        const bf16* src = valid ? g + (size_t)(r0 + row) * stride + c * 8 : g;
+        const bf16* src = g + (size_t)(valid ? r0 + row : 0) * stride + c * 8;
         wg_cp_async16(s + v3_off<ROWS>(row, c), src, valid ? 16 : 0);
     }
 }

@@ -40,24 +40,7 @@
  */
 #include "flash_attention.cuh"
 #include "wgmma.cuh"
-#include "flash_attention_v3.cuh"   // v3_to_frags, v3_mma_ss/rs
-
-// Tile (ROWS, HD) of a (T, HD) global slice, rows `stride` elements apart, starting at row r0
-// -> swizzled smem at byte address s. Rows >= T become zeros. (flash_attention_v3.cuh's v3_load_tile
-// writes the same bytes but points rows >= T at g itself; kept apart to keep this file's code.)
-template <int ROWS, int HD, int NT>
-__device__ __forceinline__ void v3_bwd_load_tile(u32 s, const bf16* g, int r0, int T, int stride) {
-    constexpr int CPR = HD / 8;
-    static_assert((ROWS * CPR) % NT == 0, "tile chunks must divide evenly among threads");
-    #pragma unroll
-    for (int it = 0; it < ROWS * CPR / NT; it++) {
-        const int i = it * NT + threadIdx.x;
-        const int row = i / CPR, c = i % CPR;
-        const bool valid = r0 + row < T;
-        const bf16* src = g + (size_t)(valid ? r0 + row : 0) * stride + c * 8;
-        wg_cp_async16(s + (c >> 3) * (ROWS * 128) + wg_swz128(row, c & 7), src, valid ? 16 : 0);
-    }
-}
+#include "flash_attention_v3.cuh"   // v3_load_tile, v3_to_frags, v3_mma_ss/rs
 
 // One accumulator row of a warpgroup product -> global bf16 (times `mul`), rows >= T skipped.
 // d holds HD/8 n8 blocks in the wgmma D layout; row0 is this thread's row g, row0 + 8 its row g+8.
@@ -173,10 +156,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
     const float* d_g = Dv + (size_t)bh * T;
     const int i_first = n0 / BM, i_end = ceil_div(T, BM);
 
-    v3_bwd_load_tile<BN, HD, NT>(sK, q_g + C, n0, T, stride);
-    v3_bwd_load_tile<BN, HD, NT>(sV, q_g + 2 * C, n0, T, stride);
-    v3_bwd_load_tile<BM, HD, NT>(sQ, q_g, i_first * BM, T, stride);
-    v3_bwd_load_tile<BM, HD, NT>(sO, do_g, i_first * BM, T, C);
+    v3_load_tile<BN, HD, NT>(sK, q_g + C, n0, T, stride);
+    v3_load_tile<BN, HD, NT>(sV, q_g + 2 * C, n0, T, stride);
+    v3_load_tile<BM, HD, NT>(sQ, q_g, i_first * BM, T, stride);
+    v3_load_tile<BM, HD, NT>(sO, do_g, i_first * BM, T, C);
     load_vec_async<BM, NT>(sL, l_g, i_first * BM, T);
     load_vec_async<BM, NT>(sD, d_g, i_first * BM, T);
     wg_cp_async_commit();
@@ -208,8 +191,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
                                                   // the wgmma of tile i-1 (ST 2) / i-2 (ST 3)
         if (i + 1 < i_end) {                      // -> stage nxt (tile i+1-ST's) is free
             const int r = (i + 1) * BM;
-            v3_bwd_load_tile<BM, HD, NT>(sQ + nxt * Q_BYTES, q_g, r, T, stride);
-            v3_bwd_load_tile<BM, HD, NT>(sO + nxt * Q_BYTES, do_g, r, T, C);
+            v3_load_tile<BM, HD, NT>(sQ + nxt * Q_BYTES, q_g, r, T, stride);
+            v3_load_tile<BM, HD, NT>(sO + nxt * Q_BYTES, do_g, r, T, C);
             load_vec_async<BM, NT>(sL + nxt * BM, l_g, r, T);
             load_vec_async<BM, NT>(sD + nxt * BM, d_g, r, T);
         }
@@ -322,10 +305,10 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
     const bf16* do_g = dout + (size_t)b * T * C + h * HD;
     const int n_tiles = ceil_div(min(T, m0 + BM), BN);
 
-    v3_bwd_load_tile<BM, HD, NT>(sQ, q_g, m0, T, stride);
-    v3_bwd_load_tile<BM, HD, NT>(sO, do_g, m0, T, C);
-    v3_bwd_load_tile<BN, HD, NT>(sK, k_g, 0, T, stride);
-    v3_bwd_load_tile<BN, HD, NT>(sV, v_g, 0, T, stride);
+    v3_load_tile<BM, HD, NT>(sQ, q_g, m0, T, stride);
+    v3_load_tile<BM, HD, NT>(sO, do_g, m0, T, C);
+    v3_load_tile<BN, HD, NT>(sK, k_g, 0, T, stride);
+    v3_load_tile<BN, HD, NT>(sV, v_g, 0, T, stride);
     wg_cp_async_commit();
 
     const int wm0 = m0 + 64 * wg;                 // this warpgroup's first row
@@ -372,8 +355,8 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
         fence_proxy_async();
         __syncthreads();                          // everyone's; tile j+1-ST's wgmma all retired
         if (j + 1 < n_tiles) {
-            v3_bwd_load_tile<BN, HD, NT>(sK + nxt * KV_BYTES, k_g, (j + 1) * BN, T, stride);
-            v3_bwd_load_tile<BN, HD, NT>(sV + nxt * KV_BYTES, v_g, (j + 1) * BN, T, stride);
+            v3_load_tile<BN, HD, NT>(sK + nxt * KV_BYTES, k_g, (j + 1) * BN, T, stride);
+            v3_load_tile<BN, HD, NT>(sV + nxt * KV_BYTES, v_g, (j + 1) * BN, T, stride);
         }
         wg_cp_async_commit();
         const int n0 = j * BN;

@@ -77,6 +77,16 @@ __device__ __forceinline__ void store2_5<bf16>(bf16* p, float x, float y) {
     *reinterpret_cast<u32*>(p) = pack_bf16x2(x, y);
 }
 
+// Tile `pid` of a (tiles_m x tiles_n) grid of BM5 x BN5 tiles in grouped raster order: groups of
+// GROUP_M5 tile rows, walked column by column, so that consecutive tiles share A rows and B columns in L2.
+__device__ __forceinline__ void tile_origin5(int pid, int tiles_m, int tiles_n, int& m0, int& n0) {
+    const int per_group = GROUP_M5 * tiles_n;
+    const int first_m = (pid / per_group) * GROUP_M5;
+    const int group_rows = min(tiles_m - first_m, GROUP_M5);
+    m0 = (first_m + (pid % per_group) % group_rows) * BM5;
+    n0 = ((pid % per_group) / group_rows) * BN5;
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 template <typename Tout>
@@ -84,14 +94,8 @@ __device__ __forceinline__ void gemm_v5(Tout* C, const bf16* A, const bf16* B, i
     extern __shared__ unsigned char smem5[];
     const u32 smem0 = (smem_u32_5(smem5) + 1023u) & ~1023u;   // swizzle atoms need 1024-byte alignment
 
-    const int tiles_m = (M + BM5 - 1) / BM5, tiles_n = (N + BN5 - 1) / BN5;
-    const int pid = blockIdx.x;
-    const int per_group = GROUP_M5 * tiles_n;
-    const int first_m = (pid / per_group) * GROUP_M5;
-    const int group_rows = min(tiles_m - first_m, GROUP_M5);
-    const int bm = first_m + (pid % per_group) % group_rows;
-    const int bn = (pid % per_group) / group_rows;
-    const int m0 = bm * BM5, n0 = bn * BN5;
+    int m0, n0;
+    tile_origin5(blockIdx.x, (M + BM5 - 1) / BM5, (N + BN5 - 1) / BN5, m0, n0);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2;                                    // warpgroup: C rows 64 wg ..
@@ -188,15 +192,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_forward_kernel_v5_bf16
 //   full[s]  (count 128): each producer thread's cp.async.mbarrier.arrive.noinc fires when ITS
 //            copies into stage s have landed; the phase completes when all 128 have.
 //   empty[s] (count 256): each consumer thread arrives once the wgmma group that read stage s
-//            has retired (wgmma_wait<1> after the next tile's group is issued).
-// Use u = kt / STAGES6 of stage s is phase u of both barriers: consumers wait full[s] with
-// parity u & 1, the producer waits empty[s] with parity (u - 1) & 1 before refilling it.
+//            has retired (wgmma_wait<1> after the next k-tile's group is issued).
+// With `it` counting k-tiles over all of a block's tiles, use u = it / STAGES6 of stage s is phase
+// u of both barriers: consumers wait full[s] with parity u & 1, the producer waits empty[s] with
+// parity (u - 1) & 1 before refilling it.
 // setmaxnreg moves registers from the producer (56) to the consumers (224: 128 accumulators).
 // After the wait, a consumer's fence.proxy.async makes the (generic-proxy) cp.async writes
 // that the barrier published visible to its (async-proxy) wgmma reads.
 // Persistent: the grid is min(tiles, SMs) blocks walking tiles blockIdx.x, + gridDim.x, ...
-// (v5's raster order), and "use u" counts k-tiles over all of a block's tiles, so the producer
-// runs on into the next tile while the consumers write this one's C (with K = 768, 12 k-tiles
+// (v5's raster order, tile_origin5), so the producer runs on into the next tile while the consumers write this one's C (with K = 768, 12 k-tiles
 // per tile, a non-persistent block spends a fifth of its time filling and draining).
 #define STAGES6 4
 #define THREADS6 384
@@ -234,13 +238,6 @@ __device__ __forceinline__ void gemm_v6(Tout* C, const bf16* A, const bf16* B, i
     const int tiles_m = (M + BM5 - 1) / BM5, tiles_n = (N + BN5 - 1) / BN5;
     const int tiles = tiles_m * tiles_n;
     const int ktiles = (K + BK5 - 1) / BK5;
-    auto tile_origin = [&](int pid, int& m0, int& n0) {            // v5's grouped raster order
-        const int per_group = GROUP_M5 * tiles_n;
-        const int first_m = (pid / per_group) * GROUP_M5;
-        const int group_rows = min(tiles_m - first_m, GROUP_M5);
-        m0 = (first_m + (pid % per_group) % group_rows) * BM5;
-        n0 = ((pid % per_group) / group_rows) * BN5;
-    };
 
     const int tid = threadIdx.x, wg = tid >> 7;
     if (tid == 0) {
@@ -265,7 +262,7 @@ __device__ __forceinline__ void gemm_v6(Tout* C, const bf16* A, const bf16* B, i
         int it = 0;                                      // k-tiles handed over so far (all tiles)
         for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
             int m0, n0;
-            tile_origin(tile, m0, n0);
+            tile_origin5(tile, tiles_m, tiles_n, m0, n0);
             const bf16* a_src = A + (size_t)(m0 + a_r0) * K + a_c * 8;
             const bf16* b_src = B + (size_t)b_r0 * N + n0 + b_c * 8;
             const bool b_col_ok = n0 + b_c * 8 < N;
@@ -316,7 +313,7 @@ __device__ __forceinline__ void gemm_v6(Tout* C, const bf16* A, const bf16* B, i
     int it = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int m0, n0;
-        tile_origin(tile, m0, n0);
+        tile_origin5(tile, tiles_m, tiles_n, m0, n0);
         float d[128];
         #pragma unroll
         for (int i = 0; i < 128; i++) d[i] = 0.0f;

@@ -537,15 +537,21 @@ def test_gpu_v3_block_order_same_bits(rng, hd):
     assert all(r == runs[0] for r in runs[1:])
 
 
+def _v3_backward_case(rng, hd, B=2, NH=3, T=300):
+    """(NH, qkv, dout, out, lse) on the GPU for the v3 backward tests: bf16, T not a tile multiple,
+    forward by v2 (the backward under test gets the same inputs whatever v3's forward does)."""
+    cp = runtime.cupy
+    qkv = cp.asarray(_qkv(rng, B, T, NH, hd, BF16))
+    dout = cp.asarray(rng.standard_normal((B, T, NH * hd)).astype(BF16))
+    out, lse = gpucore.attention_forward(qkv, NH, version=2)
+    return NH, qkv, dout, out, lse
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("hd", [64, 128])
 def test_gpu_deterministic_v3(rng, hd):
     _need_sm90()
-    cp = runtime.cupy
-    B, NH, T = 2, 3, 300
-    qkv = cp.asarray(_qkv(rng, B, T, NH, hd, BF16))
-    dout = cp.asarray(rng.standard_normal((B, T, NH * hd)).astype(BF16))
-    out, lse = gpucore.attention_forward(qkv, NH, version=2)
+    NH, qkv, dout, out, lse = _v3_backward_case(rng, hd)
     runs = [to_cpu(gpucore.attention_backward(dout, qkv, out, lse, NH, version=3)).tobytes() for _ in range(2)]
     assert runs[0] == runs[1]
 
@@ -557,10 +563,7 @@ def test_gpu_backward_v3_streams_and_fused_d_same_bits(rng, hd):
     also on a non-default caller stream; the fused-D dq configs are deterministic and correct."""
     _need_sm90()
     cp = runtime.cupy
-    B, NH, T = 2, 3, 300
-    qkv = cp.asarray(_qkv(rng, B, T, NH, hd, BF16))
-    dout = cp.asarray(rng.standard_normal((B, T, NH * hd)).astype(BF16))
-    out, lse = gpucore.attention_forward(qkv, NH, version=2)
+    NH, qkv, dout, out, lse = _v3_backward_case(rng, hd)
 
     def run(**kw):
         dqkv = poison(qkv.shape, BF16)
@@ -583,10 +586,7 @@ def test_gpu_backward_v3_streams_and_fused_d_same_bits(rng, hd):
 def test_gpu_default_backward_is_v3_on_sm90(rng):
     _need_sm90()
     cp = runtime.cupy
-    NH = 2
-    qkv = cp.asarray(_qkv(rng, 1, 70, NH, 64, BF16))
-    dout = cp.asarray(rng.standard_normal((1, 70, NH * 64)).astype(BF16))
-    out, lse = gpucore.attention_forward(qkv, NH, version=2)
+    NH, qkv, dout, out, lse = _v3_backward_case(rng, 64, B=1, NH=2, T=70)
     d_default = gpucore.attention_backward(dout, qkv, out, lse, NH)
     d3 = gpucore.attention_backward(dout, qkv, out, lse, NH, version=3)
     if attn.V3_BWD_DEFAULT:

@@ -3,10 +3,10 @@
 Training path (cuBLASLt when it loads, else cuBLAS `gemmEx`; batched: `gemmStridedBatchedEx`):
   matmul_forward   out (N, M) = x (N, K) @ weight (M, K)^T + bias (M,)
   matmul_backward  dx = dout @ weight [=], dweight += dout^T @ x [+=], dbias += dout.sum(0) [+=]
-                   (dbias comes out of the dW GEMM's epilogue when cuBLASLt can)
+                   (dbias: a deterministic column-sum kernel; opt-in: the dW GEMM's epilogue)
   batched_matmul   (Bt, M, N) = alpha * op(a) @ op(b) + beta * out   (attention baseline)
   matmul           numpy-like 2-D / 3-D a @ b
-Our own kernels (kernels_cu/gemm_simt.cu, gemm_tc.cu):
+Our own kernels (kernels_cu/gemm_simt.cu, gemm_tc.cu, gemm_tc2.cu, gemm_wgmma.cu):
   gemm(a, b, out=None, version=N)   C (M, N) = A (M, K) @ B (K, N), all row-major
 
 Precision: bf16 inputs multiply on tensor cores with float32 accumulation
@@ -30,10 +30,12 @@ The Lt path also works under CUDA-graph capture; CuPy's cuBLAS wrappers don't
 (so a GEMM whose timing race plain gemmEx won -- see the cuBLASLt section --
 is not capturable; GPUCORE_LT_AUTOTUNE=0 or LT_TRY_GEMMEX = False avoids that).
 
-Bias gradient in the backward: fused into the dW GEMM by cuBLASLt's
-CUBLASLT_EPILOGUE_BGRADB (column sums of dout into a float32 scratch vector,
-then a one-pass kernel does dbias += scratch, keeping the += rule); without
-Lt, a deterministic two-stage column-sum kernel reads dout once more.
+Bias gradient in the backward: a deterministic two-stage column-sum kernel
+that reads dout once more, after the GEMMs (or beside them: DBIAS_STREAM).
+GPUCORE_LT_BGRAD=1 fuses it into the dW GEMM instead, by cuBLASLt's
+CUBLASLT_EPILOGUE_BGRADB (column sums into a float32 scratch vector, then a
+one-pass kernel does dbias += scratch, keeping the += rule); measured slower
+as often as faster, so it is off by default (tools/notes/matmul.md).
 
 Algorithms: each cuBLASLt plan times the heuristic's candidates (and gemmEx)
 once, on first use, and remembers the winner on disk, so that every process
@@ -753,8 +755,9 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
     With bfloat16 inputs, dx/dweight/dbias may be float32 or bfloat16 (default:
     the input dtype). need_dweight=False / need_dbias=False skip those (None is
     returned): a layer without bias should pass need_dbias=False. dbias comes
-    from the dW GEMM's cuBLASLt epilogue (BGRADB) when Lt can, else from a
-    two-stage column-sum kernel that reads all of dout once more.
+    from a two-stage column-sum kernel that reads all of dout once more (where:
+    DBIAS_STREAM), or with GPUCORE_LT_BGRAD=1 from the dW GEMM's cuBLASLt
+    epilogue (BGRADB) when Lt can.
     """
     _check("dout", dout)
     _check("x", x)
