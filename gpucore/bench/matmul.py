@@ -12,10 +12,16 @@ Rows printed (--version all, the default):
                                by a one-time timing race, algo= says which won; also shown:
                                the heuristic's first choice untimed, and the gemmEx fallback,
                                bias-fill kernel + GEMM with beta=1)
-  matmul_backward (dx+dW [+db]) vs raw cuBLAS dx and dW GEMMs          target 95%
-                               (+dbias: the bias gradient from the dW GEMM's BGRADB epilogue,
-                               dbias= says with which scratch; also shown: the separate dbias
-                               kernel, and the model's layout with bf16 dW / dbias)
+  cublas gemmEx bf16 dx+dW     raw cuBLAS: the two backward GEMMs
+  cublas dx+dW+db (db: ...)    raw cuBLAS doing the same work as a backward with a bias
+                               gradient: db by gemmEx (ones^T @ dout), or by cuBLASLt's BGRADB
+                               epilogue on the dW GEMM (the heuristic's first algorithm)
+  matmul_backward (dx+dW [+db]) vs raw cuBLAS doing the same work                target 95%
+                               (no bias: vs the two GEMMs; +dbias: vs the fastest "dx+dW+db"
+                               row, vs_dx+dW_alone= gives the ratio to the two GEMMs, which do
+                               not read dout a third time; dbias= says how db was made; also
+                               shown: the dbias kernel's other places (DBIAS_STREAM) and the
+                               BGRADB path raced over its candidates; fp32 and bf16 dW / dbias)
   gemm v1..v3 fp32             vs cuBLAS fp32 (SGEMM, no TF32) at 4096^3; v3 must reach
                                15 TFLOP/s, so its target is 15 / cuBLAS-fp32 TFLOP/s
   gemm v4 / v4w / v4b / v4c / v5 / v6 vs cuBLAS bf16 on the same NN layout    target 50% (4096^3)
@@ -85,6 +91,8 @@ def _lt_choice(mm, M, K, N):
 
 def _bench_train(M, K, N, with_bias):
     """Forward and backward of a linear layer x (M, K) @ W (N, K)^T against raw gemmEx."""
+    import cupy
+
     import gpucore
     from ..ops import matmul as mm
     x, w = _rand((M, K), "bf16"), _rand((N, K), "bf16", 0.02)
@@ -131,6 +139,20 @@ def _bench_train(M, K, N, with_bias):
             mm._gemm_rowmajor(dout, w, dx, M, K, N)
             mm._gemm_rowmajor(dout, x, dw, N, K, M, transpose_a=True, beta=1.0)
 
+        def raw_backward_db_gemm():     # raw cuBLAS doing the same work: db += ones^T @ dout by gemmEx
+            raw_backward()
+            mm._gemm_rowmajor(ones, dout, db, 1, N, M, beta=1.0)
+
+        def raw_backward_db_bgradb():   # ... or db from Lt's BGRADB epilogue, the heuristic's first choice
+            mm._gemm_rowmajor(dout, w, dx, M, K, N)
+            saved = mm.LT_BGRAD, mm.LT_AUTOTUNE
+            mm.LT_BGRAD, mm.LT_AUTOTUNE = True, False
+            try:
+                if mm._dweight_dbias_fused(db, dout, x, dw, N, K, M, 1.0) is None:
+                    raise RuntimeError("no BGRADB algorithm")
+            finally:
+                mm.LT_BGRAD, mm.LT_AUTOTUNE = saved
+
         def path_backward(stream_mode=None):
             default = mm.DBIAS_STREAM
             mm.DBIAS_STREAM = default if stream_mode is None else stream_mode
@@ -139,22 +161,42 @@ def _bench_train(M, K, N, with_bias):
             finally:
                 mm.DBIAS_STREAM = default
 
-        # with a bias: also the other places of the dbias kernel (DBIAS_STREAM), in the same rounds
+        # with a bias: the same-work raw references, and the other places of the dbias kernel
+        # (DBIAS_STREAM), all in the same rounds
+        same_work = []
+        if with_bias:
+            ones = cupy.ones((1, M), dtype=dtypes.bfloat16)
+            same_work = [("gemmEx ones^T @ dout", raw_backward_db_gemm)]
+            try:
+                raw_backward_db_bgradb()
+                same_work.append(("Lt BGRADB epilogue, heuristic #1", raw_backward_db_bgradb))
+            except RuntimeError:
+                pass                    # no Lt, or no BGRADB algorithm for this layout
         modes = [m for m in ("", "first", "last") if m != mm.DBIAS_STREAM] if with_bias else []
-        raw_ms, ms, *mode_ms = time_interleaved([raw_backward, path_backward]
-                                                + [lambda m=m: path_backward(m) for m in modes])
+        raw_ms, ms, *other_ms = time_interleaved([raw_backward, path_backward] + [f for _, f in same_work]
+                                                 + [lambda m=m: path_backward(m) for m in modes])
+        same_ms, mode_ms = other_ms[:len(same_work)], other_ms[len(same_work):]
         raw_bwd = Result(f"cublas gemmEx bf16 dx+dW{tag} {shape}", raw_ms, flops=2 * fl)
         rows.append(raw_bwd)
+        ref = raw_bwd
+        if with_bias:
+            # The bias gradient is work the two GEMMs do not do (one more read of dout, unless it is
+            # fused into a GEMM): the target compares with the fastest raw cuBLAS way to do it too.
+            for (how, _), t in zip(same_work, same_ms):
+                rows.append(Result(f"cublas dx+dW+db{tag} {shape} (db: {how})", t, flops=2 * fl,
+                                   ref_tflops=raw_bwd.tflops))
+            ref = min(rows[-len(same_work):], key=lambda r: r.ms)
         extra = {}
         if with_bias:                   # one more call, to learn which dbias path it took
             scratch = mm._dweight_dbias_fused(db, dout, x, dw, N, K, M, 1.0)
             extra["dbias"] = f"BGRADB-epilogue,{scratch}-scratch" if scratch else "kernel"
             extra["dbias_stream"] = mm.DBIAS_STREAM or "after"
+            extra["vs_dx+dW_alone"] = f"{raw_bwd.ms / ms:.1%}"
         rows.append(Result(f"matmul_backward {'+dbias' if with_bias else 'no bias'}{tag} {shape}", ms,
-                           flops=2 * fl, ref_tflops=raw_bwd.tflops, target=0.95, extra=extra))
+                           flops=2 * fl, ref_tflops=ref.tflops, target=0.95, extra=extra))
         for m, m_ms in zip(modes, mode_ms):
             rows.append(Result(f"matmul_backward +dbias{tag} {shape} (dbias kernel {m or 'after the GEMMs'}"
-                               f"{' on a side stream' if m else ''})", m_ms, flops=2 * fl, ref_tflops=raw_bwd.tflops))
+                               f"{' on a side stream' if m else ''})", m_ms, flops=2 * fl, ref_tflops=ref.tflops))
         if with_bias and mm._lt() is not None:   # the other dbias path, for comparison
             default = mm.LT_BGRAD
             mm.LT_BGRAD = not default
@@ -162,9 +204,9 @@ def _bench_train(M, K, N, with_bias):
                 ms = time_ms(lambda: gpucore.matmul_backward(dout, x, w, dx=dx, dweight=dw, dbias=db))
             finally:
                 mm.LT_BGRAD = default
-            other = "dbias kernel" if default else "BGRADB epilogue"
+            other = "dbias kernel" if default else "BGRADB epilogue, raced"
             rows.append(Result(f"matmul_backward +dbias{tag} {shape} ({other})", ms, flops=2 * fl,
-                               ref_tflops=raw_bwd.tflops))
+                               ref_tflops=ref.tflops))
         del dw, db
     del x, w, b, out, dx
     _free()
