@@ -153,17 +153,18 @@ def _bench_train(M, K, N, with_bias):
             finally:
                 mm.LT_BGRAD, mm.LT_AUTOTUNE = saved
 
-        def path_backward(stream_mode=None):
-            default = mm.DBIAS_STREAM
-            mm.DBIAS_STREAM = default if stream_mode is None else stream_mode
+        def path_backward(stream_mode=None, bgrad=None):
+            saved = mm.DBIAS_STREAM, mm.LT_BGRAD
+            mm.DBIAS_STREAM = saved[0] if stream_mode is None else stream_mode
+            mm.LT_BGRAD = saved[1] if bgrad is None else bgrad
             try:
                 gpucore.matmul_backward(dout, x, w, dx=dx, dweight=dw, dbias=db, need_dbias=with_bias)
             finally:
-                mm.DBIAS_STREAM = default
+                mm.DBIAS_STREAM, mm.LT_BGRAD = saved
 
-        # with a bias: the same-work raw references, and the other places of the dbias kernel
-        # (DBIAS_STREAM), all in the same rounds
-        same_work = []
+        # With a bias: the same-work raw references, the dbias kernel's other places (DBIAS_STREAM)
+        # and the other dbias path (LT_BGRAD); all timed in the same rounds.
+        same_work, variants = [], []    # (label, fn)
         if with_bias:
             ones = cupy.ones((1, M), dtype=dtypes.bfloat16)
             same_work = [("gemmEx ones^T @ dout", raw_backward_db_gemm)]
@@ -172,10 +173,16 @@ def _bench_train(M, K, N, with_bias):
                 same_work.append(("Lt BGRADB epilogue, heuristic #1", raw_backward_db_bgradb))
             except RuntimeError:
                 pass                    # no Lt, or no BGRADB algorithm for this layout
-        modes = [m for m in ("", "first", "last") if m != mm.DBIAS_STREAM] if with_bias else []
+            variants = [(f"dbias kernel {m or 'after the GEMMs'}{' on a side stream' if m else ''}",
+                         lambda m=m: path_backward(stream_mode=m))
+                        for m in ("", "first", "last") if m != mm.DBIAS_STREAM]
+            if mm._lt() is not None:
+                other = "dbias kernel" if mm.LT_BGRAD else "BGRADB epilogue, raced"
+                variants.append((other, lambda: path_backward(bgrad=not mm.LT_BGRAD)))
+                variants[-1][1]()       # the race among its candidates happens here, untimed
         raw_ms, ms, *other_ms = time_interleaved([raw_backward, path_backward] + [f for _, f in same_work]
-                                                 + [lambda m=m: path_backward(m) for m in modes])
-        same_ms, mode_ms = other_ms[:len(same_work)], other_ms[len(same_work):]
+                                                 + [f for _, f in variants])
+        same_ms, variant_ms = other_ms[:len(same_work)], other_ms[len(same_work):]
         raw_bwd = Result(f"cublas gemmEx bf16 dx+dW{tag} {shape}", raw_ms, flops=2 * fl)
         rows.append(raw_bwd)
         ref = raw_bwd
@@ -194,18 +201,8 @@ def _bench_train(M, K, N, with_bias):
             extra["vs_dx+dW_alone"] = f"{raw_bwd.ms / ms:.1%}"
         rows.append(Result(f"matmul_backward {'+dbias' if with_bias else 'no bias'}{tag} {shape}", ms,
                            flops=2 * fl, ref_tflops=ref.tflops, target=0.95, extra=extra))
-        for m, m_ms in zip(modes, mode_ms):
-            rows.append(Result(f"matmul_backward +dbias{tag} {shape} (dbias kernel {m or 'after the GEMMs'}"
-                               f"{' on a side stream' if m else ''})", m_ms, flops=2 * fl, ref_tflops=ref.tflops))
-        if with_bias and mm._lt() is not None:   # the other dbias path, for comparison
-            default = mm.LT_BGRAD
-            mm.LT_BGRAD = not default
-            try:
-                ms = time_ms(lambda: gpucore.matmul_backward(dout, x, w, dx=dx, dweight=dw, dbias=db))
-            finally:
-                mm.LT_BGRAD = default
-            other = "dbias kernel" if default else "BGRADB epilogue, raced"
-            rows.append(Result(f"matmul_backward +dbias{tag} {shape} ({other})", ms, flops=2 * fl,
+        for (suffix, _), v_ms in zip(variants, variant_ms):
+            rows.append(Result(f"matmul_backward +dbias{tag} {shape} ({suffix})", v_ms, flops=2 * fl,
                                ref_tflops=ref.tflops))
         del dw, db
     del x, w, b, out, dx

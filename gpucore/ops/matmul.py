@@ -226,7 +226,8 @@ def _scale_inplace(out, beta):
 # off by default: on an H200 the dW GEMM with the epilogue plus the small +=
 # kernel measured slower than the plain dW GEMM plus our dbias kernel at the
 # GPT-2 shapes (65536x768x2304, bf16 grads: 93.1% vs 97.4% of raw dx+dW;
-# 65536x768x3072: 94.1% vs 96.1%), see tools/notes/matmul.md.
+# 65536x768x3072: 94.1% vs 96.1%), and no configuration of the ~5000 cuBLASLt accepts does
+# better than the kernel (tools/probes/lt_bgrad_search.py; tools/notes/matmul.md).
 
 USE_CUBLASLT = os.environ.get("GPUCORE_CUBLASLT", "1") != "0"
 LT_AUTOTUNE = os.environ.get("GPUCORE_LT_AUTOTUNE", "1") != "0"
