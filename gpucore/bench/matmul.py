@@ -34,6 +34,7 @@ v1/v2 run at 4096^3 only (at the GPT-2 shapes they take seconds per call).
 """
 from __future__ import annotations
 
+import contextlib
 
 from .. import dtypes
 from . import Result, benchmark, random_array, time_interleaved, time_ms
@@ -89,6 +90,21 @@ def _lt_choice(mm, M, K, N):
     return "?"
 
 
+@contextlib.contextmanager
+def _settings(module, **values):
+    """Set module-level switches (e.g. LT_BGRAD=True) for a with-block, then put them back.
+    A value of None leaves that switch as it is."""
+    values = {k: v for k, v in values.items() if v is not None}
+    saved = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+
+
 def _bench_train(M, K, N, with_bias):
     """Forward and backward of a linear layer x (M, K) @ W (N, K)^T against raw gemmEx."""
     import cupy
@@ -113,19 +129,13 @@ def _bench_train(M, K, N, with_bias):
     rows.append(Result(f"matmul_forward {'+bias' if with_bias else 'no bias'} {shape}", ms, flops=fl,
                        ref_tflops=raw.tflops, target=0.95, extra=extra))
     if mm._lt() is not None and mm.LT_AUTOTUNE:     # what the timing race gains over the heuristic
-        mm.LT_AUTOTUNE = False
-        try:
+        with _settings(mm, LT_AUTOTUNE=False):
             ms = time_ms(lambda: gpucore.matmul_forward(x, w, b, out=out))
-        finally:
-            mm.LT_AUTOTUNE = True
         rows.append(Result(f"matmul_forward {'+bias' if with_bias else 'no bias'} {shape} (Lt heuristic #1)",
                            ms, flops=fl, ref_tflops=raw.tflops))
     if with_bias and mm._lt() is not None:       # what the Lt bias epilogue saves over the fallback
-        mm.USE_CUBLASLT = False
-        try:
+        with _settings(mm, USE_CUBLASLT=False):
             ms = time_ms(lambda: gpucore.matmul_forward(x, w, b, out=out))
-        finally:
-            mm.USE_CUBLASLT = True
         rows.append(Result(f"matmul_forward +bias {shape} (bias fill + gemmEx beta=1)", ms, flops=fl,
                            ref_tflops=raw.tflops))
     # backward: dx (M, K) = dout @ W, dW (N, K) += dout^T @ x, db += colsum(dout)
@@ -145,22 +155,13 @@ def _bench_train(M, K, N, with_bias):
 
         def raw_backward_db_bgradb():   # ... or db from Lt's BGRADB epilogue, the heuristic's first choice
             mm._gemm_rowmajor(dout, w, dx, M, K, N)
-            saved = mm.LT_BGRAD, mm.LT_AUTOTUNE
-            mm.LT_BGRAD, mm.LT_AUTOTUNE = True, False
-            try:
+            with _settings(mm, LT_BGRAD=True, LT_AUTOTUNE=False):
                 if mm._dweight_dbias_fused(db, dout, x, dw, N, K, M, 1.0) is None:
                     raise RuntimeError("no BGRADB algorithm")
-            finally:
-                mm.LT_BGRAD, mm.LT_AUTOTUNE = saved
 
         def path_backward(stream_mode=None, bgrad=None):
-            saved = mm.DBIAS_STREAM, mm.LT_BGRAD
-            mm.DBIAS_STREAM = saved[0] if stream_mode is None else stream_mode
-            mm.LT_BGRAD = saved[1] if bgrad is None else bgrad
-            try:
+            with _settings(mm, DBIAS_STREAM=stream_mode, LT_BGRAD=bgrad):
                 gpucore.matmul_backward(dout, x, w, dx=dx, dweight=dw, dbias=db, need_dbias=with_bias)
-            finally:
-                mm.DBIAS_STREAM, mm.LT_BGRAD = saved
 
         # With a bias: the same-work raw references, the dbias kernel's other places (DBIAS_STREAM)
         # and the other dbias path (LT_BGRAD); all timed in the same rounds.
