@@ -1,6 +1,7 @@
 """Kernel runtime: device discovery, compiling and caching kernels_cu/*.cu, launching.
 
-Each `kernels_cu/<family>.cu` is compiled by NVRTC (through CuPy's own compiler
+Each kernel file (`kernels_cu/<family>.cu`, or `kernels_cu/<family>/<part>.cu` for a
+family spread over several files; loaded by the name "<family>" or "<family>/<part>") is compiled by NVRTC (through CuPy's own compiler
 entry point and options) into a cubin for one GPU architecture. We compile
 ourselves instead of letting `cupy.RawModule(code=...)` do it because:
 
@@ -112,7 +113,9 @@ _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
 def kernel_files() -> list[Path]:
-    return sorted(KERNEL_DIR.glob("*.cu"))
+    """Every kernel file: kernels_cu/*.cu, the families in folders (kernels_cu/<family>/*.cu)
+    and the ladders (kernels_cu/ladder/<family>/*.cu)."""
+    return sorted(KERNEL_DIR.rglob("*.cu"))
 
 
 def _source_path(family_or_path) -> Path:

@@ -30,7 +30,7 @@
  *   rows row0 + w, row0 + w + DB_WARPS, ... of its chunk, each summed in row
  *   order; the DB_WARPS per-warp sums are then added in warp order (shared
  *   memory) into partials (chunks, C). The Python side picks rows_per_chunk
- *   from N alone and calls matmul's stage 2 (bias_reduce_partials: chunks in
+ *   from N alone and calls colsum.cu's stage 2 (ops.colsum.reduce_partials: chunks in
  *   order), so the same input gives the same bits. Needs C % pack == 0 and
  *   16-byte aligned pointers (the Python side falls back otherwise). Each
  *   element is still read and written by one thread, loads before the store:

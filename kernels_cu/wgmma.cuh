@@ -1,9 +1,9 @@
 /*
  * wgmma.cuh -- shared helpers for Hopper's warpgroup MMA (wgmma.mma_async, sm_90a).
  *
- * Used by gemm_wgmma.cu (gemm v5) and the attention v3 kernels (flash_attention_v3*.cu).
+ * Used by ladder/gemm/wgmma.cu (gemm v5) and the attention v3 kernels (flash_attention_v3*.cu).
  * Rule for co-owners: APPEND ONLY (other files rely on the names and semantics below).
- * Names are prefixed wg_/wgmma_ so this header can be included next to flash_attention.cuh.
+ * Names are prefixed wg_/wgmma_ so this header can be included next to attention/flash.cuh.
  *
  * The wgmma wrappers exist only where the compiler targets sm_90a (__CUDA_ARCH_FEAT_SM90_ALL);
  * kernel files guard their bodies with the same macro and __trap() otherwise, so

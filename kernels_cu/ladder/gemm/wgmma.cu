@@ -1,5 +1,5 @@
 /*
- * gemm_wgmma.cu -- rungs v5 and v6 of the ladder: Hopper's warpgroup MMA (wgmma.mma_async, sm_90a);
+ * ladder/gemm/wgmma.cu -- rungs v5 and v6 of the ladder: Hopper's warpgroup MMA (wgmma.mma_async, sm_90a);
  * v6 (at the end) is v5 warp-specialized: a producer warpgroup and mbarrier-handed stages.
  *
  * Math:   C (M, N) = A (M, K) @ B (K, N), all row-major; A, B bf16, float32

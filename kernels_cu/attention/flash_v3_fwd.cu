@@ -1,12 +1,12 @@
 /*
- * flash_attention_v3p.cu -- causal multi-head attention forward on Hopper's wgmma, PIPELINED
+ * attention/flash_v3_fwd.cu (v3 forward) -- causal multi-head attention forward on Hopper's wgmma, PIPELINED
  * (v3 "p" variants, sm_90a). Same op, arguments, launch grid and out/lse layouts as
- * flash_attention_v3.cu (read its header first); this file only changes the schedule.
+ * ladder/attention/flash_v3_fwd_serial.cu (read its header first); this file only changes the schedule.
  *
  * Op: qkv (B, T, 3C) bf16 -> out (B, T, C) bf16 = causal softmax(scale q k^T) v per head,
  *     lse (B, NH, T) f32 = log sum_j exp(s_ij). HD in {64, 128}. No gradients here.
  *
- * Why: flash_attention_v3.cu runs fence -> wgmma -> commit -> wait<0> for every batch, so a
+ * Why: ladder/attention/flash_v3_fwd_serial.cu runs fence -> wgmma -> commit -> wait<0> for every batch, so a
  * warpgroup's tensor-core work and its softmax (MUFU ex2: at hd 64 as many cycles per tile as
  * the matmuls) never overlap, and the per-iteration __syncthreads keeps both warpgroups of a
  * block in the same phase. Measured 244 TFLOP/s on an H200 (B64 NH12 T1024 hd64).
@@ -30,11 +30,11 @@
  * every iteration one (possibly empty): before iteration j's barrier PRE + j groups exist and
  * tile j is group j, so cp.async.wait_group PRE - 1 lands it.
  * Numerics: identical to v3 (same math, same rounding points): out/lse agree bit-for-bit with
- * flash_attention_v3.cu up to the order of wgmma accumulation, which is the same.
+ * ladder/attention/flash_v3_fwd_serial.cu up to the order of wgmma accumulation, which is the same.
  */
-#include "flash_attention.cuh"   // FA_LOG2E, FA_LN2, FA_NEG_INF, fast_exp2, pack_bf16x2_rn
+#include "attention/flash.cuh"   // FA_LOG2E, FA_LN2, FA_NEG_INF, fast_exp2, pack_bf16x2_rn
 #include "wgmma.cuh"
-#include "flash_attention_v3.cuh"   // v3_off, v3_load_tile, v3_to_frags, v3_mma_ss/rs
+#include "attention/flash_v3.cuh"   // v3_off, v3_load_tile, v3_to_frags, v3_mma_ss/rs
 
 // K/V tile copies with the per-thread index math done once: the same chunks, addresses and bytes as
 // v3_load_tile (thread tid copies rows tid / CPR + it * RSTEP, chunk tid % CPR), but a tile costs

@@ -1,5 +1,5 @@
 /*
- * flash_attention.cu -- causal multi-head attention forward, FlashAttention-2 style (v2).
+ * attention/flash_fwd.cu -- causal multi-head attention forward, FlashAttention-2 style (v2).
  *
  * Op: GPT-2's attention over the fused qkv activation, without ever storing
  * the (T, T) attention matrix.
@@ -8,7 +8,7 @@
  *   s_ij = scale * q_i . k_j   (scale = 1/sqrt(HD)), causal: only j <= i
  *   out_i = sum_j softmax_j(s_i.) v_j                 out (B, T, C) bf16
  *   lse_i = log sum_{j<=i} exp(s_ij)                  lse (B, NH, T) float32
- * lse is all the backward (flash_attention_bwd.cu) needs to recompute P = exp(s - lse).
+ * lse is all the backward (attention/flash_bwd.cu) needs to recompute P = exp(s - lse).
  * No gradients here (see the backward file: dqkv is written, [=]).
  *
  * Algorithm (FlashAttention-2, Dao 2023): one block per (Q tile of BM = 16 * MT * NWARPS
@@ -29,7 +29,7 @@
  * Numerics: bf16 inputs, f32 accumulation and softmax statistics; P is rounded
  * to bf16 for the P.V mma (as in FlashAttention-2); out is rounded once.
  */
-#include "flash_attention.cuh"
+#include "attention/flash.cuh"
 
 template <int HD, int NWARPS, int MT, int BN>
 __device__ __forceinline__ void flash_forward(bf16* out,          // (B, T, C)

@@ -1,7 +1,7 @@
 /*
- * flash_attention_v3_bwd.cu -- causal attention backward on Hopper's wgmma (v3, sm_90a).
+ * attention/flash_v3_bwd.cu -- causal attention backward on Hopper's wgmma (v3, sm_90a).
  *
- * Op and math: exactly flash_attention_bwd.cu's (v2), same inputs and outputs:
+ * Op and math: exactly attention/flash_bwd.cu's (v2), same inputs and outputs:
  *   qkv (B, T, 3C) bf16, dout (B, T, C) bf16, lse and D = rowsum(dout * out) (B, NH, T) f32
  *   (D from v2's preprocess kernel) -> dqkv (B, T, 3C) bf16, written [=] (activation gradient),
  *   every element of every row t < T exactly once. HD = 64 or 128.
@@ -38,9 +38,9 @@
  * Compiled for anything but sm_90a (kernels check --arch 80/90) the kernels trap; Python
  * launches them only on sm_90 devices, loading this file with arch "90a".
  */
-#include "flash_attention.cuh"
+#include "attention/flash.cuh"
 #include "wgmma.cuh"
-#include "flash_attention_v3.cuh"   // v3_load_tile, v3_to_frags, v3_mma_ss/rs
+#include "attention/flash_v3.cuh"   // v3_load_tile, v3_to_frags, v3_mma_ss/rs
 
 // One accumulator row of a warpgroup product -> global bf16 (times `mul`), rows >= T skipped.
 // d holds HD/8 n8 blocks in the wgmma D layout; row0 is this thread's row g, row0 + 8 its row g+8.

@@ -1,5 +1,5 @@
 /*
- * gemm_tc.cu -- our own bf16 tensor-core GEMM, rung v4 of the ladder (Ampere-style mma.sync).
+ * ladder/gemm/tc.cu -- our own bf16 tensor-core GEMM, rung v4 of the ladder (Ampere-style mma.sync).
  *
  * Math:   C (M, N) = A (M, K) @ B (K, N), all row-major; A, B bf16, float32
  *         accumulation, C float32 or bf16 (rounded once, to nearest even).

@@ -1,7 +1,7 @@
 /*
- * flash_attention_v3.cuh -- device helpers shared by the Hopper (wgmma, sm_90a) attention kernels:
- * flash_attention_v3.cu (forward), flash_attention_v3p.cu (pipelined forward) and
- * flash_attention_v3_bwd.cu (backward). Include after flash_attention.cuh and wgmma.cuh.
+ * attention/flash_v3.cuh -- device helpers shared by the Hopper (wgmma, sm_90a) attention kernels:
+ * ladder/attention/flash_v3_fwd_serial.cu (forward), attention/flash_v3_fwd.cu (pipelined forward) and
+ * attention/flash_v3_bwd.cu (backward). Include after attention/flash.cuh and wgmma.cuh.
  *
  These are __forceinline__: a change here changes the instruction stream of every v3 kernel
  * at once (the helpers were moved here from those files with byte-identical cubins).
@@ -11,7 +11,7 @@
  * Register layouts: accumulators and register-A fragments as in wgmma.cuh's header.
  */
 #pragma once
-#include "flash_attention.cuh"   // FA_NEG_INF, fast_exp2, pack_bf16x2_rn
+#include "attention/flash.cuh"   // FA_NEG_INF, fast_exp2, pack_bf16x2_rn
 #include "wgmma.cuh"
 
 // Block order. The grid is (B*NH heads, tiles); the hardware starts blocks in linear-id order

@@ -1,5 +1,5 @@
 /*
- * gemm_simt.cu -- our own float32 GEMM, rungs v1-v3 of the ladder (CUDA cores, no tensor cores).
+ * ladder/gemm/simt.cu -- our own float32 GEMM, rungs v1-v3 of the ladder (CUDA cores, no tensor cores).
  *
  * Math:   C (M, N) = A (M, K) @ B (K, N), all row-major, float32 in, float32
  *         accumulation, float32 out. Any M, N, K (edges are bounds-checked and

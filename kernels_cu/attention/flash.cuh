@@ -1,6 +1,6 @@
 /*
- * flash_attention.cuh -- tensor-core building blocks shared by the flash attention
- * forward (flash_attention.cu) and backward (flash_attention_bwd.cu) kernels.
+ * attention/flash.cuh -- tensor-core building blocks shared by the flash attention
+ * forward (attention/flash_fwd.cu) and backward (attention/flash_bwd.cu) kernels.
  *
  * - mma.sync m16n8k16 bf16 x bf16 -> f32 and its fragment layouts (PTX ISA,
  *   "Matrix Fragments for mma.m16n8k16"), with g = lane / 4, t = lane % 4:

@@ -1,5 +1,5 @@
 /*
- * attention.cu -- the classic (v1) attention helpers: permute / unpermute and the
+ * attention/classic.cu -- the classic (v1) attention helpers: permute / unpermute and the
  * softmax over the stored (B, NH, T, T) score matrix, forward and backward.
  *
  * v1 is llm.c's attention_forward/backward: the matmuls run on cuBLAS

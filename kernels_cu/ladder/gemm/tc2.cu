@@ -1,5 +1,5 @@
 /*
- * gemm_tc2.cu -- rungs v4b / v4c of the ladder: v4's mma.sync bf16 GEMM (gemm_tc.cu),
+ * ladder/gemm/tc2.cu -- rungs v4b / v4c of the ladder: v4's mma.sync bf16 GEMM (ladder/gemm/tc.cu),
  * rebuilt for throughput. Same math, same contract:
  *
  * Math:   C (M, N) = A (M, K) @ B (K, N), all row-major; A, B bf16, float32

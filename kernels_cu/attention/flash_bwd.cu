@@ -1,7 +1,7 @@
 /*
- * flash_attention_bwd.cu -- causal multi-head attention backward, FlashAttention-2 style (v2).
+ * attention/flash_bwd.cu -- causal multi-head attention backward, FlashAttention-2 style (v2).
  *
- * Op: gradient of flash_attention.cu's forward. With s_ij = scale * q_i . k_j,
+ * Op: gradient of attention/flash_fwd.cu's forward. With s_ij = scale * q_i . k_j,
  * P_ij = exp(s_ij - lse_i) (j <= i, else 0), out_i = sum_j P_ij v_j:
  *   D_i   = sum_d dout_id * out_id                      (= sum_j P_ij dP_ij)
  *   dP_ij = dout_i . v_j
@@ -33,7 +33,7 @@
  * (K, V, Q, dO) are re-read from smem per 16-wide k slab rather than kept in
  * registers, so the HD = 128 variants fit without spilling.
  */
-#include "flash_attention.cuh"
+#include "attention/flash.cuh"
 
 // D[b, h, t] = sum_d dout[b, t, h*HD + d] * out[b, t, h*HD + d]; HD / 8 lanes per (b, t, h).
 template <int HD>

@@ -1,12 +1,12 @@
 /*
- * flash_attention_v3.cu -- causal multi-head attention forward on Hopper's wgmma (v3, sm_90a).
+ * ladder/attention/flash_v3_fwd_serial.cu -- causal multi-head attention forward on Hopper's wgmma (v3, sm_90a).
  *
- * Op (same as flash_attention.cu, v2; outputs bit-layout compatible so v2's backward runs on them):
+ * Op (same as attention/flash_fwd.cu, v2; outputs bit-layout compatible so v2's backward runs on them):
  *   qkv (B, T, 3C) bf16: q = qkv[..., :C], k = qkv[..., C:2C], v = qkv[..., 2C:3C];
  *   head h is columns h*HD .. (h+1)*HD of each, C = NH * HD, HD in {64, 128}.
  *   s_ij = scale * q_i . k_j, causal j <= i;  out_i = softmax(s_i.) V   out (B, T, C) bf16
  *   lse_i = log sum_{j<=i} exp(s_ij)                                   lse (B, NH, T) f32
- * No gradients here (the backward is v2's flash_attention_bwd.cu, or a v3 backward).
+ * No gradients here (the backward is v2's attention/flash_bwd.cu, or a v3 backward).
  * Needs an sm_90 GPU: compiled for sm_90a (ops/attention.py loads it with arch "90a");
  * compiled for anything else (kernels check --arch 80/90) the kernels trap.
  *
@@ -39,9 +39,9 @@
  * with 16-byte coalesced stores; lse = (m + log2 l) ln 2.
  * Numerics: as v2 (f32 accumulation and statistics, P rounded to bf16, ex2.approx).
  */
-#include "flash_attention.cuh"   // FA_LOG2E, FA_LN2, FA_NEG_INF, fast_exp2, pack_bf16x2_rn
+#include "attention/flash.cuh"   // FA_LOG2E, FA_LN2, FA_NEG_INF, fast_exp2, pack_bf16x2_rn
 #include "wgmma.cuh"
-#include "flash_attention_v3.cuh"   // v3_off, v3_load_tile, v3_to_frags, v3_mma_ss/rs
+#include "attention/flash_v3.cuh"   // v3_off, v3_load_tile, v3_to_frags, v3_mma_ss/rs
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -156,7 +156,7 @@ __device__ __forceinline__ void flash_forward_v3(bf16* out,          // (B, T, C
     }
     wg_cp_async_wait<0>();
 
-    // Epilogue (flash_attention_v3.cuh, shared with v3p): quad sums, lse, O / l as bf16 into this
+    // Epilogue (attention/flash_v3.cuh, shared with v3p): quad sums, lse, O / l as bf16 into this
     // warp's own 16 Q rows (only this warpgroup's wgmma read them, all retired), coalesced stores.
     v3_fwd_epilogue<HD, BM>(out, lse, o, m_run, l_run, wg_active, smem_gen, row0, bh, b, h, T, C, m0, wg, w4, lane);
 }

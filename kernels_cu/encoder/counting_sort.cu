@@ -1,5 +1,5 @@
 /*
- * encoder_v4.cu -- encoder backward v4: a stable counting sort of the positions by token,
+ * encoder/counting_sort.cu -- encoder backward v4: a stable counting sort of the positions by token,
  * specialised to this problem, in place of v3's CuPy (CUB radix) sort of 32-bit keys.
  *
  * Output: exactly v3's sorted key array, keys[i] = (token << bits) | position, ordered by

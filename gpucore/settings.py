@@ -1,0 +1,86 @@
+"""The one configuration surface: which kernel or library path the ops take.
+
+Every choice the engine makes between correct alternatives (cuBLASLt or plain
+gemmEx, attention v3 or v2 by default, a side stream or not, fused bias
+gradients or not) is a field of one frozen `Settings` object. Nothing else in
+the package reads the environment or keeps a switch in a module global, so a
+test or a probe changes a choice in one visible, scoped way:
+
+    from gpucore import settings
+    with settings.using(cublaslt=False):       # gemmEx + the bias-fill kernel
+        gpucore.matmul_forward(x, w, b)
+    settings.current().cublaslt                 # back to what it was
+
+`using` nests and is per thread (a ContextVar), so a changed choice never
+leaks out of its `with` block, not even when the block raises.
+
+The defaults are the measured winners (tools/notes/). Two fields can also be
+set from the environment, read once when the defaults are first needed (not
+at import): GPUCORE_CUBLASLT=0 and GPUCORE_LT_AUTOTUNE=0 (README, "Environment
+variables").
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Settings:
+    # ---- matmul (gpucore/cublas.py, gpucore/ops/matmul.py)
+    cublaslt: bool = True                 # cuBLASLt with the bias epilogue; False: gemmEx + bias-fill kernel
+    lt_autotune: bool = True              # race the heuristic's candidates (and gemmEx) once per shape
+    lt_try_gemmex: bool = True            # gemmEx takes part in the race of epilogue-free GEMMs
+    lt_autotune_min_flops: float = 2e9    # below: the heuristic's first choice (timing costs more than it saves)
+    lt_tune_cache: str | None = None      # the winners' file; None: <kernel cache dir>/cublaslt_algos.json
+    # ---- attention (gpucore/ops/attention.py)
+    attention_v3_forward: bool = True     # version=None forward: v3 (Hopper wgmma) where it applies, else v2
+    attention_v3_backward: bool = True    # version=None backward: likewise
+    attention_v3_streams: bool = True     # v3 backward: the dQ pass on a side stream beside the dK/dV pass
+    attention_head_group: int = 16        # v3 block order: blocks walk groups of this many heads (0: plain order)
+    # ---- encoder (gpucore/ops/encoder.py)
+    encoder_dwpe_beside: bool = True      # backward v3/v4: dwpe on a side stream beside the sort and dwte
+    # ---- model (gpucore/model.py)
+    fused_bias_grads: bool = True         # fcproj/fc/attproj bias grads from the gelu / layernorm backward
+
+    def replace(self, **changes) -> "Settings":
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"unknown setting(s): {', '.join(sorted(unknown))}; "
+                            f"known: {', '.join(f.name for f in dataclasses.fields(self))}")
+        return dataclasses.replace(self, **changes)
+
+
+def from_env(environ=None) -> Settings:
+    """The defaults, with the documented environment variables applied."""
+    env = os.environ if environ is None else environ
+    return Settings(cublaslt=env.get("GPUCORE_CUBLASLT", "1") != "0",
+                    lt_autotune=env.get("GPUCORE_LT_AUTOTUNE", "1") != "0")
+
+
+_CURRENT: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("gpucore_settings", default=None)
+_DEFAULT: list[Settings] = []          # built once, on first use (the environment is read then, not at import)
+
+
+def current() -> Settings:
+    """The settings in force here (inside `using` blocks: theirs; else the process defaults)."""
+    s = _CURRENT.get()
+    if s is not None:
+        return s
+    if not _DEFAULT:
+        _DEFAULT.append(from_env())
+    return _DEFAULT[0]
+
+
+@contextlib.contextmanager
+def using(settings: Settings | None = None, **changes):
+    """Run a block with `settings` (or the current ones) changed by `changes`; restored on exit."""
+    new = (settings or current()).replace(**changes)
+    token = _CURRENT.set(new)
+    try:
+        yield new
+    finally:
+        _CURRENT.reset(token)
