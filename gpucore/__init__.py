@@ -3,12 +3,16 @@
 The numpy-like API: every op takes NumPy arrays (runs the NumPy reference on
 the CPU) or CuPy arrays (runs the CUDA kernel on the GPU), float32 or
 bfloat16 (`gpucore.bfloat16`, i.e. ml_dtypes.bfloat16).
+
+`gpucore.gemm` (our own GEMM kernels, version=1..6) is the ladder's
+(gpucore/ladder/gemm.py), imported on first use: training never loads the
+ladders. Choices between kernel paths: gpucore.settings.
 """
 from .dtypes import bfloat16, float32
 from .ops.add import add
 from .ops.attention import attention, attention_backward, attention_forward
 from .ops.cast import astype
-from .ops.matmul import batched_matmul, gemm, matmul, matmul_backward, matmul_forward
+from .ops.matmul import batched_matmul, matmul, matmul_backward, matmul_forward
 from .ops.reduce import reduce_max as max  # noqa: A004 - numpy-like names on purpose
 from .ops.reduce import reduce_sum as sum  # noqa: A004
 from .ops.adamw import adamw_update, grad_norm
@@ -19,10 +23,21 @@ from .ops.gelu import gelu, gelu_backward
 from .ops.layernorm import fused_residual_layernorm_forward, layernorm, layernorm_backward, layernorm_forward
 from .runtime import KernelCompileError, gpu_available
 
+from . import settings
+
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # gpucore.gemm lives in the ladder package, which training must not import: load it on first use.
+    if name == "gemm":
+        from .ladder.gemm import gemm
+        return gemm
+    raise AttributeError(f"module 'gpucore' has no attribute {name!r}")
+
+
 __all__ = [
-    "bfloat16", "float32", "gpu_available", "KernelCompileError",
+    "bfloat16", "float32", "gpu_available", "KernelCompileError", "settings",
     "add", "astype", "sum", "max",
     "attention", "attention_forward", "attention_backward",
     "matmul", "matmul_forward", "matmul_backward", "batched_matmul", "gemm",

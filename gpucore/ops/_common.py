@@ -11,15 +11,20 @@ import numpy as np
 from .. import dtypes, runtime
 
 
-def check_array(name: str, x, *, dtype=None, dtypes_=None, ndim=None, min_ndim=None, shape=None):
-    """Check one array argument; raise TypeError/ValueError naming `name`."""
+def check_array(name: str, x, *, dtype=None, dtypes_=None, ndim=None, min_ndim=None, shape=None,
+                max_elements=2**31 - 1):
+    """Check one array argument; raise TypeError/ValueError naming `name`.
+
+    ndim: an int or a tuple of allowed ranks. max_elements: our kernels index with 32-bit
+    ints; callers that hand the array to cuBLAS (64-bit sizes) pass None.
+    """
     if not isinstance(x, np.ndarray) and not runtime.is_gpu_array(x):
         raise TypeError(f"{name}: expected a NumPy or CuPy array, got {type(x).__name__}")
     allowed = (dtypes.normalize(dtype),) if dtype is not None else (dtypes_ or dtypes.FLOAT_DTYPES)
     if x.dtype not in allowed:
         want = " or ".join(dtypes.name(d) for d in allowed)
         raise TypeError(f"{name}: dtype must be {want}, got {dtypes.name(x.dtype)}")
-    if ndim is not None and x.ndim != ndim:
+    if ndim is not None and x.ndim not in (ndim if isinstance(ndim, tuple) else (ndim,)):
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
     if min_ndim is not None and x.ndim < min_ndim:
         raise ValueError(f"{name}: expected at least {min_ndim} dimensions, got shape {tuple(x.shape)}")
@@ -27,7 +32,7 @@ def check_array(name: str, x, *, dtype=None, dtypes_=None, ndim=None, min_ndim=N
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
     if not x.flags.c_contiguous:
         raise ValueError(f"{name}: array must be C-contiguous (use .copy() or ascontiguousarray)")
-    if x.size >= 2**31:
+    if max_elements is not None and x.size > max_elements:
         raise ValueError(f"{name}: {x.size} elements is more than the kernels' 32-bit indexing allows")
     return x
 
@@ -41,11 +46,14 @@ def check_same_dtype(**arrays):
                             f"{dtypes.name(first.dtype)}")
 
 
-def output(name: str, out, xp, shape, dtype):
-    """Return `out` checked against (shape, dtype), or a fresh empty array."""
+def output(name: str, out, xp, shape, dtype, allowed=None, max_elements=2**31 - 1):
+    """Return `out` checked against (shape, dtype), or a fresh empty array of `dtype`.
+
+    allowed: the dtypes `out` may have instead of exactly `dtype` (e.g. a bf16 matmul writing float32).
+    """
     if out is None:
         return xp.empty(shape, dtype=dtype)
-    check_array(name, out, dtype=dtype, shape=shape)
+    check_array(name, out, dtype=None if allowed else dtype, dtypes_=allowed, shape=shape, max_elements=max_elements)
     if (xp is np) != isinstance(out, np.ndarray):
         raise TypeError(f"{name}: must live on the same device as the inputs")
     return out

@@ -12,7 +12,7 @@ gelu_backward(..., dbias=) also adds dx's column sums into dbias: in GPT-2 the
 MLP's fc bias gradient is the column sum of exactly this dx (dfch), so fusing
 it here saves matmul_backward a full read of dx (403 MB at 65536 x 3072 bf16).
 The kernel writes per-row-chunk float32 partials; matmul's stage 2
-(bias_reduce_partials) adds them in order: deterministic, no atomics.
+(colsum.reduce_partials) adds them in order: deterministic, no atomics.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import dtypes, runtime
 from ._common import check_array, check_same_dtype, output
-from .matmul import _bias_backward, bias_reduce_partials   # the column sum's stage 2 (and fallback)
+from .colsum import colsum, reduce_partials   # the column sum (fallback) and its stage 2
 
 BLOCK = 256
 UNROLL = 4          # 16-byte packs per thread, as in gelu.cu
@@ -146,7 +146,7 @@ def _gelu_backward_dbias(dx, dbias, dout, x):
     P = 16 // dout.dtype.itemsize
     if C % P or any(a.data.ptr % 16 for a in (dx, dout, x)):
         gelu_backward(dout, x, dx=dx)
-        _bias_backward(dbias, dx.reshape(N, C))
+        colsum(dbias, dx.reshape(N, C))
         return dx
     rows = dbias_rows_per_chunk(N)
     chunks = -(-N // rows)
@@ -154,5 +154,5 @@ def _gelu_backward_dbias(dx, dbias, dout, x):
     kernel = runtime.get_kernel("gelu", f"gelu_backward_dbias_kernel_{dtypes.kernel_suffix(dout.dtype)}")
     runtime.launch(kernel, (-(-C // (32 * P)), chunks), (32, DBIAS_WARPS),
                    (dx, partials, dout, x, np.int32(N), np.int32(C), np.int32(rows)))
-    bias_reduce_partials(dbias, partials)
+    reduce_partials(dbias, partials)
     return dx

@@ -1,0 +1,429 @@
+"""The cuBLAS / cuBLASLt binding: row-major GEMMs on raw pointers, plans, and the autotune cache.
+
+    gemm_ex(a, b, out, M, N, K, ...)   cuBLAS gemmEx / gemmStridedBatchedEx (CuPy's binding)
+    lt_gemm(a, b, out, M, N, K, ...)   cuBLASLt matmul, optionally with the bias epilogue;
+                                       False when Lt cannot (the caller then uses gemm_ex)
+    lt_binding()                       the process's CublasLt (plans, tune cache), or None
+    TuneCache(path)                    the winners of the timing race, on disk
+
+Layout: cuBLAS is column-major. A row-major (r, c) array is, byte for byte, the
+column-major (c, r) matrix -- its transpose. So row-major C = op(A) @ op(B) is
+computed as column-major C^T = op(B)^T @ op(A)^T: pass B first, then A, swap
+M and N, and keep each operand's transpose flag (a row-major array's leading
+dimension is its row length, shape[-1]).
+
+Precision: bf16 inputs multiply on tensor cores with float32 accumulation
+(CUBLAS_COMPUTE_32F); float32 inputs use plain FP32 arithmetic (never TF32).
+
+Why cuBLASLt, through ctypes: CuPy binds cuBLAS but not cuBLASLt, whose matmul
+takes fused epilogues (CUBLASLT_EPILOGUE_BIAS: the forward bias costs nothing)
+and, unlike CuPy's cuBLAS wrappers, can be captured into a CUDA graph. We call
+the handful of functions we need from the libcublasLt that CuPy has already
+loaded. Enum values and the heuristic-result layout are from cublasLt.h (CUDA
+12.x/13.x; the ABI is unchanged since 11.0).
+
+Plans: descriptors + up to LT_ALGO_CANDIDATES algorithms from the heuristic,
+built once per (shape, dtypes, alignments, epilogue) and cached; a call then
+costs two ctypes calls. The algorithm (autotuning): the heuristic's first
+choice is not always the fastest (measured: no-bias forward 65536x3072x768,
+0.457 ms vs gemmEx 0.428 ms), so on the first call of a plan big enough to
+matter, every candidate -- and plain gemmEx when there is no epilogue -- is
+timed a few times on the real operands and the fastest wins (the heuristic's
+first choice keeps its place unless another is LT_TUNE_MARGIN faster). The
+choice is stored on disk (TuneCache, keyed by GPU, cuBLASLt version and plan
+key) so that the next process runs the *same* algorithms: different
+algorithms round differently, and two training runs must agree bit for bit.
+Inside a CUDA-graph capture nothing is timed (the first candidate is used).
+
+Choices come from gpucore.settings: `cublaslt` (False: lt_gemm declines),
+`lt_autotune`, `lt_try_gemmex`, `lt_autotune_min_flops`, `lt_tune_cache`.
+The fused bias gradient (CUBLASLT_EPILOGUE_BGRADB) was measured slower than
+our column-sum kernel at every GPT-2 shape and is not bound here any more
+(tools/notes/matmul.md, "Removed in the restructuring").
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from . import dtypes, runtime, settings
+
+LT_ALGO_CANDIDATES = 8                  # heuristic results requested per plan
+LT_TUNE_MARGIN = 0.02                   # another algorithm must be 2% faster to replace the first choice
+LT_WORKSPACE_BYTES = 32 << 20           # cuBLAS' recommendation for Hopper
+GEMMEX = "gemmex"                       # a plan's choice when plain gemmEx won the race
+_DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
+_EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
+_PREF_MAX_WORKSPACE_BYTES = 1
+_PREF_MIN_ALIGNMENT = (5, 6, 7, 8)      # A, B, C, D
+_HEURISTIC_BYTES = 96                   # cublasLtMatmulHeuristicResult_t: algo[64] ws(8) state(4) waves(4) int[4]
+_ALGO_BYTES = 64
+_COMPUTE_32F = 68
+
+
+# ------------------------------------------------------------------ cuBLAS ----
+
+def _cublas():
+    # Imported lazily: the module needs libcublas, absent on CPU-only machines.
+    from cupy_backends.cuda.libs import cublas
+    return cublas
+
+
+def cuda_type(dtype) -> int:
+    """The cudaDataType of a float32 / bfloat16 array."""
+    rt = runtime.cupy.cuda.runtime
+    return rt.CUDA_R_16BF if dtype == dtypes.bfloat16 else rt.CUDA_R_32F
+
+
+def gemm_ex(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0, batch=1):
+    """Row-major out (batch, M, N) = alpha * op(a) @ op(b) + beta * out on the current CuPy stream.
+
+    a is (M, K) or, transposed, (K, M); b is (K, N) or (N, K); one matrix per
+    batch entry, densely packed. Shapes are trusted: callers validate.
+    """
+    cublas = _cublas()
+    cp = runtime.cupy
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    # Host scalars: cuBLAS reads them before the call returns (host pointer mode).
+    al = np.array(alpha, dtype=np.float32)
+    be = np.array(beta, dtype=np.float32)
+    op_a = cublas.CUBLAS_OP_T if transpose_a else cublas.CUBLAS_OP_N
+    op_b = cublas.CUBLAS_OP_T if transpose_b else cublas.CUBLAS_OP_N
+    lda, ldb, ldc = a.shape[-1], b.shape[-1], N
+    ta, tb, tc = cuda_type(a.dtype), cuda_type(b.dtype), cuda_type(out.dtype)
+    pa, pb, pc = a.data.ptr, b.data.ptr, out.data.ptr
+    # Column-major C^T (N, M) = op(B)^T (N, K) @ op(A)^T (K, M).
+    if batch == 1:
+        cublas.gemmEx(handle, op_b, op_a, N, M, K, al.ctypes.data, pb, tb, ldb, pa, ta, lda,
+                      be.ctypes.data, pc, tc, ldc, cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+    else:
+        cublas.gemmStridedBatchedEx(handle, op_b, op_a, N, M, K, al.ctypes.data,
+                                    pb, tb, ldb, K * N, pa, ta, lda, M * K,
+                                    be.ctypes.data, pc, tc, ldc, M * N, batch,
+                                    cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+
+
+# ------------------------------------------------------------- tune cache ----
+
+class TuneCache:
+    """Autotune winners {key: algorithm bytes as hex, or GEMMEX}, in memory and in a JSON file.
+
+    Writes merge with what other processes wrote meanwhile and replace the file
+    atomically; a read-only location keeps the choice for this process only.
+    """
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self._entries = None
+
+    def entries(self) -> dict:
+        if self._entries is None:
+            self._entries = _read_json_dict(self.path)
+        return self._entries
+
+    def get(self, key: str):
+        return self.entries().get(key)
+
+    def put(self, key: str, value: str) -> None:
+        entries = self.entries()
+        entries[key] = value
+        try:
+            merged = _read_json_dict(self.path)
+            merged.update(entries)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(merged, f, indent=0, sort_keys=True)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass                        # a read-only cache dir: the choice still holds for this process
+
+
+def _read_json_dict(path) -> dict:
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def pick_fastest(times, margin=LT_TUNE_MARGIN) -> int:
+    """Index of the candidate to use: the fastest, unless it beats candidate 0 by less than `margin`."""
+    best = min(range(len(times)), key=lambda i: (times[i], i))
+    return best if times[best] < times[0] * (1.0 - margin) else 0
+
+
+def _time_each(fns, rounds=3, reps=3):
+    """ms per call of each fn: one warm-up call each, then `rounds` interleaved rounds of `reps`; min.
+    A candidate whose warm-up call raises (an algorithm Lt offered but then refuses) gets inf."""
+    cp = runtime.cupy
+    best = [float("inf")] * len(fns)
+    ok = []
+    for i, fn in enumerate(fns):
+        try:
+            fn()
+            ok.append(i)
+        except RuntimeError:
+            pass
+    for _ in range(rounds):
+        for i in ok:
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            for _ in range(reps):
+                fns[i]()
+            stop.record()
+            stop.synchronize()
+            best[i] = min(best[i], cp.cuda.get_elapsed_time(start, stop) / reps)
+    return best
+
+
+def _capturing() -> bool:
+    try:
+        return bool(runtime.cupy.cuda.get_current_stream().is_capturing())
+    except Exception:  # noqa: BLE001 - the legacy stream under a global capture raises: treat as capturing
+        return True
+
+
+# ---------------------------------------------------------------- cuBLASLt ----
+
+class Plan:
+    """Descriptors, the heuristic's candidate algorithms and (once decided) the choice."""
+
+    def __init__(self, desc, lay_b, lay_a, lay_c, results, candidates):
+        self.desc, self.lay_b, self.lay_a, self.lay_c = desc, lay_b, lay_a, lay_c
+        self.results = results          # the heuristic-result array (kept alive: algos point into it)
+        self.candidates = candidates    # indices of the usable results, heuristic order
+        self.choice = None              # an index into results, GEMMEX, or None (not decided yet)
+        self.times = None               # ms per candidate (+ gemmEx) when it was timed
+
+    def algo_ptr(self, i):
+        return ctypes.addressof(self.results) + i * _HEURISTIC_BYTES
+
+    def algo_hex(self, i):
+        return bytes(self.results[i * _HEURISTIC_BYTES:i * _HEURISTIC_BYTES + _ALGO_BYTES]).hex()
+
+
+class CublasLt:
+    """The cuBLASLt library, one handle and one workspace per device, the plan cache and tune caches."""
+
+    def __init__(self):
+        lib = None
+        for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        if lib is None:
+            raise OSError("libcublasLt.so.13/.12 not found")
+        vp, i32, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        pvp = ctypes.POINTER(vp)
+        for fname, args in {
+                "cublasLtCreate": [pvp],
+                "cublasLtMatmulDescCreate": [pvp, i32, i32],
+                "cublasLtMatmulDescSetAttribute": [vp, i32, vp, sz],
+                "cublasLtMatrixLayoutCreate": [pvp, i32, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
+                "cublasLtMatmulPreferenceCreate": [pvp],
+                "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
+                "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32, vp, ctypes.POINTER(i32)],
+                "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp]}.items():
+            f = getattr(lib, fname)
+            f.argtypes, f.restype = args, i32
+        lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], sz
+        self.lib = lib
+        self.version = int(lib.cublasLtGetVersion())
+        self.handles, self.workspaces = {}, {}
+        self.forget()
+
+    def forget(self):
+        """Drop every plan and in-memory tune choice, as a new process starts (the files stay)."""
+        self.plans = {}
+        self.tune_caches = {}
+
+    def tune_cache(self) -> TuneCache:
+        """The TuneCache of the current settings' file (default: next to the compiled kernels)."""
+        path = settings.current().lt_tune_cache or runtime.CACHE_DIR / "cublaslt_algos.json"
+        key = str(path)
+        if key not in self.tune_caches:
+            self.tune_caches[key] = TuneCache(path)
+        return self.tune_caches[key]
+
+    def _ok(self, status, what):
+        if status != 0:
+            raise RuntimeError(f"cuBLASLt {what} failed with status {status}")
+
+    def _create(self, fn, *args):
+        h = ctypes.c_void_p()
+        self._ok(fn(ctypes.byref(h), *args), fn.__name__)
+        return h
+
+    def _set(self, fn, obj, attr, value):
+        self._ok(fn(obj, attr, ctypes.addressof(value), ctypes.sizeof(value)), f"{fn.__name__}({attr})")
+
+    def device_state(self):
+        """(device id, handle, workspace) of the current device, created on first use."""
+        dev = runtime.cupy.cuda.Device().id
+        if dev not in self.handles:
+            self.handles[dev] = self._create(self.lib.cublasLtCreate)
+            self.workspaces[dev] = runtime.cupy.empty(LT_WORKSPACE_BYTES, dtype=np.uint8)
+        return dev, self.handles[dev], self.workspaces[dev]
+
+    def set_bias(self, plan, bias_ptr):
+        self._set(self.lib.cublasLtMatmulDescSetAttribute, plan.desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
+
+    def plan(self, key, handle, op_b, op_a, N, M, K, ldb, lda, tb, ta, tc, epilogue, bias_ptr, aligns):
+        """The Plan for C^T = op(B)^T op(A)^T (+ epilogue), or None if Lt has no algorithm."""
+        if key in self.plans:
+            return self.plans[key]
+        lib = self.lib
+        desc = self._create(lib.cublasLtMatmulDescCreate, _COMPUTE_32F, runtime.cupy.cuda.runtime.CUDA_R_32F)
+        self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_TRANSA, ctypes.c_int32(op_b))
+        self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_TRANSB, ctypes.c_int32(op_a))
+        self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_EPILOGUE, ctypes.c_uint32(epilogue))
+        if epilogue != _EPILOGUE_DEFAULT:    # the heuristic reads the pointer's alignment
+            self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
+        # Column-major layouts of the stored matrices: (rows, cols, ld) = (row length, row count, row length).
+        lay_b = self._create(lib.cublasLtMatrixLayoutCreate, tb, *((N, K) if op_b == 0 else (K, N)), ldb)
+        lay_a = self._create(lib.cublasLtMatrixLayoutCreate, ta, *((K, M) if op_a == 0 else (M, K)), lda)
+        lay_c = self._create(lib.cublasLtMatrixLayoutCreate, tc, N, M, N)
+        pref = self._create(lib.cublasLtMatmulPreferenceCreate)
+        self._set(lib.cublasLtMatmulPreferenceSetAttribute, pref, _PREF_MAX_WORKSPACE_BYTES,
+                  ctypes.c_uint64(LT_WORKSPACE_BYTES))
+        for attr, al in zip(_PREF_MIN_ALIGNMENT, aligns):
+            self._set(lib.cublasLtMatmulPreferenceSetAttribute, pref, attr, ctypes.c_uint32(al))
+        results = (ctypes.c_ubyte * (LT_ALGO_CANDIDATES * _HEURISTIC_BYTES))()
+        count = ctypes.c_int(0)
+        status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, lay_b, lay_a, lay_c, lay_c, pref,
+                                                    LT_ALGO_CANDIDATES, ctypes.addressof(results),
+                                                    ctypes.byref(count))
+        candidates = []
+        if status == 0:
+            for i in range(min(count.value, LT_ALGO_CANDIDATES)):
+                off = i * _HEURISTIC_BYTES
+                state = int.from_bytes(bytes(results[off + 72:off + 76]), "little", signed=True)
+                ws = int.from_bytes(bytes(results[off + 64:off + 72]), "little")
+                if state == 0 and ws <= LT_WORKSPACE_BYTES:
+                    candidates.append(i)
+        plan = Plan(desc, lay_b, lay_a, lay_c, results, candidates) if candidates else None
+        self.plans[key] = plan
+        return plan
+
+    def tune_key(self, key) -> str:
+        """The plan key without the device index, with what makes timings and algorithms differ."""
+        name = runtime.device_properties()["name"]
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        return f"{name}|sm{runtime.sm_count()}|lt{self.version}|{key[1:]}".replace(" ", "")
+
+    def choose(self, plan, key, launch, out, beta, flops, gemmex):
+        """Decide plan.choice (see the module docstring). launch(i, c_ptr) runs candidate i into
+        c_ptr; gemmex(c) runs plain gemmEx into array c, or is None when gemmEx is no candidate."""
+        if flops < settings.current().lt_autotune_min_flops or (len(plan.candidates) == 1 and gemmex is None):
+            plan.choice = plan.candidates[0]
+            return
+        cache = self.tune_cache()
+        tkey = self.tune_key(key)
+        saved = cache.get(tkey)
+        if saved == GEMMEX and gemmex is not None:
+            plan.choice = GEMMEX
+            return
+        for i in plan.candidates:
+            if saved == plan.algo_hex(i):
+                plan.choice = i
+                return
+        if _capturing():
+            return                      # undecided: candidate 0 now, timed on a later call outside capture
+        # beta == 0: the output is only written, and the chosen algorithm rewrites it last -> time in place.
+        # beta != 0: out is read (+=); time on a scratch copy of its shape so out is untouched.
+        target = out if beta == 0.0 else runtime.cupy.empty_like(out)
+        fns = [lambda i=i: launch(i, target.data.ptr) for i in plan.candidates]
+        if gemmex is not None:
+            fns.append(lambda: gemmex(target))
+        times = _time_each(fns)
+        best = pick_fastest(times)
+        plan.times = times
+        plan.choice = GEMMEX if best == len(plan.candidates) else plan.candidates[best]
+        cache.put(tkey, GEMMEX if plan.choice == GEMMEX else plan.algo_hex(plan.choice))
+
+
+_LT: list = []                          # [CublasLt or None, status]: loaded once per process
+
+
+def lt_binding():
+    """The process's CublasLt, or None when cuBLASLt is off (settings) or did not load (lt_status)."""
+    if not settings.current().cublaslt:
+        return None
+    if not _LT:
+        try:
+            _cublas()                   # makes CuPy load libcublas and libcublasLt
+            _LT[:] = [CublasLt(), "ok"]
+        except Exception as e:  # noqa: BLE001 - any failure means: use gemmEx
+            _LT[:] = [None, f"unavailable: {e}"]
+    return _LT[0]
+
+
+def lt_status() -> str:
+    """'ok', 'not tried', or why cuBLASLt is unavailable."""
+    return _LT[1] if _LT else "not tried"
+
+
+def _alignment(ptr: int) -> int:
+    return min(256, ptr & -ptr) if ptr else 256
+
+
+def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0, bias=None) -> bool:
+    """Row-major out = alpha * op(a) @ op(b) + beta * out [+ bias over rows] by cublasLtMatmul.
+
+    bias (N,) must have out's dtype (Lt's bias has D's type). Returns False
+    (nothing launched) when cuBLASLt is off or unavailable, has no algorithm
+    for this case, or plain gemmEx won the timing race: the caller then runs
+    gemm_ex (with the bias some other way).
+    """
+    lt = lt_binding()
+    if lt is None:
+        return False
+    dev, handle, ws = lt.device_state()
+    op_a, op_b = int(transpose_a), int(transpose_b)          # CUBLAS_OP_N = 0, CUBLAS_OP_T = 1
+    ta, tb, tc = cuda_type(a.dtype), cuda_type(b.dtype), cuda_type(out.dtype)
+    epilogue = _EPILOGUE_BIAS if bias is not None else _EPILOGUE_DEFAULT
+    bias_ptr = bias.data.ptr if bias is not None else 0
+    aligns = tuple(_alignment(p) for p in (b.data.ptr, a.data.ptr, out.data.ptr, out.data.ptr))
+    key = (dev, op_a, op_b, M, N, K, a.shape[-1], b.shape[-1], ta, tb, tc, epilogue,
+           _alignment(bias_ptr) if bias is not None else 0, aligns, beta != 0.0)
+    plan = lt.plan(key, handle, op_b, op_a, N, M, K, b.shape[-1], a.shape[-1], tb, ta, tc, epilogue, bias_ptr,
+                   aligns)
+    if plan is None:
+        return False
+    if bias is not None:
+        lt.set_bias(plan, bias_ptr)
+    al, be = ctypes.c_float(alpha), ctypes.c_float(beta)
+    stream = runtime.cupy.cuda.get_current_stream().ptr
+    pa, pb = a.data.ptr, b.data.ptr
+
+    def launch(i, c_ptr):
+        lt._ok(lt.lib.cublasLtMatmul(handle, plan.desc, ctypes.addressof(al), pb, plan.lay_b, pa, plan.lay_a,
+                                     ctypes.addressof(be), c_ptr, plan.lay_c, c_ptr, plan.lay_c,
+                                     plan.algo_ptr(i), ws.data.ptr, LT_WORKSPACE_BYTES, stream),
+               "cublasLtMatmul")
+
+    s = settings.current()
+    if not s.lt_autotune:
+        choice = plan.candidates[0]
+    else:
+        if plan.choice is None:
+            gemmex = None
+            if epilogue == _EPILOGUE_DEFAULT and s.lt_try_gemmex:
+                def gemmex(c):
+                    gemm_ex(a, b, c, M, N, K, transpose_a, transpose_b, alpha, beta)
+            lt.choose(plan, key, launch, out, beta, 2.0 * M * N * K, gemmex)
+        choice = plan.choice if plan.choice is not None else plan.candidates[0]
+    if choice == GEMMEX:
+        return False
+    launch(choice, out.data.ptr)
+    return True

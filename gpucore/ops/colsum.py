@@ -1,0 +1,50 @@
+"""Deterministic column sums: the bias gradient of a linear layer (kernels_cu/colsum.cu).
+
+    colsum(dbias, dout2d)             dbias (M,) += dout2d (N, M).sum(0)      (parameter grad: +=)
+    reduce_partials(dbias, partials)  dbias (M,) += partials (chunks, M).sum(0), chunks in order
+
+Two stages, no float atomics, float32 accumulation: stage 1 sums fixed row
+chunks of COLSUM_ROWS_PER_CHUNK rows into float32 partials, stage 2 adds the
+chunks in order. The chunking depends on the shape only, so the same input
+gives the same bits on every call.
+
+Stage 2 is shared: kernels that write a matmul's dout can sum its columns on
+the way (gelu_backward(dbias=), layernorm_backward(dx_colsum=)) into
+per-chunk partials of their own and call reduce_partials, so matmul_backward
+need not read dout again for that bias gradient.
+
+Callers pass CuPy arrays they have validated (this is plumbing for the ops
+modules, not a user-facing op); the NumPy reference is `dout.sum(0)`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes, runtime
+
+# Rows per stage-1 chunk: fixed, so the reduction order depends on the shape only.
+COLSUM_ROWS_PER_CHUNK = 256
+COLSUM_WARPS = 8           # BB_ROWS in colsum.cu: warps per stage-1 block
+
+
+def colsum(dbias, dout2d):
+    """dbias (M,) += dout2d (N, M).sum(0) on the current stream: two deterministic launches."""
+    N, M = dout2d.shape
+    cp = runtime.cupy
+    suf = dtypes.kernel_suffix(dout2d.dtype)
+    chunks = max(1, -(-N // COLSUM_ROWS_PER_CHUNK))
+    partials = cp.empty((chunks, M), dtype=np.float32)
+    P = 16 // dout2d.dtype.itemsize
+    vec = M % P == 0 and dout2d.data.ptr % 16 == 0
+    V = P if vec else 1
+    k1 = runtime.get_kernel("colsum", f"colsum_stage1_kernel_{'vec' if vec else 'scalar'}_{suf}")
+    runtime.launch(k1, (-(-M // (32 * V)), chunks), (32, COLSUM_WARPS),
+                   (partials, dout2d, np.int32(N), np.int32(M), np.int32(COLSUM_ROWS_PER_CHUNK)))
+    reduce_partials(dbias, partials)
+
+
+def reduce_partials(dbias, partials):
+    """dbias (M,) += partials (chunks, M) float32 summed over chunks in chunk order (stage 2)."""
+    chunks, M = partials.shape
+    k2 = runtime.get_kernel("colsum", f"colsum_stage2_kernel_{dtypes.kernel_suffix(dbias.dtype)}")
+    runtime.launch(k2, -(-M // 256), 256, (dbias, partials, np.int32(M), np.int32(chunks)))
