@@ -427,3 +427,24 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
         return False
     launch(choice, out.data.ptr)
     return True
+
+
+def plan_choice(M, N, K, transpose_a=False, transpose_b=False, bias=False, accumulate=False) -> str:
+    """Which algorithm lt_gemm runs for this GEMM (as the training path calls it): "lt#i/n" (the
+    heuristic's i-th of n candidates), "gemmEx" (it won the race), "untuned", "-" (no cuBLASLt)
+    or "?" (not planned yet). For benchmarks and notes."""
+    lt = lt_binding()
+    if lt is None:
+        return "-"
+    epilogue = _EPILOGUE_BIAS if bias else _EPILOGUE_DEFAULT
+    for key, plan in lt.plans.items():
+        # key = (dev, op_a, op_b, M, N, K, lda, ldb, ta, tb, tc, epilogue, bias alignment, aligns, beta != 0)
+        if plan is None or key[1:6] != (int(transpose_a), int(transpose_b), M, N, K) or key[11] != epilogue \
+                or key[-1] != accumulate:
+            continue
+        if plan.choice is None:
+            return "untuned"
+        if plan.choice == GEMMEX:
+            return "gemmEx"
+        return f"lt#{plan.candidates.index(plan.choice) + 1}/{len(plan.candidates)}"
+    return "?"

@@ -1,0 +1,120 @@
+"""The GEMM ladder (gpucore/ladder/gemm.py, kernels_cu/ladder/gemm/): our own C = A @ B, v1..v6.
+
+CPU: the reference and the version table. GPU (pytest -m cuda): every version against float64
+on odd shapes, and structured inputs (identity-like, index-coded) that name the first wrong
+(row, col) when a fragment, swizzle or tile offset is off.
+"""
+import numpy as np
+import pytest
+
+import gpucore
+from gpucore import runtime
+from gpucore.ladder import gemm as lg
+from conftest import poison, to_cpu
+from matmul_checks import check_close, rand
+
+BF16 = gpucore.bfloat16
+
+
+def test_gemm_bad_version(rng):
+    a = rand(rng, (6, 4), np.float32)
+    with pytest.raises(ValueError, match="version"):
+        gpucore.gemm(a, a.T.copy(), version=9)
+    with pytest.raises(ValueError, match="version"):
+        gpucore.gemm(a, a.T.copy(), version="4w")      # removed: measured slower than v4
+
+
+def test_gemm_reference(rng):
+    a, b = rand(rng, (5, 7), np.float32), rand(rng, (7, 3), np.float32)
+    np.testing.assert_array_equal(gpucore.gemm(a, b), (a.astype(np.float64) @ b).astype(np.float32))
+
+
+def test_gemm_default_bf16_is_a_tensor_core_version():
+    assert lg.GEMM_DEFAULT_BF16 in lg.TC_VERSIONS
+    for v in lg.TC_VERSIONS:
+        family, dt, (BM, BN), threads, smem = lg.GEMM_VERSIONS[v]
+        assert dt == BF16 and smem <= 227 * 1024 and threads % 32 == 0, v
+
+
+
+
+SIMT_SHAPES = [(1, 1, 1), (7, 5, 3), (33, 17, 65), (128, 128, 128), (129, 257, 131), (300, 64, 1000),
+               (512, 1024, 256)]
+TC_SHAPES = [(1, 8, 8), (7, 16, 24), (129, 40, 136), (256, 256, 256), (300, 1000, 520), (128, 8, 128),
+             (1024, 768, 2304),
+             (65, 128, 264),       # K = 2 tiles of 64 = STAGES - 1 of v4b/v4c: the main loop loads nothing
+             (1100, 200, 1288)]    # 9 block-rows: a second, ragged GROUP_M raster group; ragged K, N
+
+
+def _skip_unless_supported(version):
+    arch = lg.VERSION_ARCH.get(version)
+    if arch is not None and runtime.device_arch() != arch[:-1]:
+        pytest.skip(f"gemm version {version} needs sm_{arch[:-1]}")
+
+
+def _check_gemm(version, a, b, out_dtype):
+    cp = runtime.cupy
+    _skip_unless_supported(version)
+    out = poison((a.shape[0], b.shape[1]), out_dtype)
+    gpucore.gemm(cp.asarray(a), cp.asarray(b), out=out, version=version)
+    check_close(out, a.astype(np.float64) @ b.astype(np.float64), out_dtype,
+                 f"gemm v{version} M,K,N={a.shape[0]},{a.shape[1]},{b.shape[1]}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("M,K,N", SIMT_SHAPES)
+def test_gpu_gemm_simt(rng, version, M, K, N):
+    _check_gemm(version, rand(rng, (M, K), np.float32), rand(rng, (K, N), np.float32), np.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("version", [4, "4b", "4c", 5, 6])
+@pytest.mark.parametrize("out_dtype", [np.float32, BF16])
+@pytest.mark.parametrize("M,K,N", TC_SHAPES)
+def test_gpu_gemm_tc(rng, version, out_dtype, M, K, N):
+    _check_gemm(version, rand(rng, (M, K), BF16), rand(rng, (K, N), BF16), out_dtype)
+
+
+def _assert_exact(out, want, what):
+    bad = np.argwhere(out != want)
+    assert len(bad) == 0, (f"{what}: {len(bad)} of {out.size} wrong, first (row, col) {tuple(bad[0])}: "
+                           f"got {out[tuple(bad[0])]}, want {want[tuple(bad[0])]}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("version", [1, 2, 3, 4, "4b", "4c", 5, 6])
+def test_gpu_gemm_structured(version):
+    """Identity-like and index-coded inputs (small integers: exact in bf16 and fp32),
+    so a wrong fragment, swizzle or tile offset shows up as a named (row, col)."""
+    cp = runtime.cupy
+    _skip_unless_supported(version)
+    dt = BF16 if version in lg.TC_VERSIONS else np.float32
+    M, K, N = 200, 136, 264          # several tiles, ragged in M (and K, N for the 128-wide tiles)
+    rows, cols = np.arange(M), np.arange(N)
+
+    def run(a, b):
+        out = poison((M, N), np.float32) if dt == BF16 else None
+        return to_cpu(gpucore.gemm(cp.asarray(a.astype(dt)), cp.asarray(b.astype(dt)), out=out,
+                                   version=version)).astype(np.float32)
+
+    # A = stacked identities: C row r = B row (r % K)
+    a = np.zeros((M, K), np.float32)
+    a[rows, rows % K] = 1.0
+    b = ((cols[None, :] % 97) - 48 + (np.arange(K)[:, None] % 7)).astype(np.float32)
+    _assert_exact(run(a, b), b[rows % K], f"gemm v{version}, A = stacked identities")
+    # B = ones at k == n % K: C column c = A column (c % K)
+    a2 = ((rows[:, None] % 13) - 6 + (np.arange(K)[None, :] % 5)).astype(np.float32)
+    b2 = np.zeros((K, N), np.float32)
+    b2[cols % K, cols] = 1.0
+    _assert_exact(run(a2, b2), a2[:, cols % K], f"gemm v{version}, B = identity columns")
+
+
+@pytest.mark.cuda
+def test_gpu_gemm_v4_rejects_ragged_k():
+    cp = runtime.cupy
+    a = cp.zeros((16, 12), dtype=BF16)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        gpucore.gemm(a, cp.zeros((12, 16), dtype=BF16), version=4)
+    with pytest.raises(TypeError, match="gemm version 3 takes float32"):
+        gpucore.gemm(a, cp.zeros((12, 16), dtype=BF16), version=3)

@@ -1,0 +1,66 @@
+"""Column sums (gpucore/ops/colsum.py, kernels_cu/colsum.cu): the bias gradient's deterministic
+two-stage reduction, and its stage 2 that the fused gelu / layernorm bias gradients share.
+
+GPU only (the ops have no NumPy path: the reference is dout.sum(0)); the fused callers are
+tested in tests/test_gelu.py and tests/test_layernorm.py.
+"""
+import numpy as np
+import pytest
+
+import gpucore
+from gpucore import runtime
+from gpucore.ops.colsum import COLSUM_ROWS_PER_CHUNK, colsum, reduce_partials
+from conftest import to_cpu
+from matmul_checks import check_close, rand
+
+BF16 = gpucore.bfloat16
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+@pytest.mark.parametrize("N,M", [(1, 1), (5, 3), (256, 768), (257, 769), (4097, 2304), (70000, 24)])
+def test_gpu_colsum(rng, dtype, N, M):
+    """Both the 16-byte and the scalar path, against float64; same bits on a second call."""
+    cp = runtime.cupy
+    dout = rand(rng, (N, M), dtype)
+    db = cp.zeros(M, np.float32)
+    colsum(db, cp.asarray(dout))
+    check_close(db, dout.astype(np.float64).sum(0), np.float32, "dbias", tol=1e-5)
+    db2 = cp.zeros(M, np.float32)
+    colsum(db2, cp.asarray(dout))
+    assert to_cpu(db).tobytes() == to_cpu(db2).tobytes()
+
+
+@pytest.mark.cuda
+def test_gpu_colsum_accumulates_into_bf16(rng):
+    """dbias += (not =), rounded once into a bf16 gradient."""
+    cp = runtime.cupy
+    N, M = 1000, 136
+    dout, db0 = rand(rng, (N, M), BF16), rand(rng, (M,), BF16)
+    db = cp.asarray(db0)
+    colsum(db, cp.asarray(dout))
+    check_close(db, db0.astype(np.float64) + dout.astype(np.float64).sum(0), BF16, "bf16 dbias +=")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_gpu_reduce_partials_adds_chunks_in_order(rng, dtype):
+    """Stage 2 adds the float32 partials in chunk order 0..chunks-1, then dbias += sum, rounded once:
+    exactly the float32 loop below, bit for bit."""
+    cp = runtime.cupy
+    chunks, M = 37, 300
+    partials = (rng.standard_normal((chunks, M)) * np.exp(rng.uniform(-8, 8, (chunks, 1)))).astype(np.float32)
+    db0 = rand(rng, (M,), dtype)
+    s = np.zeros(M, np.float32)
+    for k in range(chunks):
+        s = s + partials[k]
+    want = (db0.astype(np.float32) + s).astype(dtype)
+    db = cp.asarray(db0)
+    reduce_partials(db, cp.asarray(partials))
+    assert to_cpu(db).tobytes() == want.tobytes()
+
+
+def test_chunking_depends_on_the_shape_only():
+    """The reduction order is fixed by COLSUM_ROWS_PER_CHUNK: changing it changes the bits of every
+    bias gradient, so it is a deliberate constant (a power of two that divides B*T = 65536)."""
+    assert COLSUM_ROWS_PER_CHUNK > 0 and 65536 % COLSUM_ROWS_PER_CHUNK == 0
