@@ -260,7 +260,7 @@ def batched_matmul(a, b, out=None, transpose_a=False, transpose_b=False, alpha=1
     """
     _check("a", a, ndim=3)
     _check("b", b, ndim=3)
-    checkcheck_same_dtype(a=a, b=b)
+    check_same_dtype(a=a, b=b)
     Bt = a.shape[0]
     M, K = (a.shape[2], a.shape[1]) if transpose_a else (a.shape[1], a.shape[2])
     Kb, N = (b.shape[2], b.shape[1]) if transpose_b else (b.shape[1], b.shape[2])
@@ -291,7 +291,7 @@ def matmul(a, b, out=None):
     and (Bt, M, K) @ (K, N) (b shared by every batch entry). cuBLAS on the GPU."""
     _check("a", a, ndim=(2, 3))
     _check("b", b, ndim=(2, 3))
-    checkcheck_same_dtype(a=a, b=b)
+    check_same_dtype(a=a, b=b)
     if a.ndim == 2 and b.ndim == 3:
         raise ValueError(f"b: a 3-D b needs a 3-D a, got shapes {a.shape} @ {b.shape}")
     if a.shape[-1] != b.shape[-2]:
