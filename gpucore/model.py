@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from . import dtypes, runtime
+from . import dtypes, runtime, settings
 from .ops.attention import attention_backward, attention_forward
 from .ops.classifier import fused_classifier
 from .ops.encoder import encoder_backward, encoder_backward_plan, encoder_forward
@@ -50,7 +50,6 @@ from .tensors import TensorLayout
 GPT2_VOCAB = 50257
 VOCAB_MULTIPLE = 128               # pad the vocabulary to 50304 = 393 * 128 (tensor-core friendly)
 HEAD_CHUNK_BYTES = 1 << 30         # LM-head logits scratch budget (rows chosen to fit)
-FUSED_BIAS_GRADS = True            # fcproj/fc/attproj bias grads from the kernels writing their dout
 
 # name: (num_layers, num_heads, channels, max_seq_len, vocab_size, padded_vocab_size)
 PRESETS = {
@@ -467,10 +466,11 @@ class GPT2:
         dfch = d.dbig                                         # (B, T, 4C)
         dqkv = d.dbig.reshape(-1)[: B * T * 3 * C].reshape(B, T, 3 * C)
 
-        # Bias gradients of fcproj, fc and attproj: with FUSED_BIAS_GRADS the kernel that writes
-        # their dout also sums its columns (the layernorm backward that updates dres last, the
-        # gelu backward), so matmul_backward never reads dout a second time for them.
-        fuse = FUSED_BIAS_GRADS
+        # Bias gradients of fcproj, fc and attproj: with settings.fused_bias_grads (read once per
+        # call) the kernel that writes their dout also sums its columns (the layernorm backward
+        # that updates dres last, the gelu backward), so matmul_backward never reads dout a
+        # second time for them.
+        fuse = settings.current().fused_bias_grads
         layernorm_backward(dsmall, a.residual3[L - 1], p.lnfw, a.lnf_mean, a.lnf_rstd,
                            dx=dres, dweight=g.lnfw, dbias=g.lnfb, dx_colsum=g.fcprojb[L - 1] if fuse else None)
         for l in reversed(range(L)):
@@ -514,7 +514,3 @@ def _encoder_plan_beside(tokens, V):
         plan.ready = cp.cuda.Event(disable_timing=True)
         plan.ready.record(side)
     return plan
-
-
-def is_gpu(model: GPT2) -> bool:
-    return model.xp is not np and runtime.cupy is not None and model.xp is runtime.cupy

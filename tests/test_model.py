@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from gpucore import bfloat16, runtime
+from gpucore import bfloat16, runtime, settings
 from gpucore.model import GPT2, PRESETS, GPT2Config, memory_plan, parameter_specs
 from gpucore.sample import KVCache, decode_step, generate, sample_token
 from conftest import rel_err, to_cpu
@@ -258,6 +258,29 @@ def test_bf16_numpy_forward_backward_close_to_fp32(rng):
 
 # ------------------------------------------------------------- KV cache ----
 
+def test_fused_bias_grads_setting_numpy(rng):
+    """settings.fused_bias_grads on the NumPy backend: the bias gradients of fcproj, fc and attproj
+    from the layernorm / gelu backward's column sums (True, the default) or from matmul_backward
+    (False) agree to float32 rounding; every other gradient is bitwise the same."""
+    cfg = GPT2Config.from_preset("micro")
+    x, y = _batch(rng, cfg, 2, 16)
+    grads = {}
+    for on in (True, False):
+        with settings.using(fused_bias_grads=on):
+            m = GPT2(cfg, dtype="float32", seed=5)
+            _randomize(m, np.random.default_rng(3), 0.1)
+            m.zero_grad()
+            m.forward(x, y, for_backward=True)
+            m.backward()
+        grads[on] = {name: np.array(a) for name, a in m.grads}
+    for name, want in grads[True].items():
+        got = grads[False][name]
+        if name in ("fcprojb", "fcb", "attprojb"):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=name)
+        else:
+            assert got.tobytes() == want.tobytes(), name
+
+
 @pytest.mark.parametrize("preset", ["micro", "tiny"])
 def test_kv_cache_decoding_matches_full_forward(rng, preset):
     cfg = GPT2Config.from_preset(preset)
@@ -317,25 +340,20 @@ def test_gpu_fp32_matches_numpy(rng, preset, B, T):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_fused_bias_grads_match_unfused(rng, dtype):
-    """FUSED_BIAS_GRADS (fcproj/fc/attproj bias grads summed by the layernorm / gelu backward that
-    write their dout) gives the gradients of the matmul_backward dbias path: the same values summed
-    in another order (fp32 accumulation), and the very same every other gradient."""
-    import gpucore.model as model_mod
+    """settings.fused_bias_grads (fcproj/fc/attproj bias grads summed by the layernorm / gelu
+    backward that write their dout) gives the gradients of the matmul_backward dbias path: the
+    same values summed in another order (fp32 accumulation), and the very same every other gradient."""
     cp = runtime.cupy
     cfg = GPT2Config.from_preset("tiny")
     x, y = _batch(rng, cfg, 4, 64, cp)
     grads = {}
-    default = model_mod.FUSED_BIAS_GRADS
-    try:
-        for fused in (False, True):
-            model_mod.FUSED_BIAS_GRADS = fused
+    for fused in (False, True):
+        with settings.using(fused_bias_grads=fused):
             m = GPT2(cfg, xp=cp, dtype=dtype, seed=9)
             m.zero_grad()
             m.forward(x, y, for_backward=True)
             m.backward()
-            grads[fused] = {name: to_cpu(a).astype(np.float32) for name, a in m.grads}
-    finally:
-        model_mod.FUSED_BIAS_GRADS = default
+        grads[fused] = {name: to_cpu(a).astype(np.float32) for name, a in m.grads}
     tol = 1e-5 if dtype == "float32" else 1e-2
     for name in grads[False]:
         a, b = grads[False][name], grads[True][name]

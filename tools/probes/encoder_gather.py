@@ -1,14 +1,16 @@
 """Probe: how fast can a GPU read dout's rows in the order the encoder's dwte kernel reads them?
 
 Issue 3's dwte kernel (sorted by token, 64 rows per block) stalls at ~57% of copy bandwidth and a
-deeper cp.async ring (v5) did not help, so the question is the access pattern itself. This times one
-simple kernel -- each block of 96 threads sums 64 rows of a (65536, 768) bf16 array, one 16-byte pack
-per thread per row, 8 loads in flight -- over three row orders:
+deeper cp.async ring (the deleted encoder backward v5, tools/notes/kernels_perf.md) did not help, so
+the question is the access pattern itself. This times one simple kernel -- each block of 96 threads
+sums 64 rows of a (65536, 768) bf16 array, one 16-byte pack per thread per row, 8 loads in flight --
+over three row orders:
   sequential   rows 0, 1, 2, ...            (the dwpe / copy pattern)
   token-sorted rows by (token, position)    (the dwte pattern, Zipf(1.2) tokens as in the bench)
   random       a random permutation         (the worst case for DRAM pages)
 and prints GB/s against the copy figure. Run on the device:  PYTHONPATH=. python3 tools/probes/encoder_gather.py
 Under ncu (what the dwte kernel itself does):  ... --kernel-name regex:dwte_kernel_v3 python3 tools/probes/encoder_gather.py --dwte
+(the production dwte: encoder.counting_sort_keys, then encoder.launch_dwte)
 """
 import sys
 
@@ -59,10 +61,10 @@ def main():
         toks = cp.asarray(tokens.reshape(64, 1024))
         dout = cp.asarray(host.reshape(64, 1024, C))
         dwte = cp.zeros((50304, C), bfloat16)
-        keys, bits = enc._sort_keys_v4(toks, 50304)
-        enc._launch_dwte_v3(dwte, dout, keys, bits)
+        keys, bits = enc.counting_sort_keys(toks, 50304)
+        enc.launch_dwte(dwte, dout, keys, bits)
         cp.cuda.get_current_stream().synchronize()
-        print("dwte v3 launched once")
+        print("dwte (v3/v4 kernels) launched once")
 
 
 if __name__ == "__main__":
