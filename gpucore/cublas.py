@@ -394,7 +394,9 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
     epilogue = _EPILOGUE_BIAS if bias is not None else _EPILOGUE_DEFAULT
     bias_ptr = bias.data.ptr if bias is not None else 0
     aligns = tuple(_alignment(p) for p in (b.data.ptr, a.data.ptr, out.data.ptr, out.data.ptr))
-    key = (dev, op_a, op_b, M, N, K, a.shape[-1], b.shape[-1], ta, tb, tc, epilogue,
+    # The None stands where the bias-gradient epilogue's vector type was: the key (and so every
+    # tune-cache entry written before that epilogue was removed) stays the same.
+    key = (dev, op_a, op_b, M, N, K, a.shape[-1], b.shape[-1], ta, tb, tc, epilogue, None,
            _alignment(bias_ptr) if bias is not None else 0, aligns, beta != 0.0)
     plan = lt.plan(key, handle, op_b, op_a, N, M, K, b.shape[-1], a.shape[-1], tb, ta, tc, epilogue, bias_ptr,
                    aligns)
@@ -438,7 +440,7 @@ def plan_choice(M, N, K, transpose_a=False, transpose_b=False, bias=False, accum
         return "-"
     epilogue = _EPILOGUE_BIAS if bias else _EPILOGUE_DEFAULT
     for key, plan in lt.plans.items():
-        # key = (dev, op_a, op_b, M, N, K, lda, ldb, ta, tb, tc, epilogue, bias alignment, aligns, beta != 0)
+        # key = (dev, op_a, op_b, M, N, K, lda, ldb, ta, tb, tc, epilogue, None, bias alignment, aligns, beta != 0)
         if plan is None or key[1:6] != (int(transpose_a), int(transpose_b), M, N, K) or key[11] != epilogue \
                 or key[-1] != accumulate:
             continue
