@@ -57,9 +57,3 @@ def output(name: str, out, xp, shape, dtype, allowed=None, max_elements=2**31 - 
     if (xp is np) != isinstance(out, np.ndarray):
         raise TypeError(f"{name}: must live on the same device as the inputs")
     return out
-
-
-def threads_for(n_items: int, per_thread: int, block: int = 256, max_blocks: int | None = None) -> int:
-    """Grid size covering n_items with `per_thread` items per thread."""
-    blocks = max(1, -(-n_items // (per_thread * block)))
-    return min(blocks, max_blocks) if max_blocks else blocks
