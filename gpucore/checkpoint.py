@@ -28,6 +28,12 @@ then, after the data was streamed out and hashed, again with the real ones
 arrays come from the GPU (CuPy arrays are copied to the host with .get()).
 bfloat16 arrays (ml_dtypes) are stored as their 2-byte patterns with dtype
 "bfloat16" and come back as ml_dtypes.bfloat16.
+
+On top of the format, the training checkpoints of gpucore.train (the end of
+this file): `ckpt_<step>.ckpt` files in a run's out-dir holding the flat
+parameters, AdamW state, data position and RNG; finding the newest intact one
+(a corrupt newest file is skipped, with a note), keeping only the last N, and
+removing the temporary files a save killed mid-write leaves behind.
 """
 from __future__ import annotations
 
@@ -35,8 +41,11 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import struct
 import tempfile
+import time
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 import ml_dtypes
@@ -59,6 +68,9 @@ class CheckpointError(ValueError):
 
 # ------------------------------------------------------------ atomic writes ----
 
+_TMP_SUFFIX = ".tmp"     # atomic_write's temporary file for <dir>/<name>: <dir>/.<name>.<random>.tmp
+
+
 @contextlib.contextmanager
 def atomic_write(path):
     """Open a temporary file next to `path` for binary writing; on success, fsync and rename it to `path`.
@@ -69,7 +81,7 @@ def atomic_write(path):
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_TMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             umask = os.umask(0)
@@ -84,6 +96,28 @@ def atomic_write(path):
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+def remove_stale_temp_files(directory, name_glob: str, min_age_s: float = 60.0) -> list[Path]:
+    """Delete the temporary files atomic_write left in `directory` for files named like `name_glob`.
+
+    A process killed mid-save (SIGKILL, power loss) cannot remove its temporary
+    file, and nothing else ever would. Only files untouched for `min_age_s`
+    are removed: a save in progress writes to its file continuously, so a
+    recent one may belong to a live process. Returns the removed paths.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    removed, now = [], time.time()
+    for p in sorted(directory.glob(f".{name_glob}.*{_TMP_SUFFIX}")):
+        try:
+            if p.is_file() and now - p.stat().st_mtime >= min_age_s:
+                p.unlink()
+                removed.append(p)
+        except OSError:      # gone already, or not ours to delete: leave it
+            pass
+    return removed
 
 
 def _fsync_dir(d: Path) -> None:
@@ -322,3 +356,133 @@ def load_checkpoint(path, verify: bool = True) -> tuple[dict, dict]:
                 raise CheckpointError(f"{path}: corrupt checkpoint (checksum mismatch in array {e['name']!r})")
             arrays[e["name"]] = a
     return arrays, doc["meta"]
+
+
+# ------------------------------------------------------ training checkpoints ----
+
+CHECKPOINT_FORMAT = "gpucore-gpt2-train"
+CHECKPOINT_GLOB = "ckpt_*.ckpt"
+_CHECKPOINT_RE = re.compile(r"ckpt_(\d+)\.ckpt$")
+
+
+def checkpoint_path(out_dir, step: int) -> Path:
+    return Path(out_dir) / f"ckpt_{step:06d}.ckpt"
+
+
+def list_checkpoints(directory) -> list[tuple[int, Path]]:
+    """(step, path) of every ckpt_<step>.ckpt in `directory`, oldest step first.
+
+    Sorted by the parsed step, not the name: past step 999999 the names stop
+    sorting by step.
+    """
+    found = []
+    for p in Path(directory).glob(CHECKPOINT_GLOB):
+        m = _CHECKPOINT_RE.fullmatch(p.name)
+        if m and p.is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def find_checkpoint(path) -> Path:
+    """A checkpoint file, or the ckpt_*.ckpt with the highest step in a directory."""
+    p = Path(path)
+    if p.is_dir():
+        found = list_checkpoints(p)
+        if not found:
+            raise CheckpointError(f"{p}: no checkpoints ({CHECKPOINT_GLOB}) in this directory")
+        return found[-1][1]
+    return p
+
+
+def prune_checkpoints(out_dir, keep_last: int, newest_step: int) -> list[Path]:
+    """Delete the checkpoints of `out_dir` older than the `keep_last` newest up to `newest_step`.
+
+    Checkpoints past `newest_step` (left by an earlier run that went further
+    before this one resumed from an older step) are not this run's to judge
+    and stay. keep_last 0 keeps everything. Returns the deleted paths.
+    """
+    if keep_last <= 0:
+        return []
+    ours = [p for step, p in list_checkpoints(out_dir) if step <= newest_step]
+    doomed = ours[:-keep_last]
+    for p in doomed:
+        p.unlink(missing_ok=True)
+    return doomed
+
+
+def save_training_checkpoint(path, model, optimizer, *, step, preset, train_loader=None, rng=None,
+                             args=None, data_state=None, rng_state=None) -> int:
+    """Save a run's whole state to `path` (atomically); returns the file size.
+
+    data_state / rng_state override what train_loader / rng hold now: an
+    interrupted step may have moved them past the last completed step.
+    `args` (a dataclass or dict) is recorded for reference.
+    """
+    from . import dtypes
+    if data_state is None and train_loader is not None:
+        data_state = train_loader.state_dict()
+    if rng_state is None and rng is not None:
+        rng_state = rng.bit_generator.state
+    arrays = {"params": model.params.flat(), **optimizer.state_arrays()}
+    meta = {"format": CHECKPOINT_FORMAT, "version": 1, "preset": preset, "config": model.config.to_dict(),
+            "dtype": dtypes.name(model.dtype), "step": int(step), "optimizer": optimizer.state_meta(),
+            "data": data_state, "rng": rng_state,
+            "args": asdict(args) if is_dataclass(args) else args}
+    return save_checkpoint(path, arrays, meta)
+
+
+def _read_one_training_checkpoint(path: Path):
+    from .model import GPT2Config
+    arrays, meta = load_checkpoint(path)
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path}: not a gpucore training checkpoint (format {meta.get('format')!r})")
+    try:
+        cfg = GPT2Config.from_dict(meta["config"])
+        n = cfg.num_parameters
+        for name in ("params", "m", "v"):
+            if arrays[name].shape != (n,):
+                raise ValueError(f"array {name!r} has shape {arrays[name].shape}, the config needs ({n},)")
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: corrupt checkpoint ({e.__class__.__name__}: {e})") from None
+    return arrays, meta
+
+
+def read_training_checkpoint(path, on_skip=None):
+    """(arrays, meta, path) of a training checkpoint; CheckpointError on anything wrong.
+
+    `path` is a file, or a directory: its newest intact checkpoint. A newer
+    one that cannot be read (a crash, a bad disk) is skipped and reported
+    through on_skip(message); when none is intact, the newest one's error is
+    raised (and on_skip is not called).
+    """
+    p = Path(path)
+    if not p.is_dir():
+        return (*_read_one_training_checkpoint(p), p)
+    candidates = [c for _, c in reversed(list_checkpoints(p))]
+    if not candidates:
+        raise CheckpointError(f"{p}: no checkpoints ({CHECKPOINT_GLOB}) in this directory")
+    errors = []
+    for c in candidates:
+        try:
+            arrays, meta = _read_one_training_checkpoint(c)
+        except CheckpointError as e:
+            errors.append(e)
+            continue
+        for e in errors:
+            if on_skip is not None:
+                on_skip(f"skipped {e}; using {c.name}")
+        return arrays, meta, c
+    older = f" (and the {len(errors) - 1} older ones cannot be read either)" if len(errors) > 1 else ""
+    raise CheckpointError(f"{errors[0]}{older}")
+
+
+def load_model(path, xp=np, dtype=None, on_skip=None):
+    """A GPT2 from a checkpoint's weights (fp32 master weights when present), in `dtype`
+    (default: float32). `path` and `on_skip` as in read_training_checkpoint."""
+    from . import dtypes
+    from .model import GPT2, GPT2Config
+    arrays, meta, path = read_training_checkpoint(path, on_skip=on_skip)
+    cfg = GPT2Config.from_dict(meta["config"])
+    model = GPT2(cfg, xp=xp, dtype=dtypes.float32 if dtype is None else dtype, seed=None)
+    model.load_flat(arrays.get("master", arrays["params"]))
+    return model, meta

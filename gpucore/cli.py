@@ -1,15 +1,22 @@
-"""The `gpucore` command line (click): info, kernels check, bench, and the engine commands.
+"""The `gpucore` command line (click): info, kernels check, bench, prepro, train, sample.
+
+`train` is also ./train.py's command (the same click object). Its options
+take their defaults from gpucore.train.TrainArgs, the one place they are
+written; the loop itself is gpucore.train.run.
 
 Errors a user can cause (bad arguments, missing files, no GPU) end as one
-line on stderr and a non-zero exit code, never a traceback.
+line on stderr and a non-zero exit code, never a traceback; Ctrl-C during
+training exits 130 after saving and printing the resume command.
 """
 from __future__ import annotations
 
+import shlex
 import sys
 
 import click
 
 from . import runtime
+from .train import TrainArgs, TrainError, TrainInterrupted, resolve_backend, run
 
 
 class UserError(click.ClickException):
@@ -79,26 +86,47 @@ def kernels():
 @kernels.command("check")
 @click.option("--arch", "archs", multiple=True, default=("80", "90"), show_default=True,
               help="compute capability to compile for (repeatable), e.g. 80, 90")
+@click.option("--quiet", "-q", is_flag=True, help="print only the failures and the summary line")
 @click.argument("files", nargs=-1, type=click.Path(exists=True, dir_okay=False))
-def kernels_check(archs, files):
-    """Compile every kernels_cu/*.cu with NVRTC; fail on any error or local-memory spill."""
+def kernels_check(archs, quiet, files):
+    """Compile every kernel file with NVRTC; fail on any error or local-memory spill.
+
+    ptxas' report is cached beside the cubin (same key), so an unchanged file is not compiled again.
+    """
     from pathlib import Path
     if runtime.cupy is None:
         raise UserError("the compile check needs CuPy and NVRTC: pip install 'gpucore[cuda12]'")
     rows = runtime.check_kernels(archs, [Path(f) for f in files] or None)
     bad = 0
     for r in rows:
+        bad += not r["ok"]
+        if quiet and r["ok"]:
+            continue
         status = "ok" if r["ok"] else f"FAIL ({r['error']})"
         regs = f"{r['registers']:>3} regs, {r['stack']} B stack" if r.get("registers") is not None else ""
         click.echo(f"{r['file']:<26s} sm_{r['arch']}  {r['kernel']:<48s} {regs:<22s} {status}")
-        bad += not r["ok"]
     n_files = len({r["file"] for r in rows})
     click.echo(f"{len(rows) - bad} kernels ok, {bad} failed, {n_files} files, archs {', '.join(archs)}")
     if bad:
         sys.exit(1)
 
 
-@main.command()
+def _bench_names() -> list[str]:
+    """The registered benchmarks (importing gpucore.bench needs no GPU: CuPy is imported when one runs)."""
+    from . import bench as benchmod
+    return sorted(benchmod.BENCHES)
+
+
+class _BenchCommand(click.Command):
+    """`gpucore bench --help` ends with the benchmark names (read when the help is shown)."""
+
+    def format_epilog(self, ctx, formatter):
+        formatter.write_paragraph()
+        formatter.write_text("Benchmarks: " + ", ".join(_bench_names()) + ", all")
+        super().format_epilog(ctx, formatter)
+
+
+@main.command(cls=_BenchCommand)
 @click.argument("name")
 @click.option("--n", type=int, default=None, help="number of elements (memory-bound kernels)")
 @click.option("--dtype", default=None, help="float32, bfloat16 or all")
@@ -106,17 +134,20 @@ def kernels_check(archs, files):
 @click.option("--opt", "opts", multiple=True, help="extra KEY=VALUE passed to the benchmark")
 def bench(name, n, dtype, version, opts):
     """Time kernel NAME on the GPU against the measured ceilings (NAME=all runs every one)."""
-    from . import bench as benchmod
+    import difflib
+    known = _bench_names()
+    if name != "all" and name not in known:   # before the GPU check: a typo is not a missing GPU
+        close = difflib.get_close_matches(name, known, n=1)
+        raise UserError(f"unknown benchmark {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                        + f"; known: {', '.join(known)}, all")
+    kwargs = _parse_opts(opts)
     if not runtime.gpu_available():
         raise UserError("gpucore bench needs an NVIDIA GPU and CuPy; none found")
-    kwargs = _parse_opts(opts)
+    from . import bench as benchmod
     for k, v in (("n", n), ("dtype", dtype), ("version", version)):
         if v is not None:
             kwargs[k] = v
-    names = sorted(benchmod.BENCHES) if name == "all" else [name]
-    for nm in names:
-        if nm not in benchmod.BENCHES:
-            raise UserError(f"unknown benchmark {nm!r}; known: {', '.join(sorted(benchmod.BENCHES))}")
+    names = known if name == "all" else [name]
     click.echo(f"# {benchmod.device_name()}, copy bandwidth {benchmod.copy_bandwidth_gbps():.0f} GB/s (read+write)")
     for nm in names:
         for r in benchmod.run(nm, **kwargs):
@@ -145,26 +176,147 @@ def prepro(input, out_dir, val_tokens):  # noqa: A002 - click names it after the
         click.echo(f"{split}: {n:,} tokens -> {path}")
 
 
-from .train import sample_options, train_options  # noqa: E402 (imports only click and numpy)
+# ------------------------------------------------------------------ train ----
+# The options of `gpucore train` and ./train.py. Their defaults are TrainArgs' (one place); click
+# passes every option by the name of its TrainArgs field.
+
+_D = TrainArgs()
+_CHOICES_DEVICE = click.Choice(["auto", "cuda", "cpu"])
+
+_TRAIN_OPTIONS = [
+    click.option("--model", default=_D.model,
+                 help="model preset: d12 d24 d36 d48 (GPT-2 124M..1558M), tiny, small, micro "
+                      "[default: d12, or the checkpoint's with --resume]"),
+    click.option("-B", "--batch-size", type=click.IntRange(min=1), default=_D.batch_size, show_default=True,
+                 help="sequences per micro-batch"),
+    click.option("-T", "--seq-len", type=click.IntRange(min=1), default=_D.seq_len,
+                 help="sequence length [default: min(1024, the model's max_seq_len)]"),
+    click.option("--total-batch-size", type=click.IntRange(min=1), default=_D.total_batch_size,
+                 help="tokens per optimizer step, a multiple of B*T (gradient accumulation) [default: B*T]"),
+    click.option("--steps", type=click.IntRange(min=1), default=_D.steps, show_default=True,
+                 help="optimizer steps (the schedule's length; keep it when resuming)"),
+    click.option("--lr", type=click.FloatRange(min=0), default=_D.lr, show_default=True, help="peak learning rate"),
+    click.option("--warmup", type=click.IntRange(min=0), default=_D.warmup, show_default=True,
+                 help="linear warmup steps"),
+    click.option("--final-lr-frac", type=click.FloatRange(0, 1), default=_D.final_lr_frac, show_default=True,
+                 help="cosine decay to lr*this at the last step (1.0: constant after warmup)"),
+    click.option("--weight-decay", type=click.FloatRange(min=0), default=_D.weight_decay, show_default=True,
+                 help="AdamW weight decay (matrices only)"),
+    click.option("--grad-clip", type=click.FloatRange(min=0), default=_D.grad_clip, show_default=True,
+                 help="clip the global gradient norm to this (0: off)"),
+    click.option("--beta1", type=float, default=_D.beta1, show_default=True),
+    click.option("--beta2", type=float, default=_D.beta2, show_default=True),
+    click.option("--seed", type=int, default=_D.seed, show_default=True, help="weight init and sampling seed"),
+    click.option("--data", default=_D.data, show_default=True,
+                 help="token shards: a directory (<dir>/*_train*.bin, *_val*.bin), a file or a glob; "
+                      "make Tiny Shakespeare's with `gpucore prepro`"),
+    click.option("--device", type=_CHOICES_DEVICE, default=_D.device, show_default=True,
+                 help="cuda (CuPy kernels) or cpu (NumPy references); auto: cuda if a GPU is found"),
+    click.option("--dtype", type=click.Choice(["auto", "bf16", "bfloat16", "fp32", "float32"]), default=_D.dtype,
+                 show_default=True, help="bf16 mixed precision or fp32; auto: bf16 on cuda, fp32 on cpu"),
+    click.option("--val-every", type=click.IntRange(min=0), default=_D.val_every, show_default=True,
+                 help="validation loss every N steps and at the end (0: off)"),
+    click.option("--val-steps", type=click.IntRange(min=1), default=_D.val_steps, show_default=True,
+                 help="validation batches (at most what the val split holds)"),
+    click.option("--sample-every", type=click.IntRange(min=0), default=_D.sample_every, show_default=True,
+                 help="print a generated text sample every N steps and at the end (0: off)"),
+    click.option("--sample-tokens", type=click.IntRange(min=1), default=_D.sample_tokens, show_default=True),
+    click.option("--ckpt-every", type=click.IntRange(min=0), default=_D.ckpt_every, show_default=True,
+                 help="checkpoint every N steps (0: only at the end)"),
+    click.option("--keep-last", type=click.IntRange(min=0), default=_D.keep_last, show_default=True,
+                 help="after each checkpoint, delete all but the newest N in the out-dir (0: keep all)"),
+    click.option("--checkpoint/--no-checkpoint", default=_D.checkpoint, show_default=True,
+                 help="write checkpoints at all"),
+    click.option("--out-dir", default=_D.out_dir, help="checkpoints and metrics.jsonl [default: out/<model>]"),
+    click.option("--resume", default=_D.resume, type=click.Path(),
+                 help="continue from a checkpoint file, or the newest intact ckpt_*.ckpt in a directory"),
+    click.option("--metrics", default=_D.metrics, type=click.Path(dir_okay=False),
+                 help="metrics JSONL file [default: <out-dir>/metrics.jsonl]"),
+]
+
+# Settings a resumed run takes from its checkpoint, so the resume command leaves them out.
+_FROM_CHECKPOINT = {"model", "dtype", "resume"}
 
 
-@main.command()
+def train_options(fn):
+    """Apply the options of `gpucore train` (defined once, above) to fn."""
+    for opt in reversed(_TRAIN_OPTIONS):
+        fn = opt(fn)
+    return fn
+
+
+def resume_command(args: TrainArgs, checkpoint) -> str:
+    """The `gpucore train` command line that continues `args`' run from `checkpoint`.
+
+    --steps always (it is the schedule's length), then every option that
+    differs from its default, except what the checkpoint itself records.
+    """
+    words = ["gpucore", "train", "--resume", str(checkpoint), "--steps", str(args.steps)]
+    for param in train.params:
+        if not isinstance(param, click.Option) or param.name in _FROM_CHECKPOINT | {"steps"}:
+            continue
+        value = getattr(args, param.name)
+        if value == param.default:
+            continue
+        if param.is_flag and param.secondary_opts:
+            words.append(param.opts[0] if value else param.secondary_opts[0])
+        else:
+            flag = next((o for o in param.opts if o.startswith("--")), param.opts[0])
+            words += [flag, str(value)]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+@main.command(context_settings={"help_option_names": ["-h", "--help"]})
 @train_options
 def train(**options):
     """Train GPT-2 (d12..d48, or a tiny preset on the CPU); the same command as ./train.py.
 
     Needs token shards: `gpucore prepro` writes Tiny Shakespeare's to data/tinyshakespeare/.
+    Ctrl-C saves the last completed step and prints the command that resumes it.
     """
-    from .train import main_from_options
-    main_from_options(**options)
+    args = TrainArgs(**options)
+    try:
+        run(args, echo=click.echo)
+    except TrainInterrupted as e:
+        click.echo(str(e), err=True)
+        if e.checkpoint is not None:
+            click.echo(f"resume with: {resume_command(args, e.checkpoint)}", err=True)
+        sys.exit(130)          # the shell's code for "ended by SIGINT"
+    except TrainError as e:
+        raise UserError(str(e)) from None
 
+
+# ----------------------------------------------------------------- sample ----
 
 @main.command()
-@sample_options
-def sample(**options):
+@click.option("--checkpoint", "checkpoint", required=True, type=click.Path(),
+              help="a checkpoint file, or a directory (its newest intact ckpt_*.ckpt)")
+@click.option("--prompt", default="", help="text to continue [default: start of a document]")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="softmax temperature (0: greedy)")
+@click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0: no top-k")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", type=_CHOICES_DEVICE, default="auto", show_default=True)
+def sample(checkpoint, prompt, max_tokens, temperature, top_k, seed, device):
     """Generate text from a checkpoint (KV cache; temperature, top-k)."""
-    from .train import sample_from_options
-    sample_from_options(**options)
+    import numpy as np
+
+    from . import tokenizer
+    from .checkpoint import CheckpointError, load_model
+    from .sample import generate
+    try:
+        _, xp, _ = resolve_backend(device, "float32")
+        model, _ = load_model(checkpoint, xp=xp, on_skip=lambda note: click.echo(note, err=True))
+    except (TrainError, CheckpointError) as e:
+        raise UserError(str(e)) from None
+    gpt2_vocab = model.config.vocab_size == tokenizer.VOCAB_SIZE
+    if prompt and not gpt2_vocab:
+        raise UserError(f"--prompt: the model's vocabulary ({model.config.vocab_size} tokens) is not GPT-2's")
+    ids = tokenizer.encode(prompt) if prompt else []
+    out = generate(model, ids, max_tokens, temperature=temperature, top_k=top_k or None,
+                   rng=np.random.default_rng(seed))
+    click.echo((prompt + tokenizer.decode(out)) if gpt2_vocab else " ".join(map(str, out)))
 
 
 if __name__ == "__main__":

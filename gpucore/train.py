@@ -1,10 +1,7 @@
-"""The training loop shared by `gpucore train` and ./train.py (same options, same function).
+"""The training loop shared by `gpucore train` and ./train.py (gpucore.cli builds both from TrainArgs).
 
-    gpucore prepro                         # data/tinyshakespeare/tinyshakespeare_{train,val}.bin
-    gpucore train --model d12 -B 64 -T 1024 --steps 30
-    gpucore train --model tiny --device cpu --steps 40      # the NumPy backend
-    gpucore train --resume out/d12                          # continue bit-identically
-    gpucore sample --checkpoint out/d12 --prompt "ROMEO:"
+    from gpucore.train import TrainArgs, run
+    run(TrainArgs(model="tiny", device="cpu", steps=20))
 
 One optimizer step (train_step): zero the gradients; for each of grad_accum
 micro-batches, forward(for_backward=True) with grad_scale = 1/(total tokens)
@@ -14,31 +11,41 @@ by the global gradient norm inside the update. The loss of a step is the mean
 of its micro-batch losses. Only two host syncs per step: the loss and the
 norm, read after the update is queued.
 
-Everything a run depends on is in its checkpoint, so `--resume` continues
-bit-identically: parameters (and fp32 master weights), AdamW m/v and step
-count, the optimizer step, the data loader's position, the sampling RNG, the
-model config and dtype. Checkpoints are written atomically
-(gpucore.checkpoint): an interrupted save never damages an existing file.
+run() goes through these stages, each a function below:
+  prepare           read the checkpoint to resume from, pick the config, device
+                    and dtype, the batch geometry and the paths (allocates nothing)
+  check_*           host memory (CPU backend), out-dir and metrics writable: fail
+                    in one line before minutes of work, not after
+  build_model       model, optimizer, RNG; restore their state when resuming
+  Trainer.loop      steps, validation, samples, metrics rows, checkpoints
+Everything a run depends on is in its checkpoint (gpucore.checkpoint), so
+`--resume` continues bit-identically.
+
+Ctrl-C: the first one lets the current step finish, the second one stops at
+once; either way the last completed step is checkpointed (atomically) and
+TrainInterrupted (a KeyboardInterrupt) carries its path, for the resume command.
 
 Errors a user can cause (unknown preset, a batch size that does not divide,
-missing data, a corrupt checkpoint, running out of GPU memory) end as one
-line and exit code 1 (click.ClickException), never a traceback.
-
-This module imports only click and NumPy at import time: gpucore.cli imports
-it to build its `train` and `sample` commands.
+missing data, a corrupt checkpoint, an unwritable out-dir, not enough memory)
+raise TrainError with one line; the CLI prints it and exits 1.
 """
 from __future__ import annotations
 
+import contextlib
 import json
-import math
+import os
+import signal
+import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import click
 import numpy as np
 
-CHECKPOINT_FORMAT = "gpucore-gpt2-train"
+from .checkpoint import (CHECKPOINT_GLOB, CheckpointError, atomic_write, checkpoint_path, prune_checkpoints,
+                         read_training_checkpoint, remove_stale_temp_files, save_training_checkpoint)
+
 # Dense bf16 tensor-core peak of the GPUs we know (SXM parts), for MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
 DEFAULT_DATA = "data/tinyshakespeare"
@@ -48,8 +55,17 @@ class TrainError(Exception):
     """A problem the user can fix, reported as one line."""
 
 
+class TrainInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the run after `step` completed steps; `checkpoint` holds them (None: not saved)."""
+
+    def __init__(self, message: str, step: int, checkpoint: Path | None):
+        super().__init__(message)
+        self.step, self.checkpoint = step, checkpoint
+
+
 @dataclass
 class TrainArgs:
+    """Every setting of a run; the defaults here are the CLI's defaults (gpucore.cli reads them)."""
     model: str | None = None          # preset; None: d12, or the checkpoint's when resuming
     batch_size: int = 4
     seq_len: int | None = None        # None: min(1024, the model's max_seq_len)
@@ -71,125 +87,45 @@ class TrainArgs:
     sample_every: int = 50
     sample_tokens: int = 64
     ckpt_every: int = 0
+    keep_last: int = 0                # keep only the newest N checkpoints (0: all)
     checkpoint: bool = True
-    out_dir: str | None = None
+    out_dir: str | None = None        # None: out/<preset>
     resume: str | None = None
-    metrics: str | None = None
-
-
-# ---------------------------------------------------------------- options ----
-
-_TRAIN_OPTIONS = [
-    click.option("--model", default=None,
-                 help="model preset: d12 d24 d36 d48 (GPT-2 124M..1558M), tiny, small, micro "
-                      "[default: d12, or the checkpoint's with --resume]"),
-    click.option("-B", "--batch-size", type=click.IntRange(min=1), default=4, show_default=True,
-                 help="sequences per micro-batch"),
-    click.option("-T", "--seq-len", type=click.IntRange(min=1), default=None,
-                 help="sequence length [default: min(1024, the model's max_seq_len)]"),
-    click.option("--total-batch-size", type=click.IntRange(min=1), default=None,
-                 help="tokens per optimizer step, a multiple of B*T (gradient accumulation) [default: B*T]"),
-    click.option("--steps", type=click.IntRange(min=1), default=50, show_default=True,
-                 help="optimizer steps (the schedule's length; keep it when resuming)"),
-    click.option("--lr", type=click.FloatRange(min=0), default=3e-4, show_default=True, help="peak learning rate"),
-    click.option("--warmup", type=click.IntRange(min=0), default=0, show_default=True,
-                 help="linear warmup steps"),
-    click.option("--final-lr-frac", type=click.FloatRange(0, 1), default=1.0, show_default=True,
-                 help="cosine decay to lr*this at the last step (1.0: constant after warmup)"),
-    click.option("--weight-decay", type=click.FloatRange(min=0), default=0.1, show_default=True,
-                 help="AdamW weight decay (matrices only)"),
-    click.option("--grad-clip", type=click.FloatRange(min=0), default=1.0, show_default=True,
-                 help="clip the global gradient norm to this (0: off)"),
-    click.option("--beta1", type=float, default=0.9, show_default=True),
-    click.option("--beta2", type=float, default=0.95, show_default=True),
-    click.option("--seed", type=int, default=1337, show_default=True, help="weight init and sampling seed"),
-    click.option("--data", default=DEFAULT_DATA, show_default=True,
-                 help="token shards: a directory (<dir>/*_train*.bin, *_val*.bin), a file or a glob; "
-                      "make Tiny Shakespeare's with `gpucore prepro`"),
-    click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
-                 help="cuda (CuPy kernels) or cpu (NumPy references); auto: cuda if a GPU is found"),
-    click.option("--dtype", type=click.Choice(["auto", "bf16", "bfloat16", "fp32", "float32"]), default="auto",
-                 show_default=True, help="bf16 mixed precision or fp32; auto: bf16 on cuda, fp32 on cpu"),
-    click.option("--val-every", type=click.IntRange(min=0), default=25, show_default=True,
-                 help="validation loss every N steps and at the end (0: off)"),
-    click.option("--val-steps", type=click.IntRange(min=1), default=20, show_default=True,
-                 help="validation batches (at most what the val split holds)"),
-    click.option("--sample-every", type=click.IntRange(min=0), default=50, show_default=True,
-                 help="print a generated text sample every N steps and at the end (0: off)"),
-    click.option("--sample-tokens", type=click.IntRange(min=1), default=64, show_default=True),
-    click.option("--ckpt-every", type=click.IntRange(min=0), default=0, show_default=True,
-                 help="checkpoint every N steps (0: only at the end)"),
-    click.option("--checkpoint/--no-checkpoint", default=True, show_default=True,
-                 help="write checkpoints at all"),
-    click.option("--out-dir", default=None, help="checkpoints and metrics.jsonl [default: out/<model>]"),
-    click.option("--resume", default=None, type=click.Path(),
-                 help="continue from a checkpoint file, or the latest ckpt_*.ckpt in a directory"),
-    click.option("--metrics", default=None, type=click.Path(dir_okay=False),
-                 help="metrics JSONL file [default: <out-dir>/metrics.jsonl]"),
-]
-
-_SAMPLE_OPTIONS = [
-    click.option("--checkpoint", "checkpoint", required=True, type=click.Path(),
-                 help="a checkpoint file, or a directory (its latest ckpt_*.ckpt)"),
-    click.option("--prompt", default="", help="text to continue [default: start of a document]"),
-    click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True),
-    click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True,
-                 help="softmax temperature (0: greedy)"),
-    click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0: no top-k"),
-    click.option("--seed", type=int, default=0, show_default=True),
-    click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True),
-]
-
-
-def _apply(options, fn):
-    for opt in reversed(options):
-        fn = opt(fn)
-    return fn
-
-
-def train_options(fn):
-    """The click options of `gpucore train` and ./train.py (defined once, here)."""
-    return _apply(_TRAIN_OPTIONS, fn)
-
-
-def sample_options(fn):
-    return _apply(_SAMPLE_OPTIONS, fn)
-
-
-def main_from_options(**options):
-    """`gpucore train` and ./train.py: run, turning user errors into one line + exit code 1."""
-    try:
-        run(TrainArgs(**options))
-    except TrainError as e:
-        raise click.ClickException(str(e)) from None
-
-
-def sample_from_options(**options):
-    """`gpucore sample`."""
-    try:
-        sample_checkpoint(**options)
-    except TrainError as e:
-        raise click.ClickException(str(e)) from None
+    metrics: str | None = None        # None: <out_dir>/metrics.jsonl
 
 
 # ----------------------------------------------------------------- backend ----
 
+def choose_device(device: str) -> tuple[str, str]:
+    """(device, why) for --device auto|cuda|cpu; TrainError for cuda without a GPU."""
+    from . import runtime
+    if runtime.cupy is None:
+        missing = "CuPy is not installed"
+    elif not runtime.gpu_available():
+        missing = "no NVIDIA GPU found"
+    else:
+        missing = None
+    if device == "cuda" and missing:
+        raise TrainError(f"--device cuda: {missing}; use --device cpu")
+    if device == "auto":
+        return ("cpu", missing) if missing else ("cuda", f"found {gpu_name()}")
+    return device, "asked for"
+
+
 def resolve_backend(device: str, dtype: str = "auto"):
     """(device, xp, dtype) from the --device / --dtype choices."""
     from . import dtypes, runtime
-    if device == "auto":
-        device = "cuda" if runtime.gpu_available() else "cpu"
-    if device == "cuda" and not runtime.gpu_available():
-        raise TrainError("--device cuda: no NVIDIA GPU found (or CuPy is not installed); use --device cpu")
+    device, _ = choose_device(device)
     xp = runtime.cupy if device == "cuda" else np
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
     return device, xp, dtypes.normalize(dtype)
 
 
-def _oom_types():
+def gpu_name() -> str:
     from . import runtime
-    return (runtime.cupy.cuda.memory.OutOfMemoryError,) if runtime.cupy is not None else ()
+    name = runtime.device_properties()["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def gpu_memory_info():
@@ -201,27 +137,126 @@ def gpu_memory_info():
         return None
 
 
+def available_host_memory() -> int | None:
+    """Bytes the host can still give this process (MemAvailable, capped by a cgroup limit), or None."""
+    avail = None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    with contextlib.suppress(OSError, ValueError):   # a container's limit is below the host's memory
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            left = int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = left if avail is None else min(avail, left)
+    return avail
+
+
+def _oom_types():
+    from . import runtime
+    return (runtime.cupy.cuda.memory.OutOfMemoryError,) if runtime.cupy is not None else ()
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
 def format_plan(plan: dict) -> str:
     parts = [f"{k} {v / 2**20:,.1f}" for k, v in plan.items() if v]
     return "memory plan (MiB): " + " | ".join(parts) + f" | total {sum(plan.values()) / 2**30:.2f} GiB"
 
 
 def oom_message(plan: dict | None) -> str:
-    need = f"about {sum(plan.values()) / 2**30:.1f} GiB for its buffers ({', '.join(f'{k} {v / 2**30:.2f}' for k, v in plan.items() if v)}) plus kernel scratch" if plan else "more memory"
+    need = (f"about {sum(plan.values()) / 2**30:.1f} GiB for its buffers "
+            f"({', '.join(f'{k} {_gib(v)}' for k, v in plan.items() if v)}) plus kernel scratch"
+            if plan else "more memory")
     info = gpu_memory_info()
     have = f"; the GPU has {info[1] / 2**30:.1f} GiB ({info[0] / 2**30:.1f} GiB free)" if info else ""
     return (f"out of GPU memory: this run needs {need}{have}. "
             "Use a smaller -B (with --total-batch-size to keep the batch) or a smaller model")
 
 
+def check_host_memory(plan: dict) -> None:
+    """TrainError when the CPU backend's buffers (the memory plan: params, grads, AdamW m/v,
+    master, activations, scratch) exceed the host's available memory; no check if unknown."""
+    avail = available_host_memory()
+    need = sum(plan.values())
+    if avail is None or need <= avail:
+        return
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in plan.items() if v)
+    raise TrainError(f"not enough memory for the CPU backend: this run needs about {need / 2**30:.1f} GiB "
+                     f"({parts}) and {avail / 2**30:.1f} GiB is available; "
+                     "use --model tiny or a smaller -B")
+
+
 def peak_flops(device: str, dtype) -> float | None:
     """Dense bf16 peak of the GPU for MFU (None on CPU, for fp32, or for an unknown GPU)."""
-    from . import dtypes, runtime
+    from . import dtypes
     if device != "cuda" or dtype != dtypes.bfloat16:
         return None
-    props = runtime.device_properties()
-    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    name = gpu_name()
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+# ------------------------------------------------------------------- paths ----
+
+def _os_reason(e: OSError) -> str:
+    return e.strerror or e.__class__.__name__
+
+
+def check_output_dir(out_dir: Path) -> None:
+    """Create out_dir and prove a file can be written there (TrainError otherwise)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:       # a file in the way (File exists / Not a directory), permissions
+        raise TrainError(f"--out-dir {out_dir}: cannot create the directory ({_os_reason(e)})") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=out_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise TrainError(f"--out-dir {out_dir}: cannot write there ({_os_reason(e)})") from None
+
+
+def check_metrics_file(path: Path) -> None:
+    """Prove the metrics file can be opened for appending, without changing it (TrainError otherwise)."""
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as e:
+        raise TrainError(f"--metrics {path}: cannot open it for writing ({_os_reason(e)})") from None
+
+
+def trim_metrics(path: Path, step: int) -> int:
+    """Drop the rows a run resumed at `step` will write again; returns how many were dropped.
+
+    Those are rows past `step` (steps the interrupted run took after its
+    checkpoint) and the val loss at `step` itself (evaluated again at the
+    resume point). A torn last line (a kill mid-write) is dropped too. The
+    file is rewritten atomically, and only when something changes.
+    """
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+            s = rec.get("step")
+            stale = s is not None and (s > step or (s == step and "val_loss" in rec))
+        except (ValueError, AttributeError, TypeError):
+            stale = True
+        if stale:
+            dropped += 1
+        else:
+            kept.append(line + "\n")
+    if dropped:
+        with atomic_write(path) as f:
+            f.write("".join(kept).encode())
+    return dropped
 
 
 # ------------------------------------------------------------------- steps ----
@@ -255,77 +290,74 @@ def evaluate(model, loader, steps: int) -> float:
     return float(total) / steps
 
 
-# ------------------------------------------------------------- checkpoints ----
+# ------------------------------------------------------------------ set up ----
 
-def find_checkpoint(path) -> Path:
-    """A checkpoint file, or the ckpt_*.ckpt with the highest step in a directory."""
-    from .checkpoint import CheckpointError
-    p = Path(path)
-    if p.is_dir():
-        found = sorted(p.glob("ckpt_*.ckpt"))
-        if not found:
-            raise CheckpointError(f"{p}: no checkpoints (ckpt_*.ckpt) in this directory")
-        return found[-1]
-    return p
+@dataclass
+class RunSetup:
+    """What prepare() decided: model, backend, batch geometry, paths, and the state to resume."""
+    preset: str
+    cfg: object                       # GPT2Config
+    device: str
+    xp: object
+    dtype: object
+    B: int
+    T: int
+    total: int                        # tokens per optimizer step
+    grad_accum: int
+    out_dir: Path
+    metrics_path: Path
+    plan: dict                        # bytes of each buffer the run allocates (model.memory_plan)
+    start: int = 0                    # the step to continue from
+    resume_arrays: dict | None = None
+    resume_meta: dict | None = None
+    resume_path: Path | None = None
 
 
-def checkpoint_path(out_dir, step: int) -> Path:
-    return Path(out_dir) / f"ckpt_{step:06d}.ckpt"
-
-
-def save_training_checkpoint(path, model, optimizer, *, step, preset, train_loader=None, rng=None,
-                             args: TrainArgs | None = None) -> int:
+def prepare(args: TrainArgs, echo) -> RunSetup:
+    """Read the checkpoint (when resuming), choose config/backend/dtype and check the batch geometry."""
     from . import dtypes
-    from .checkpoint import save_checkpoint
-    arrays = {"params": model.params.flat(), **optimizer.state_arrays()}
-    meta = {"format": CHECKPOINT_FORMAT, "version": 1, "preset": preset, "config": model.config.to_dict(),
-            "dtype": dtypes.name(model.dtype), "step": int(step), "optimizer": optimizer.state_meta(),
-            "data": train_loader.state_dict() if train_loader is not None else None,
-            "rng": rng.bit_generator.state if rng is not None else None,
-            "args": asdict(args) if args is not None else None}
-    return save_checkpoint(path, arrays, meta)
-
-
-def read_training_checkpoint(path):
-    """(arrays, meta, path) of a training checkpoint; CheckpointError on anything wrong."""
-    from .checkpoint import CheckpointError, load_checkpoint
-    from .model import GPT2Config
-    path = find_checkpoint(path)
-    arrays, meta = load_checkpoint(path)
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path}: not a gpucore training checkpoint (format {meta.get('format')!r})")
-    try:
+    from .model import GPT2Config, memory_plan
+    arrays = meta = ckpt = None
+    device, why = choose_device(args.device)
+    if args.device == "auto":
+        echo(f"device auto -> {device} ({why})")
+    if args.resume:
+        arrays, meta, ckpt = read_training_checkpoint(args.resume, on_skip=echo)
         cfg = GPT2Config.from_dict(meta["config"])
-        n = cfg.num_parameters
-        for name in ("params", "m", "v"):
-            if arrays[name].shape != (n,):
-                raise ValueError(f"array {name!r} has shape {arrays[name].shape}, the config needs ({n},)")
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: corrupt checkpoint ({e.__class__.__name__}: {e})") from None
-    return arrays, meta, path
+        preset = meta.get("preset") or "custom"
+        if args.model is not None and args.model != preset:
+            raise TrainError(f"--model {args.model}: the checkpoint {ckpt} is a {preset!r} model")
+        dtype = dtypes.normalize(meta["dtype"])
+        if args.dtype != "auto" and dtypes.normalize(args.dtype) != dtype:
+            raise TrainError(f"--dtype {args.dtype}: the checkpoint {ckpt} was trained in {dtypes.name(dtype)}")
+        device, xp, _ = resolve_backend(device)
+    else:
+        preset = args.model or "d12"
+        try:
+            cfg = GPT2Config.from_preset(preset)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
+        device, xp, dtype = resolve_backend(device, args.dtype)
+
+    B = args.batch_size
+    T = args.seq_len or min(1024, cfg.max_seq_len)
+    if T > cfg.max_seq_len:
+        raise TrainError(f"-T {T}: longer than the model's max_seq_len {cfg.max_seq_len}")
+    total = args.total_batch_size or B * T
+    if total % (B * T):
+        raise TrainError(f"--total-batch-size {total} is not a multiple of B*T = {B}*{T} = {B * T}")
+    out_dir = Path(args.out_dir or f"out/{preset}")
+    return RunSetup(preset=preset, cfg=cfg, device=device, xp=xp, dtype=dtype, B=B, T=T, total=total,
+                    grad_accum=total // (B * T), out_dir=out_dir,
+                    metrics_path=Path(args.metrics) if args.metrics else out_dir / "metrics.jsonl",
+                    plan=memory_plan(cfg, B, T, dtype), start=int(meta["step"]) if meta else 0,
+                    resume_arrays=arrays, resume_meta=meta, resume_path=ckpt)
 
 
-def load_model(path, xp=np, dtype=None):
-    """A GPT2 from a checkpoint's weights (fp32 master weights when present), in `dtype`
-    (default: float32)."""
-    from . import dtypes
-    from .model import GPT2, GPT2Config
-    arrays, meta, path = read_training_checkpoint(path)
-    cfg = GPT2Config.from_dict(meta["config"])
-    model = GPT2(cfg, xp=xp, dtype=dtypes.float32 if dtype is None else dtype, seed=None)
-    model.load_flat(arrays.get("master", arrays["params"]))
-    return model, meta
-
-
-# --------------------------------------------------------------------- run ----
-
-def _bar(done: int, total: int, width: int = 20) -> str:
-    k = int(width * done / max(1, total))
-    return "[" + "#" * k + "-" * (width - k) + "]"
-
-
-def _make_loaders(args, cfg, B, T, xp, echo):
+def make_loaders(args: TrainArgs, setup: RunSetup, echo):
+    """(train loader, val loader or None); a missing default dataset says how to make it."""
     from . import data as datamod
+    cfg, B, T, xp = setup.cfg, setup.B, setup.T, setup.xp
     try:
         train = datamod.DataLoader(args.data, B, T, split="train", xp=xp, vocab_size=cfg.vocab_size)
     except datamod.DataError as e:
@@ -346,197 +378,290 @@ def _make_loaders(args, cfg, B, T, xp, echo):
     return train, val
 
 
-def run(args: TrainArgs, echo=click.echo) -> dict:
-    """Train as `args` says; returns {"losses": [...], "val_losses": {step: loss}, "checkpoints": [...],
-    "step": final step, "peak_gpu_bytes": ...}. Raises TrainError for user-caused problems."""
-    from .checkpoint import CheckpointError
-    from .data import DataError
-    state = {"plan": None}     # the memory plan, once known, for the out-of-memory message
-    try:
-        return _run(args, echo, state)
-    except (CheckpointError, DataError) as e:
-        raise TrainError(str(e)) from None
-    except _oom_types():
-        raise TrainError(oom_message(state["plan"])) from None
+def check_output_paths(args: TrainArgs, setup: RunSetup, echo) -> None:
+    """Fail now, not after the last step, if checkpoints or metrics cannot be written; remove the
+    temporary files of saves that were killed mid-write."""
+    if args.checkpoint or args.metrics is None:
+        check_output_dir(setup.out_dir)
+    check_metrics_file(setup.metrics_path)
+    stale = remove_stale_temp_files(setup.out_dir, CHECKPOINT_GLOB)
+    stale += remove_stale_temp_files(setup.metrics_path.parent, setup.metrics_path.name)
+    for p in stale:
+        echo(f"removed {p} (the temporary file of a save that was killed)")
 
 
-def _run(args: TrainArgs, echo, state: dict) -> dict:
-    from . import dtypes
-    from .model import GPT2, GPT2Config, memory_plan
-    from .optim import AdamW, lr_schedule
-    arrays = meta = None
-    if args.resume:
-        arrays, meta, ckpt = read_training_checkpoint(args.resume)
-        cfg = GPT2Config.from_dict(meta["config"])
-        preset = meta.get("preset") or "custom"
-        if args.model is not None and args.model != preset:
-            raise TrainError(f"--model {args.model}: the checkpoint {ckpt} is a {preset!r} model")
-        device, xp, dtype = resolve_backend(args.device, "auto")
-        ckpt_dtype = dtypes.normalize(meta["dtype"])
-        if args.dtype != "auto" and dtypes.normalize(args.dtype) != ckpt_dtype:
-            raise TrainError(f"--dtype {args.dtype}: the checkpoint {ckpt} was trained in {dtypes.name(ckpt_dtype)}")
-        dtype = ckpt_dtype
-    else:
-        preset = args.model or "d12"
-        try:
-            cfg = GPT2Config.from_preset(preset)
-        except ValueError as e:
-            raise TrainError(str(e)) from None
-        device, xp, dtype = resolve_backend(args.device, args.dtype)
-
-    B = args.batch_size
-    T = args.seq_len or min(1024, cfg.max_seq_len)
-    if T > cfg.max_seq_len:
-        raise TrainError(f"-T {T}: longer than the model's max_seq_len {cfg.max_seq_len}")
-    total = args.total_batch_size or B * T
-    if total % (B * T):
-        raise TrainError(f"--total-batch-size {total} is not a multiple of B*T = {B}*{T} = {B * T}")
-    grad_accum = total // (B * T)
-    out_dir = Path(args.out_dir or f"out/{preset}")
-    metrics_path = Path(args.metrics) if args.metrics else out_dir / "metrics.jsonl"
-
-    train_loader, val_loader = _make_loaders(args, cfg, B, T, xp, echo)
-
-    plan = memory_plan(cfg, B, T, dtype)
-    state["plan"] = plan
-    model = GPT2(cfg, xp=xp, dtype=dtype, seed=None if arrays is not None else args.seed)
+def build_model(args: TrainArgs, setup: RunSetup):
+    """(model, optimizer, rng), restored from the checkpoint when resuming."""
+    from .model import GPT2
+    from .optim import AdamW
+    resuming = setup.resume_arrays is not None
+    model = GPT2(setup.cfg, xp=setup.xp, dtype=setup.dtype, seed=None if resuming else args.seed)
     model.allocate_grads()
-    model.allocate_activations(B, T)
+    model.allocate_activations(setup.B, setup.T)
     opt = AdamW(model, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay,
                 max_grad_norm=args.grad_clip or None)
     rng = np.random.default_rng(args.seed)
-    start = 0
-    if arrays is not None:
+    if resuming:
+        arrays, meta = setup.resume_arrays, setup.resume_meta
         model.load_flat(arrays["params"])
         try:
             opt.load_state(arrays, meta["optimizer"])
-            start = int(meta["step"])
-            if meta.get("data") is not None:
-                train_loader.load_state_dict(meta["data"])
             if meta.get("rng") is not None:
                 rng.bit_generator.state = meta["rng"]
         except (KeyError, ValueError, TypeError) as e:
-            raise TrainError(f"{ckpt}: cannot resume from this checkpoint ({e})") from None
+            raise TrainError(f"{setup.resume_path}: cannot resume from this checkpoint ({e})") from None
+        setup.resume_arrays = None        # the model holds them now: let the host copy go
+    return model, opt, rng
 
-    # ---- header
-    n = model.num_parameters
-    echo(f"gpucore train | model {preset}: {cfg.describe()} | {n:,} parameters")
-    echo(f"device {device}{' (' + _gpu_name() + ')' if device == 'cuda' else ''} | dtype {dtypes.name(dtype)} | "
-         f"B={B} T={T} | {total:,} tokens/step (grad accum {grad_accum}) | steps {args.steps}"
-         + (f" | resumed at step {start} from {ckpt}" if arrays is not None else ""))
+
+def restore_data_position(setup: RunSetup, train_loader) -> None:
+    meta = setup.resume_meta
+    if meta is not None and meta.get("data") is not None:
+        try:
+            train_loader.load_state_dict(meta["data"])
+        except (KeyError, ValueError, TypeError) as e:
+            raise TrainError(f"{setup.resume_path}: cannot resume from this checkpoint ({e})") from None
+
+
+def print_header(args, setup: RunSetup, model, train_loader, val_loader, echo) -> None:
+    from . import dtypes
+    cfg, n = setup.cfg, model.num_parameters
+    echo(f"gpucore train | model {setup.preset}: {cfg.describe()} | {n:,} parameters")
+    echo(f"device {setup.device}{' (' + gpu_name() + ')' if setup.device == 'cuda' else ''} | "
+         f"dtype {dtypes.name(setup.dtype)} | B={setup.B} T={setup.T} | {setup.total:,} tokens/step "
+         f"(grad accum {setup.grad_accum}) | steps {args.steps}"
+         + (f" | resumed at step {setup.start} from {setup.resume_path}" if setup.resume_path else ""))
     echo(f"AdamW lr {args.lr:g} warmup {args.warmup} final lr frac {args.final_lr_frac:g} betas "
          f"({args.beta1:g}, {args.beta2:g}) weight decay {args.weight_decay:g} grad clip {args.grad_clip:g}")
     echo(f"data: train {train_loader.num_tokens:,} tokens ({train_loader.num_batches} batches/epoch)"
-         + (f", val {val_loader.num_tokens:,} tokens ({val_loader.B} rows x {T})" if val_loader else ""))
-    echo(format_plan(plan))
-    if device == "cpu" and n > 20_000_000:
+         + (f", val {val_loader.num_tokens:,} tokens ({val_loader.B} rows x {setup.T})" if val_loader else ""))
+    echo(format_plan(setup.plan))
+    if setup.device == "cpu" and n > 20_000_000:
         echo("note: the CPU (NumPy reference) backend is slow for this model; try --model tiny")
 
-    metrics_path.parent.mkdir(parents=True, exist_ok=True)
-    metrics = open(metrics_path, "a" if arrays is not None else "w")
-    fpt = cfg.flops_per_token(T)
-    peak = peak_flops(device, dtype)
-    can_sample = args.sample_every and cfg.vocab_size == 50257
-    result = {"losses": [], "val_losses": {}, "checkpoints": [], "step": start, "peak_gpu_bytes": None}
 
-    def log(rec):
-        metrics.write(json.dumps(rec) + "\n")
-        metrics.flush()
+# --------------------------------------------------------------------- run ----
 
-    def validate(step):
-        vl = evaluate(model, val_loader, min(args.val_steps, val_loader.num_batches))
-        result["val_losses"][step] = vl
-        echo(f"step {step:>5d} | val loss {vl:.6f}")
-        log({"step": step, "val_loss": vl})
+def run(args: TrainArgs, echo=print) -> dict:
+    """Train as `args` says; returns {"losses": [...], "val_losses": {step: loss}, "checkpoints": [...],
+    "step": final step, "peak_gpu_bytes": ..., "already_finished": bool}.
 
-    def sample(step):
+    Raises TrainError for user-caused problems and TrainInterrupted on Ctrl-C.
+    """
+    from .data import DataError
+    plan = None
+    try:
+        setup = prepare(args, echo)
+        plan = setup.plan
+        if setup.start >= args.steps:
+            echo(f"already finished: step {setup.start} of {args.steps}; raise --steps to train longer")
+            return {"losses": [], "val_losses": {}, "checkpoints": [], "step": setup.start,
+                    "peak_gpu_bytes": None, "already_finished": True}
+        if setup.device == "cpu":
+            check_host_memory(setup.plan)
+        train_loader, val_loader = make_loaders(args, setup, echo)
+        check_output_paths(args, setup, echo)
+        model, opt, rng = build_model(args, setup)
+        restore_data_position(setup, train_loader)
+        print_header(args, setup, model, train_loader, val_loader, echo)
+        with open_metrics(args, setup) as log:
+            return Trainer(args, setup, model, opt, rng, train_loader, val_loader, log, echo).loop()
+    except (CheckpointError, DataError) as e:
+        raise TrainError(str(e)) from None
+    except _oom_types():
+        raise TrainError(oom_message(plan)) from None
+    except OSError as e:         # a disk that filled up or went read-only mid-run
+        where = f"{e.filename}: " if e.filename else ""
+        raise TrainError(f"{where}{_os_reason(e)}") from None
+
+
+@contextlib.contextmanager
+def open_metrics(args: TrainArgs, setup: RunSetup):
+    """A log(record) function appending JSON lines to the metrics file.
+
+    A fresh run starts the file anew; a resumed one first drops the rows past
+    its step, so each step appears once however often the run was interrupted.
+    """
+    from . import dtypes
+    path = setup.metrics_path
+    if setup.resume_path is not None:
+        trim_metrics(path, setup.start)
+    with open(path, "a" if setup.resume_path is not None else "w") as f:
+        def log(rec):
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+        if setup.resume_path is None:
+            log({"event": "start", "preset": setup.preset, "config": setup.cfg.to_dict(),
+                 "dtype": dtypes.name(setup.dtype), "device": setup.device, "args": asdict(args),
+                 "parameters": setup.cfg.num_parameters})
+        else:
+            log({"event": "resume", "step": setup.start, "checkpoint": str(setup.resume_path),
+                 "args": asdict(args)})
+        yield log
+
+
+@contextlib.contextmanager
+def stop_after_step_on_sigint():
+    """While active, a first SIGINT only asks the loop to stop after the current step (flag["stop"]);
+    a second one raises KeyboardInterrupt at once. Only the main thread can take signals."""
+    flag = {"stop": False}
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def on_sigint(signum, frame):
+        if flag["stop"]:
+            raise KeyboardInterrupt
+        flag["stop"] = True
+        # os.write, not print: a handler can run in the middle of another print to the same stream
+        with contextlib.suppress(OSError):
+            os.write(2, b"\nCtrl-C: stopping after this step (press again to stop at once)\n")
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _bar(done: int, total: int, width: int = 20) -> str:
+    k = int(width * done / max(1, total))
+    return "[" + "#" * k + "-" * (width - k) + "]"
+
+
+@dataclass
+class Trainer:
+    """The loop of one run over already-built parts (run() assembles them)."""
+    args: TrainArgs
+    setup: RunSetup
+    model: object
+    opt: object
+    rng: object
+    train_loader: object
+    val_loader: object
+    log: object
+    echo: object
+
+    def __post_init__(self):
+        s = self.setup
+        self.result = {"losses": [], "val_losses": {}, "checkpoints": [], "step": s.start,
+                       "peak_gpu_bytes": None, "already_finished": False}
+        self.fpt = s.cfg.flops_per_token(s.T)
+        self.peak = peak_flops(s.device, s.dtype)
+        self.can_sample = self.args.sample_every and s.cfg.vocab_size == 50257
+        self.saved_step = s.start if s.resume_path is not None else None
+        self.saved_path = s.resume_path
+        # state after the last completed step: what a Ctrl-C checkpoint must hold even when the
+        # interrupted step had already taken micro-batches from the loader
+        self.after_step = (s.start, self.train_loader.state_dict(), self.rng.bit_generator.state)
+
+    def loop(self) -> dict:
+        args = self.args
+        with stop_after_step_on_sigint() as flag:
+            try:
+                for step in range(self.setup.start, args.steps):
+                    if flag["stop"]:
+                        raise KeyboardInterrupt
+                    self.step(step)
+                if flag["stop"]:         # Ctrl-C during the last step: skip the final val and sample
+                    raise KeyboardInterrupt
+                if self.val_loader is not None:
+                    self.validate(args.steps)
+                if self.can_sample:
+                    self.sample(args.steps)
+            except KeyboardInterrupt:
+                self.interrupted()
+        if self.setup.device == "cuda":
+            self.result["peak_gpu_bytes"] = _pool_bytes()
+        self.log({"event": "end", "step": self.result["step"], "peak_gpu_bytes": self.result["peak_gpu_bytes"]})
+        return self.result
+
+    def step(self, step: int) -> None:
+        """Validate/sample when due, take optimizer step step+1, log it, checkpoint when due."""
+        from .optim import lr_schedule
+        args, s = self.args, self.setup
+        if self.val_loader is not None and step % args.val_every == 0:
+            self.validate(step)
+        if self.can_sample and step > s.start and step % args.sample_every == 0:
+            self.sample(step)
+        lr = lr_schedule(step, args.lr, args.steps, args.warmup, args.final_lr_frac)
+        t0 = time.perf_counter()
+        loss_d, norm_d = train_step(self.model, self.opt, self.train_loader.next_batch, s.grad_accum, lr)
+        loss, norm = float(loss_d), float(norm_d)      # syncs: the step is done
+        dt = time.perf_counter() - t0
+        done = step + 1
+        tps = s.total / dt
+        mfu = self.fpt * tps / self.peak if self.peak else None
+        self.result["losses"].append(loss)
+        self.result["step"] = done
+        self.echo(f"step {done:>5d}/{args.steps} {_bar(done, args.steps)} loss {loss:.6f} | norm {norm:.4f} | "
+                  f"lr {lr:.2e} | {dt * 1e3:.1f} ms | {tps:,.0f} tok/s | MFU "
+                  + (f"{100 * mfu:.1f}%" if mfu is not None else "-"))
+        self.log({"step": done, "loss": loss, "grad_norm": norm, "lr": lr, "ms": dt * 1e3,
+                  "tokens_per_s": tps, "mfu": mfu})
+        # only now is step `done` complete, its metrics row included
+        self.after_step = (done, self.train_loader.state_dict(), self.rng.bit_generator.state)
+        if done == s.start + 1 and s.device == "cuda":
+            self.result["peak_gpu_bytes"] = _pool_bytes()
+            self.echo(f"GPU memory after the first step: {self.result['peak_gpu_bytes'] / 2**30:.2f} GiB held by "
+                      "CuPy's memory pool (its high-water mark)")
+        if args.checkpoint and ((args.ckpt_every and done % args.ckpt_every == 0) or done == args.steps):
+            self.save()
+
+    def save(self) -> Path:
+        """Checkpoint the last completed step, then drop checkpoints beyond --keep-last."""
+        done, data_state, rng_state = self.after_step
+        path = checkpoint_path(self.setup.out_dir, done)
+        save_training_checkpoint(path, self.model, self.opt, step=done, preset=self.setup.preset,
+                                 data_state=data_state, rng_state=rng_state, args=self.args)
+        self.saved_step, self.saved_path = done, path
+        self.result["checkpoints"].append(str(path))
+        removed = prune_checkpoints(self.setup.out_dir, self.args.keep_last, done)
+        self.echo(f"step {done:>5d} | checkpoint {path}"
+                  + (f" (removed {', '.join(p.name for p in removed)})" if removed else ""))
+        return path
+
+    def interrupted(self):
+        """Ctrl-C: checkpoint the last completed step if it is not on disk yet, then raise TrainInterrupted."""
+        done = self.after_step[0]
+        # AdamW counts its updates: a different count means the interrupted step had begun
+        # changing the weights, and they no longer match any completed step
+        consistent = self.opt.step_count == done
+        self.log({"event": "interrupted", "step": done})
+        if not self.args.checkpoint:
+            note = "no checkpoint (--no-checkpoint)"
+        elif done == self.setup.start:
+            note = "no step completed since the start" + (", nothing new to save" if self.saved_path else "")
+        elif self.saved_step == done:
+            note = f"checkpoint {self.saved_path}"
+        elif not consistent:
+            note = "the weights were mid-update, not saved" + (
+                f"; the last checkpoint is {self.saved_path}" if self.saved_path else "")
+        else:
+            try:
+                note = f"saved checkpoint {self.save()}"
+            except KeyboardInterrupt:
+                note = "the save was interrupted" + (
+                    f"; the last checkpoint is {self.saved_path}" if self.saved_path else "")
+        ckpt = self.saved_path if self.args.checkpoint else None
+        raise TrainInterrupted(f"interrupted after step {done} of {self.args.steps}: {note}", done, ckpt)
+
+    def validate(self, step: int) -> None:
+        vl = evaluate(self.model, self.val_loader, min(self.args.val_steps, self.val_loader.num_batches))
+        self.result["val_losses"][step] = vl
+        self.echo(f"step {step:>5d} | val loss {vl:.6f}")
+        self.log({"step": step, "val_loss": vl})
+
+    def sample(self, step: int) -> None:
         from . import tokenizer
         from .sample import generate
-        ids = generate(model, [tokenizer.EOT], args.sample_tokens, temperature=1.0, top_k=40, rng=rng)
+        ids = generate(self.model, [tokenizer.EOT], self.args.sample_tokens, temperature=1.0, top_k=40,
+                       rng=self.rng)
         text = tokenizer.decode(ids)
-        echo(f"step {step:>5d} | sample: {text!r}")
-        log({"step": step, "sample": text})
-
-    if arrays is None:
-        log({"event": "start", "preset": preset, "config": cfg.to_dict(), "dtype": dtypes.name(dtype),
-             "device": device, "args": asdict(args), "parameters": n})
-    try:
-        for step in range(start, args.steps):
-            if val_loader is not None and step % args.val_every == 0:
-                validate(step)
-            if can_sample and step > start and step % args.sample_every == 0:
-                sample(step)
-            lr = lr_schedule(step, args.lr, args.steps, args.warmup, args.final_lr_frac)
-            t0 = time.perf_counter()
-            loss_d, norm_d = train_step(model, opt, train_loader.next_batch, grad_accum, lr)
-            loss, norm = float(loss_d), float(norm_d)      # syncs: the step is done
-            dt = time.perf_counter() - t0
-            tps = total / dt
-            mfu = fpt * tps / peak if peak else None
-            done = step + 1
-            result["losses"].append(loss)
-            result["step"] = done
-            echo(f"step {done:>5d}/{args.steps} {_bar(done, args.steps)} loss {loss:.6f} | norm {norm:.4f} | "
-                 f"lr {lr:.2e} | {dt * 1e3:.1f} ms | {tps:,.0f} tok/s | MFU "
-                 + (f"{100 * mfu:.1f}%" if mfu is not None else "-"))
-            log({"step": done, "loss": loss, "grad_norm": norm, "lr": lr, "ms": dt * 1e3,
-                 "tokens_per_s": tps, "mfu": mfu})
-            if done == start + 1 and device == "cuda":
-                result["peak_gpu_bytes"] = _pool_bytes()
-                echo(f"GPU memory after the first step: {result['peak_gpu_bytes'] / 2**30:.2f} GiB held by "
-                     "CuPy's memory pool (its high-water mark)")
-            if args.checkpoint and ((args.ckpt_every and done % args.ckpt_every == 0) or done == args.steps):
-                path = checkpoint_path(out_dir, done)
-                save_training_checkpoint(path, model, opt, step=done, preset=preset, train_loader=train_loader,
-                                         rng=rng, args=args)
-                result["checkpoints"].append(str(path))
-                echo(f"step {done:>5d} | checkpoint {path}")
-        if val_loader is not None:
-            validate(args.steps)
-        if can_sample:
-            sample(args.steps)
-        if device == "cuda":
-            result["peak_gpu_bytes"] = _pool_bytes()
-        log({"event": "end", "step": result["step"], "peak_gpu_bytes": result["peak_gpu_bytes"]})
-    finally:
-        metrics.close()
-    return result
-
-
-def _gpu_name() -> str:
-    from . import runtime
-    name = runtime.device_properties()["name"]
-    return name.decode() if isinstance(name, bytes) else str(name)
+        self.echo(f"step {step:>5d} | sample: {text!r}")
+        self.log({"step": step, "sample": text})
 
 
 def _pool_bytes() -> int:
     from . import runtime
     return int(runtime.cupy.get_default_memory_pool().total_bytes())
-
-
-# ------------------------------------------------------------------ sample ----
-
-def sample_checkpoint(checkpoint, prompt="", max_tokens=128, temperature=1.0, top_k=40, seed=0, device="auto",
-                      echo=click.echo) -> list[int]:
-    """`gpucore sample`: load a checkpoint, continue `prompt`, print the text (ids for a toy vocab)."""
-    from . import tokenizer
-    from .checkpoint import CheckpointError
-    from .sample import generate
-    device, xp, _ = resolve_backend(device, "float32")
-    try:
-        model, meta = load_model(checkpoint, xp=xp)
-    except CheckpointError as e:
-        raise TrainError(str(e)) from None
-    gpt2_vocab = model.config.vocab_size == tokenizer.VOCAB_SIZE
-    if prompt and not gpt2_vocab:
-        raise TrainError(f"--prompt: the model's vocabulary ({model.config.vocab_size} tokens) is not GPT-2's")
-    ids = tokenizer.encode(prompt) if prompt else []
-    out = generate(model, ids, max_tokens, temperature=temperature, top_k=top_k or None,
-                   rng=np.random.default_rng(seed))
-    echo((prompt + tokenizer.decode(out)) if gpt2_vocab else " ".join(map(str, out)))
-    return out
-
-
-# the command object ./train.py runs (gpucore.cli builds `gpucore train` from the same options and function)
-command = click.command("train", context_settings={"help_option_names": ["-h", "--help"]},
-                        help="Train GPT-2 (the same command as `gpucore train`).")(train_options(main_from_options))

@@ -20,7 +20,8 @@ from click.testing import CliRunner
 from gpucore import runtime
 from gpucore.checkpoint import load_checkpoint
 from gpucore.cli import main
-from gpucore.train import TrainArgs, command, run
+from gpucore.cli import train as command
+from gpucore.train import TrainArgs, run
 
 ROOT = Path(__file__).resolve().parent.parent
 
