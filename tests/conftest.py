@@ -4,6 +4,8 @@ GPU tests are marked `@pytest.mark.cuda` and run with `pytest -m cuda` on a
 machine with an NVIDIA GPU (tools/gpu_check.sh). Without a GPU they are
 skipped, never silently passed.
 """
+import zlib
+
 import numpy as np
 import pytest
 
@@ -22,9 +24,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def rng():
-    """A fresh generator per test, seeded from the test's node id for reproducibility."""
-    return np.random.default_rng()
+def rng(request):
+    """A fresh generator per test, seeded from the test's node id (CRC-32 of e.g.
+    "tests/test_gelu.py::test_x[float32]"): each test, and each parametrization of one, gets its
+    own stream, the same on every run, whatever other tests run or in what order."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
 def rel_err(out, ref) -> float:

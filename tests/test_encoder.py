@@ -144,7 +144,7 @@ def test_v3_merge_chain_end_matches_v2_walk(rng, N, V):
     stok = np.sort(rng.integers(0, V, size=N))
     num_chunks = -(-N // K)
     for chunk in range(num_chunks):
-        start, end = chunk * K, min(chunk * K + K, N)
+        end = min(chunk * K + K, N)
         if end >= N or stok[end] != stok[end - 1]:
             continue
         tok = stok[end - 1]

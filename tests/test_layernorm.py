@@ -250,6 +250,26 @@ def _versions(C, dtype):
     return [1, 2] if C % P == 0 and C // P <= 256 else [1]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pick_version_agrees_with_the_shapes(dtype):
+    """The public picker (what `gpucore bench layernorm` enumerates versions with) accepts exactly
+    the versions _versions expects, defaults to v2 where it applies, and gives v2 the smallest
+    packs per lane N that holds the row."""
+    from gpucore.bench import available_versions
+    from gpucore.ops import layernorm as ln
+    P = 16 // np.dtype(dtype).itemsize
+    for _, C in SHAPES:
+        assert available_versions(ln.pick_version, ln.VERSIONS, dtype, C, ()) == _versions(C, dtype), C
+        version, N = ln.pick_version(None, dtype, C, ())
+        assert version == max(_versions(C, dtype)), C
+        if version == 2:
+            assert N in ln.V2_N and 32 * (N - 1) < C // P <= 32 * N, C
+        else:
+            assert N is None
+    with pytest.raises(ValueError, match="version: layernorm has kernel versions 1 and 2, got 3"):
+        ln.pick_version(3, dtype, 768, ())
+
+
 def _check_forward(out, mean, rstd, x, w, b, dtype):
     ref, rm, rr = layernorm_forward_reference(x, w, b)
     o = to_cpu(out).astype(np.float64)
@@ -419,7 +439,7 @@ def test_gpu_backward_dx_colsum(rng, case):
             f"v{version} dx_colsum column {worst}: {got[worst]!r} vs {ref[worst]!r} (bound {bound[worst]:.2e})")
         assert rel_err(got, ref) < (1e-5 if cdt == np.float32 else 1e-2)
         if version == 2:
-            N = ln._pick(2, dtype, C, (xg, wg, doutg))[1]
+            N = ln.pick_version(2, dtype, C, (xg, wg, doutg))[1]
             plain_kernel = runtime.get_kernel("layernorm", f"layernorm_backward_kernel_v2_n{N}_"
                                                            f"{dtypes.kernel_suffix(dtype)}")
             grid = min(runtime.sm_count() * ln._resident_blocks(plain_kernel, ln.BLOCK), -(-rows // ln.WARPS))

@@ -94,6 +94,27 @@ def _versions(shape, dtype):
 CASES = [(s, d, ver) for s in SHAPES for d in DTYPES for ver in [None] + _versions(s, d)]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pick_version_agrees_with_the_shapes(dtype):
+    """The public picker (what `gpucore bench softmax` enumerates versions with) accepts exactly the
+    versions _versions expects, defaults to v3 where v2's layout applies (else v1), and gives v2/v3
+    the smallest packs per lane K that holds the row."""
+    from gpucore.bench import available_versions
+    from gpucore.ops import softmax as sm
+    P = 16 // np.dtype(dtype).itemsize
+    for shape in SHAPES:
+        C = shape[-1]
+        assert available_versions(sm.pick_version, sm.VERSIONS, dtype, C, ()) == _versions(shape, dtype), shape
+        version, K = sm.pick_version(None, dtype, C, ())
+        assert version == (3 if 2 in _versions(shape, dtype) else 1), shape
+        if version == 3:
+            assert K in sm.V2_K and C // P <= 32 * K and (K == sm.V2_K[0] or C // P > 16 * K), shape
+    with pytest.raises(ValueError, match="version: softmax has kernel versions 1, 2 and 3, got 4"):
+        sm.pick_version(4, dtype, 768, ())
+    with pytest.raises(ValueError, match="version: v2 needs C a multiple of"):
+        sm.pick_version(2, dtype, 37, ())
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape,dtype,version", CASES)
 def test_gpu_forward_matches_reference(rng, shape, dtype, version):

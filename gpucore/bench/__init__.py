@@ -157,6 +157,20 @@ def version_list(version, available):
     return [int(v) for v in str(version).split(",") if int(v) in available]
 
 
+def available_versions(pick, versions, *args, **kwargs) -> list[int]:
+    """The versions among `versions` that an ops module's picker accepts for these arguments:
+    pick(version, *args, **kwargs) returns for them and raises ValueError for the others
+    (ops.softmax.pick_version, ops.layernorm.pick_version, ops.encoder.pick_version, ...)."""
+    out = []
+    for v in versions:
+        try:
+            pick(v, *args, **kwargs)
+        except ValueError:
+            continue
+        out.append(v)
+    return out
+
+
 _COPY_GBPS: dict[int, float] = {}
 
 

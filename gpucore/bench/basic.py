@@ -6,21 +6,14 @@ the copy bandwidth (bytes read), casts >= 75% (bytes read + written).
 """
 from __future__ import annotations
 
-import numpy as np
-
 from .. import dtypes
-from . import Result, benchmark, copy_bandwidth_gbps, time_ms
-
-
-def _random(n, dtype):
-    import cupy
-    return cupy.random.standard_normal(n, dtype=np.float32).astype(dtypes.normalize(dtype))
+from . import Result, benchmark, copy_bandwidth_gbps, dtype_list, random_array, time_ms
 
 
 @benchmark("add")
 def bench_add(n: int = 1 << 28, dtype: str = "float32", **_):
     import gpucore
-    a, b = _random(n, dtype), _random(n, dtype)
+    a, b = random_array(n, dtype), random_array(n, dtype)
     out = a.copy()
     ms = time_ms(lambda: gpucore.add(a, b, out=out))
     return [Result(f"add {dtypes.name(a.dtype)} n={n}", ms, bytes=3 * a.nbytes,
@@ -31,8 +24,8 @@ def _bench_reduce(op, n, dtype):
     import gpucore
     fn = getattr(gpucore, op)
     results = []
-    for dt in ([dtype] if dtype != "all" else ["float32", "bfloat16"]):
-        x = _random(n, dt)
+    for dt in dtype_list(dtype):
+        x = random_array(n, dt)
         out = fn(x)
         ms = time_ms(lambda: fn(x, out=out))
         results.append(Result(f"{op} {dtypes.name(x.dtype)} n={n} (whole)", ms, bytes=x.nbytes,
@@ -59,7 +52,7 @@ def bench_max(n: int = 1 << 28, dtype: str = "all", **_):
 @benchmark("cast")
 def bench_cast(n: int = 1 << 28, **_):
     import gpucore
-    x = _random(n, "float32")
+    x = random_array(n, "float32")
     y = gpucore.astype(x, "bfloat16")
     ms1 = time_ms(lambda: gpucore.astype(x, "bfloat16", out=y))
     ms2 = time_ms(lambda: gpucore.astype(y, "float32", out=x))

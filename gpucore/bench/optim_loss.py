@@ -18,28 +18,26 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dtypes
-from . import Result, benchmark, copy_bandwidth_gbps, dtype_list, random_array, time_ms, version_list
+from . import (Result, available_versions, benchmark, copy_bandwidth_gbps, dtype_list, random_array, time_ms,
+               version_list)
 
 GPT2_PARAMS = 124_475_904
-
-
-_rand, _dtypes, _versions = random_array, dtype_list, version_list
 
 
 @benchmark("softmax")
 def bench_softmax(n: int = 65536, dtype: str = "bfloat16", version=None, C: int = 768, **_):
     import gpucore
-    from ..ops.softmax import _pick
+    from ..ops import softmax as sm
     rows, C = int(n), int(C)
     bw = copy_bandwidth_gbps()
     results = []
-    for dt in _dtypes(dtype):
-        x = _rand((rows, C), dt, 3.0)
+    for dt in dtype_list(dtype):
+        x = random_array((rows, C), dt, 3.0)
         y = gpucore.softmax(x)
-        dout = _rand((rows, C), dt)
+        dout = random_array((rows, C), dt)
         dx = gpucore.softmax_backward(dout, y)
-        available = [v for v in (1, 2, 3) if _can(_pick, v, x.dtype, C, (x, y, dout, dx))]
-        for ver in _versions(version, available):
+        available = available_versions(sm.pick_version, sm.VERSIONS, x.dtype, C, (x, y, dout, dx))
+        for ver in version_list(version, available):
             tag = f"{dtypes.name(x.dtype)} ({rows},{C}) v{ver}"
             ms = time_ms(lambda: gpucore.softmax(x, out=y, version=ver))
             results.append(Result(f"softmax forward {tag}", ms, bytes=2 * x.nbytes, ref_gbps=bw, target=0.7))
@@ -51,25 +49,17 @@ def bench_softmax(n: int = 65536, dtype: str = "bfloat16", version=None, C: int 
     return results
 
 
-def _can(pick, version, *args):
-    try:
-        pick(version, *args)
-        return True
-    except ValueError:
-        return False
-
-
 @benchmark("classifier")
 def bench_classifier(n: int = 8192, dtype: str = "bfloat16", version=None, V: int = 50257, Vp: int = 50304, **_):
     import cupy
 
     import gpucore
-    from ..ops.classifier import _pick_version, launch_fused
+    from ..ops import classifier as cls
     N, V, Vp = int(n), int(V), int(Vp)
     bw = copy_bandwidth_gbps()
     results = []
-    for dt in _dtypes(dtype):
-        logits = _rand((N, Vp), dt, 2.0)
+    for dt in dtype_list(dtype):
+        logits = random_array((N, Vp), dt, 2.0)
         targets = cupy.random.randint(0, V, size=N, dtype=np.int32)
         losses = cupy.empty(N, dtype=np.float32)
         io = N * 8                                    # targets read + losses written
@@ -84,9 +74,9 @@ def bench_classifier(n: int = 8192, dtype: str = "bfloat16", version=None, V: in
                                                       losses=losses, check_targets=False))
         results.append(Result(f"fused_classifier (API, as the model) {tag}", ms, bytes=2 * logits.nbytes + io,
                               ref_gbps=bw, target=0.7))
-        available = [v for v in (1, 2, 3) if _can(_pick_version, v, logits, Vp)]
-        for ver in _versions(version, available):
-            ms = time_ms(lambda: launch_fused(logits, targets, losses, V, 1.0 / N, ver))
+        available = available_versions(cls.pick_version, cls.VERSIONS, logits, Vp)
+        for ver in version_list(version, available):
+            ms = time_ms(lambda: cls.launch_fused(logits, targets, losses, V, 1.0 / N, ver))
             results.append(Result(f"fused_classifier kernel v{ver} {tag}", ms, bytes=2 * logits.nbytes + io,
                                   ref_gbps=bw, target=0.7))
         ms = time_ms(lambda: gpucore.cross_entropy(logits, targets, vocab_size=V, losses=losses,
@@ -104,11 +94,11 @@ def bench_adamw(n: int = GPT2_PARAMS, dtype: str = "bfloat16", **_):
     n = int(n)
     bw = copy_bandwidth_gbps()
     results = []
-    for dt in _dtypes(dtype):                         # the grads' dtype
-        params = _rand(n, "float32")
-        grads = _rand(n, dt, 1e-2)
-        m = _rand(n, "float32", 1e-3)
-        v = cupy.abs(_rand(n, "float32", 1e-4))
+    for dt in dtype_list(dtype):                      # the grads' dtype
+        params = random_array(n, "float32")
+        grads = random_array(n, dt, 1e-2)
+        m = random_array(n, "float32", 1e-3)
+        v = cupy.abs(random_array(n, "float32", 1e-4))
         lowp = params.astype(dtypes.bfloat16)
         # about GPT-2's layout: long decayed matrices with short undecayed gaps (biases, LN gains)
         spans = [(a, min(a + 2_359_296, n)) for a in range(0, n, 2_359_296 + 3_072)]
@@ -129,8 +119,8 @@ def bench_grad_norm(n: int = GPT2_PARAMS, dtype: str = "bfloat16", **_):
     n = int(n)
     bw = copy_bandwidth_gbps()
     results = []
-    for dt in _dtypes(dtype):
-        g = _rand(n, dt)
+    for dt in dtype_list(dtype):
+        g = random_array(n, dt)
         out = gpucore.grad_norm(g)
         ms = time_ms(lambda: gpucore.grad_norm(g, out=out))
         results.append(Result(f"grad_norm n={n} {dtypes.name(g.dtype)}", ms, bytes=g.nbytes, ref_gbps=bw))

@@ -140,7 +140,12 @@ def _v3_k(n_packs: int):
     return next((k for k in V3_K if n_packs <= V3_BLOCK * k), None)
 
 
-def _pick_version(version, logits, Vp):
+def pick_version(version, logits, Vp):
+    """The fused classifier's kernel version for these (N, Vp) logits on the current device.
+
+    version None: v3 where it applies (Vp a multiple of the 16-byte pack, 16-byte aligned
+    logits, a row that fits the device's shared memory per block), else v1; an explicit version
+    is checked (ValueError naming what it needs; v1 takes every case)."""
     P = 16 // logits.dtype.itemsize
     whole = Vp % P == 0 and logits.data.ptr % 16 == 0
     v2_ok = whole and Vp // P <= CLS_BLOCK * V2_CACHE
@@ -174,7 +179,7 @@ def launch_fused(logits, targets, losses, V: int, grad_scale: float, version=Non
     N = targets.size
     if N == 0:
         return losses
-    version = _pick_version(version, logits, Vp)
+    version = pick_version(version, logits, Vp)
     suf = dtypes.kernel_suffix(logits.dtype)
     args = (losses, logits, targets, np.float32(grad_scale), np.int32(N), np.int32(V), np.int32(Vp))
     if version == 3:
@@ -203,7 +208,7 @@ def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=N
     """
     xp, V, Vp, losses = _check_args(logits, targets, vocab_size, losses)
     if xp is not np:
-        _pick_version(version, logits, Vp)           # a bad version fails before the sync below
+        pick_version(version, logits, Vp)           # a bad version fails before the sync below
     if grad_scale is not None and (isinstance(grad_scale, bool) or not isinstance(grad_scale, numbers.Real)):
         raise TypeError(f"grad_scale: expected a float, got {type(grad_scale).__name__}")
     if check_targets or grad_scale is None or xp is np:
@@ -232,7 +237,7 @@ def cross_entropy(logits, targets, vocab_size=None, losses=None, *, check_target
     N = targets.size
     if N == 0:
         return losses
-    if _pick_version(None, logits, Vp) == 3:          # v3's kernel without its write pass
+    if pick_version(None, logits, Vp) == 3:          # v3's kernel without its write pass
         n_packs = Vp // (16 // logits.dtype.itemsize)
         kernel = runtime.get_kernel(
             "classifier", f"classifier_forward_kernel_v3_k{_v3_k(n_packs)}_{dtypes.kernel_suffix(logits.dtype)}")

@@ -11,7 +11,7 @@ float32 ulps (and to bf16 rounding in bfloat16).
 gelu_backward(..., dbias=) also adds dx's column sums into dbias: in GPT-2 the
 MLP's fc bias gradient is the column sum of exactly this dx (dfch), so fusing
 it here saves matmul_backward a full read of dx (403 MB at 65536 x 3072 bf16).
-The kernel writes per-row-chunk float32 partials; matmul's stage 2
+The kernel writes per-row-chunk float32 partials; the column sum's stage 2
 (colsum.reduce_partials) adds them in order: deterministic, no atomics.
 """
 from __future__ import annotations
@@ -123,8 +123,8 @@ def gelu_backward(dout, x, dx=None, *, dbias=None):
         dx[...] = gelu_backward_reference(dout, x).astype(dout.dtype)
         if dbias is not None:
             C = dout.shape[-1]
-            colsum = dx.astype(np.float64).reshape(-1, C).sum(axis=0) if C else np.zeros(0)
-            dbias[...] = (dbias.astype(np.float64) + colsum).astype(dbias.dtype)
+            sums = dx.astype(np.float64).reshape(-1, C).sum(axis=0) if C else np.zeros(0)
+            dbias[...] = (dbias.astype(np.float64) + sums).astype(dbias.dtype)
         return dx
     n = dout.size
     if n == 0:
@@ -137,9 +137,10 @@ def gelu_backward(dout, x, dx=None, *, dbias=None):
 
 
 def _gelu_backward_dbias(dx, dbias, dout, x):
-    """GPU: dx and per-chunk column sums in one pass, then matmul's stage 2 into dbias. Layouts the
-    16-byte kernel cannot take (C % pack != 0, unaligned views) run gelu_backward, then matmul's
-    two-stage column sum over dx (one more read of dx; same math, so the same dx bits)."""
+    """GPU: dx and per-chunk column sums in one pass, then colsum's stage 2 into dbias. Layouts the
+    16-byte kernel cannot take (C % pack != 0, unaligned views) run gelu_backward, then the
+    two-stage column sum over dx (colsum.colsum: one more read of dx; same math, so the same dx
+    bits)."""
     cp = runtime.cupy
     C = dout.shape[-1]
     N = dout.size // C

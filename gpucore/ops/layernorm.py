@@ -26,8 +26,8 @@ layernorm backward has just accumulated into is the dout of the projection
 before it, whose bias gradient is dx's column sum. v2 adds it to its
 deterministic two-stage reduction (a third slice of partials; the
 _colsum_ kernels, launched with the plain kernel's grid so dx/dweight/dbias
-keep their bits) instead of a second pass over dx; v1 runs matmul's
-two-stage column-sum kernels over the finished dx.
+keep their bits) instead of a second pass over dx; v1 runs the two-stage
+column sum (colsum.colsum) over the finished dx.
 """
 from __future__ import annotations
 
@@ -35,12 +35,14 @@ import numpy as np
 
 from .. import dtypes, runtime
 from ._common import check_array, check_same_dtype, output
+from .colsum import colsum
 
 WARPS = 4                 # rows (forward) / warps (backward) per block, as WARPS in layernorm.cu
 BLOCK = 32 * WARPS
 REDUCE_BLOCK = 256        # stage 2: 8 warps, 32 columns per block
 V1_DWDB_BLOCK = 256       # v1 dweight/dbias stage 1: one thread per column
 V2_N = range(1, 9)        # packs per lane instantiated in layernorm.cu
+VERSIONS = (1, 2)
 
 
 # ------------------------------------------------------------- references ----
@@ -88,13 +90,18 @@ def _aligned(*arrays) -> bool:
     return all(a.data.ptr % 16 == 0 for a in arrays)
 
 
-def _pick(version, dtype, C, arrays):
-    """(version, N): v2 with the smallest N (packs per lane) that holds the row, else v1."""
+def pick_version(version, dtype, C, arrays):
+    """(version, N) of the layernorm kernels for `dtype` rows of C elements and these arrays.
+
+    version None: v2 where it applies (C a multiple of the 16-byte pack, C <= 32 * V2_N[-1]
+    packs, every array 16-byte aligned), else v1; an explicit version is checked (ValueError
+    naming what it needs). N: v2's packs per lane (the smallest instantiated that holds the
+    row), None for v1."""
     P = 16 // np.dtype(dtype).itemsize
     v2_ok = C % P == 0 and C // P <= 32 * V2_N[-1] and _aligned(*arrays)
     if version is None:
         version = 2 if v2_ok else 1
-    if version not in (1, 2):
+    if version not in VERSIONS:
         raise ValueError(f"version: layernorm has kernel versions 1 and 2, got {version!r}")
     if version == 2 and not v2_ok:
         raise ValueError(f"version: v2 needs C a multiple of {P}, C <= {32 * V2_N[-1] * P} and 16-byte "
@@ -142,7 +149,7 @@ def layernorm_forward(x, weight, bias, eps=1e-5, out=None, mean=None, rstd=None,
         o, m, r = layernorm_forward_reference(x, weight, bias, float(eps))
         out[...], mean[...], rstd[...] = o.astype(x.dtype), m, r
         return out, mean, rstd
-    version, N = _pick(version, x.dtype, C, (x, weight, bias, out))
+    version, N = pick_version(version, x.dtype, C, (x, weight, bias, out))
     if rows == 0:
         return out, mean, rstd
     suf = dtypes.kernel_suffix(x.dtype)
@@ -176,7 +183,7 @@ def fused_residual_layernorm_forward(a, b, weight, bias, eps=1e-5, residual=None
         residual[...] = res
         out[...], mean[...], rstd[...] = o.astype(a.dtype), m, r
         return residual, out, mean, rstd
-    version, N = _pick(version, a.dtype, C, (a, b, weight, bias, residual, out))
+    version, N = pick_version(version, a.dtype, C, (a, b, weight, bias, residual, out))
     if rows == 0:
         return residual, out, mean, rstd
     suf = dtypes.kernel_suffix(a.dtype)
@@ -238,7 +245,7 @@ def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias
             dx_colsum[...] = (dx_colsum.astype(np.float64)
                               + dx.reshape(-1, C).astype(np.float64).sum(axis=0)).astype(dx_colsum.dtype)
         return dx, dweight, dbias
-    version, N = _pick(version, dout.dtype, C, (dout, x, weight, dx))
+    version, N = pick_version(version, dout.dtype, C, (dout, x, weight, dx))
     if rows == 0:
         return dx, dweight, dbias
     suf = dtypes.kernel_suffix(dout.dtype)
@@ -274,6 +281,5 @@ def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias
     k_red = runtime.get_kernel("layernorm", f"layernorm_backward_reduce_kernel_{wsuf}")
     runtime.launch(k_red, -(-C // 32), REDUCE_BLOCK, (dweight, dbias, scratch, i32(scratch.shape[0]), i32(C)))
     if dx_colsum is not None:      # v1: a second pass over the finished dx
-        from .colsum import colsum
         colsum(dx_colsum, dx.reshape(rows, C))
     return dx, dweight, dbias

@@ -57,8 +57,13 @@ def _aligned(*arrays) -> bool:
     return all(a.data.ptr % 16 == 0 for a in arrays)
 
 
-def _pick(version, x_dtype, C, arrays):
-    """(version, K): v3 (or v2 when asked) with the smallest K that holds the row, else v1."""
+def pick_version(version, x_dtype, C, arrays):
+    """(version, K) of the softmax kernels for `x_dtype` rows of C elements and these arrays.
+
+    version None: v3 where the warp-per-row layout applies (C a multiple of the 16-byte pack,
+    C <= 32 * V2_K[-1] packs, every array 16-byte aligned), else v1; an explicit version is
+    checked (ValueError naming what it needs; v2 and v3 need the same). K: packs per lane for
+    v2/v3 (the smallest instantiated that holds the row), None for v1."""
     P = 16 // np.dtype(x_dtype).itemsize
     v2_ok = C % P == 0 and _aligned(*arrays) and C // P <= 32 * V2_K[-1]
     if version is None:
@@ -93,7 +98,7 @@ def softmax(x, out=None, version=None):
     if xp is np:
         out[...] = softmax_reference(x).astype(x.dtype)
         return out
-    version, K = _pick(version, x.dtype, C, (x, out))
+    version, K = pick_version(version, x.dtype, C, (x, out))
     if rows == 0:
         return out
     _launch("forward", version, K, dtypes.kernel_suffix(x.dtype), rows, C, (out, x))
@@ -111,7 +116,7 @@ def softmax_backward(dout, y, dx=None, version=None):
     if xp is np:
         dx[...] = softmax_backward_reference(dout, y).astype(dout.dtype)
         return dx
-    version, K = _pick(version, dout.dtype, C, (dout, y, dx))
+    version, K = pick_version(version, dout.dtype, C, (dout, y, dx))
     if rows == 0:
         return dx
     _launch("backward", version, K, dtypes.kernel_suffix(dout.dtype), rows, C, (dx, dout, y))
