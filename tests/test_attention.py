@@ -1,32 +1,39 @@
-"""Causal attention: the float64 reference, its gradient, and both GPU versions against it.
+"""Causal attention, the production path: the float64 reference, its gradient, and v1 / v2 / v3
+with their default configs against it.
 
 CPU: reference vs an independent per-row loop, reference backward vs finite
-differences, argument checks, the Python/CUDA configuration tables agreeing.
-GPU (pytest -m cuda): v1 (cuBLAS + softmax kernels, fp32 and bf16) and v2 (flash,
-bf16) forward and backward on shapes with T not a multiple of any tile, hd 64
-and 128; outputs poisoned with NaN first; bitwise determinism; v2's scratch is
-O(B*NH*T). On a failure the message names the worst (batch, head, 16-row block)
-so a fragment-layout or masking bug shows up as a pattern (e.g. only diagonal
-blocks, only rows >= 64, only head 1).
+differences, argument checks, the default configs instantiated in the kernel files,
+the version picker reading gpucore.settings.
+GPU (pytest -m cuda): v1 (cuBLAS + softmax kernels, fp32 and bf16), v2 (flash, bf16)
+and v3 (Hopper wgmma, sm_90 only) forward and backward on shapes with T not a multiple
+of any tile, hd 64 and 128; outputs poisoned with NaN first; bitwise determinism; the
+flash scratch is O(B*NH*T). On a failure the message names the worst (batch, head,
+16-row block) so a fragment-layout or masking bug shows up as a pattern (e.g. only
+diagonal blocks, only rows >= 64, only head 1).
+The non-default configs and the non-pipelined v3 forward: tests/ladder/test_attention.py;
+the helpers both use: tests/attention_checks.py.
 """
 import math
-import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import gpucore
-from gpucore import runtime
+from gpucore import runtime, settings
+from gpucore.bench.attention import peak_hook
 from gpucore.ops import attention as attn
+from attention_checks import (BF16, check_v2_config_limits, check_v3_backward, check_v3_bwd_config_limits,
+                              check_v3_forward, check_v3_fwd_config_limits, instantiations, kernel_rows, locate,
+                              lse_locate, make_qkv, need_sm90, v2_instantiations, v2_names, v3_backward_bits,
+                              v3_backward_case, v3_bwd_instantiations, v3_bwd_names, v3_fwd_instantiations,
+                              v3_fwd_names)
 from conftest import poison, rel_err, to_cpu
 from gradcheck import assert_grad_close, numerical_grad
 
-BF16 = gpucore.bfloat16
-
-
-def _qkv(rng, B, T, NH, hd, dtype=np.float32, sigma=1.0):
-    return (sigma * rng.standard_normal((B, T, 3 * NH * hd))).astype(dtype)
+# the production default configs as one-entry tables (hd -> [config]), the shape of the ladder's tables
+DEFAULT_V2_FWD, DEFAULT_V2_DKDV, DEFAULT_V2_DQ, DEFAULT_V3_FWD, DEFAULT_V3_DKDV, DEFAULT_V3_DQ = (
+    {hd: [cfg] for hd, cfg in table.items()} for table in (attn.V2_FWD_CONFIG, attn.V2_DKDV_CONFIG, attn.V2_DQ_CONFIG,
+                                                           attn.V3_FWD_CONFIG, attn.V3_DKDV_CONFIG, attn.V3_DQ_CONFIG))
 
 
 def _naive_forward(qkv, NH):
@@ -53,7 +60,7 @@ def _naive_forward(qkv, NH):
 
 @pytest.mark.parametrize("B,T,NH,hd", [(1, 1, 1, 4), (2, 5, 2, 3), (1, 9, 3, 8)])
 def test_reference_forward_matches_naive_loop(rng, B, T, NH, hd):
-    qkv = _qkv(rng, B, T, NH, hd)
+    qkv = make_qkv(rng, B, T, NH, hd)
     out, lse = attn.attention_forward_reference(qkv, NH)
     n_out, n_lse = _naive_forward(qkv, NH)
     np.testing.assert_allclose(out, n_out, rtol=1e-12, atol=1e-12)
@@ -62,7 +69,7 @@ def test_reference_forward_matches_naive_loop(rng, B, T, NH, hd):
 
 @pytest.mark.parametrize("B,T,NH,hd", [(1, 1, 1, 2), (2, 4, 2, 3), (1, 5, 1, 4)])
 def test_reference_backward_gradcheck(rng, B, T, NH, hd):
-    qkv = _qkv(rng, B, T, NH, hd).astype(np.float64)
+    qkv = make_qkv(rng, B, T, NH, hd).astype(np.float64)
     dout = rng.standard_normal((B, T, NH * hd))
     analytic = attn.attention_backward_reference(dout, qkv, NH)
     numeric = numerical_grad(lambda x: attn.attention_forward_reference(x, NH)[0], qkv, dout)
@@ -89,7 +96,7 @@ def test_reference_backward_gradcheck_not_causal(rng):
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
 def test_public_api_on_numpy(rng, dtype):
     B, T, NH, hd = 2, 6, 2, 4
-    qkv = _qkv(rng, B, T, NH, hd, dtype)
+    qkv = make_qkv(rng, B, T, NH, hd, dtype)
     out, lse = gpucore.attention_forward(qkv, NH)
     assert out.shape == (B, T, NH * hd) and out.dtype == dtype
     assert lse.shape == (B, NH, T) and lse.dtype == np.float32
@@ -122,7 +129,7 @@ def test_attention_convenience_numpy(rng, causal):
 
 
 def test_bad_input(rng):
-    qkv = _qkv(rng, 2, 4, 2, 4)
+    qkv = make_qkv(rng, 2, 4, 2, 4)
     with pytest.raises(ValueError, match="qkv: last dimension must be 3"):
         gpucore.attention_forward(qkv[..., :-1].copy(), 2)
     with pytest.raises(ValueError, match="num_heads: 3 does not divide"):
@@ -153,35 +160,16 @@ def test_bad_input(rng):
                           np.zeros((1, 2, 3, 4), np.float32))
 
 
-def _instantiations(path, macro):
-    return [tuple(int(x) for x in m.split(","))
-            for m in re.findall(rf"^{macro}\(([\d, ]+)\)", Path(path).read_text(), re.MULTILINE)]
-
-
 def test_python_tables_match_kernel_instantiations():
-    kdir = runtime.KERNEL_DIR
-
-    def table(rows):
-        t = {}
-        for hd, *cfg in rows:
-            t.setdefault(hd, []).append(tuple(cfg))
-        return t
-
-    assert table(_instantiations(kdir / "flash_attention.cu", "FLASH_FWD")) == attn.FWD_CONFIGS
-    bwd = kdir / "flash_attention_bwd.cu"
-    assert table(_instantiations(bwd, "FLASH_BWD_DKDV")) == attn.DKDV_CONFIGS
-    assert table(_instantiations(bwd, "FLASH_BWD_DQ")) == attn.DQ_CONFIGS
-    assert {hd for (hd,) in _instantiations(bwd, "FLASH_BWD_PRE")} == set(attn.FWD_CONFIGS)
-    assert set(attn.DKDV_CONFIGS) == set(attn.DQ_CONFIGS) == set(attn.FWD_CONFIGS)
-    for hd, cfgs in attn.FWD_CONFIGS.items():
-        for w, mt, bn in cfgs:
-            assert attn._fwd_smem(hd, w, mt, bn) <= 163 * 1024      # fits sm_80 too
-            assert (16 * mt * w * hd // 8) % (32 * w) == 0 and (bn * hd // 8) % (32 * w) == 0
-    for hd in attn.DKDV_CONFIGS:
-        for w, bm in attn.DKDV_CONFIGS[hd]:
-            assert attn._dkdv_smem(hd, w, bm) <= 163 * 1024 and (bm * hd // 8) % (32 * w) == 0
-        for w, bn in attn.DQ_CONFIGS[hd]:
-            assert attn._dq_smem(hd, w, bn) <= 163 * 1024 and (bn * hd // 8) % (32 * w) == 0
+    """The v2 default configs are instantiated (the other instantiations: tests/ladder)."""
+    fwd, dkdv, dq = v2_instantiations()
+    for table, kernels in ((attn.V2_FWD_CONFIG, fwd), (attn.V2_DKDV_CONFIG, dkdv), (attn.V2_DQ_CONFIG, dq)):
+        assert set(table) == set(kernels)
+        assert all(cfg in kernels[hd] for hd, cfg in table.items()), (table, kernels)
+    bwd = runtime.KERNEL_DIR / "attention" / "flash_bwd.cu"
+    assert {hd for (hd,) in instantiations(bwd, "FLASH_BWD_PRE")} == set(attn.V2_FWD_CONFIG)
+    assert set(attn.V2_DKDV_CONFIG) == set(attn.V2_DQ_CONFIG) == set(attn.V2_FWD_CONFIG)
+    check_v2_config_limits(DEFAULT_V2_FWD, DEFAULT_V2_DKDV, DEFAULT_V2_DQ)
 
 
 def test_scratch_is_linear_in_T_for_flash():
@@ -195,49 +183,72 @@ def test_scratch_is_linear_in_T_for_flash():
 @pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
 def test_attention_kernel_names_match_the_launchers():
     """Every name ops/attention.py launches exists (sm_90 only: tests/test_runtime.py covers archs and spills)."""
-    files = [runtime.KERNEL_DIR / f for f in ("attention.cu", "flash_attention.cu", "flash_attention_bwd.cu")]
-    rows = runtime.check_kernels(("90",), files)
+    rows = kernel_rows("90", "attention/classic.cu", "attention/flash_fwd.cu", "attention/flash_bwd.cu")
     assert not [r for r in rows if not r["ok"]]
     names = {r["kernel"] for r in rows}
-    for hd in attn.FWD_CONFIGS:
-        assert {f"attention_forward_kernel_v2_hd{hd}_w{w}_mt{mt}_n{n}_bf16"
-                for w, mt, n in attn.FWD_CONFIGS[hd]} <= names
-        assert {f"attention_backward_dkdv_kernel_v2_hd{hd}_w{w}_m{m}_bf16" for w, m in attn.DKDV_CONFIGS[hd]} <= names
-        assert {f"attention_backward_dq_kernel_v2_hd{hd}_w{w}_n{n}_bf16" for w, n in attn.DQ_CONFIGS[hd]} <= names
-        assert f"attention_backward_preprocess_kernel_v2_hd{hd}_bf16" in names
+    assert v2_names(DEFAULT_V2_FWD, DEFAULT_V2_DKDV, DEFAULT_V2_DQ) <= names
+    assert {f"attention_backward_preprocess_kernel_v2_hd{hd}_bf16" for hd in attn.V2_FWD_CONFIG} <= names
     assert {"attention_softmax_forward_kernel_v1_bf16", "attention_permute_kernel_v1_f32"} <= names
 
 
+def test_default_version_follows_settings():
+    """pick_version (no GPU needed) is the production path of ops/attention.py's docstring, and reads
+    settings.attention_v3_forward / attention_v3_backward each call."""
+    pick = attn.pick_version
+    for what in ("forward", "backward"):
+        flag = f"attention_v3_{what}"
+        assert pick(what, None, BF16, 64, "90") == 3
+        assert pick(what, None, BF16, 128, "90") == 3
+        assert pick(what, None, BF16, 64, "80") == 2          # no wgmma: v2
+        assert pick(what, None, BF16, 64, "90", misaligned="qkv") == 1
+        assert pick(what, None, BF16, 32, "90") == 1          # other head dims: v1
+        assert pick(what, None, np.float32, 64, "90") == 1
+        with settings.using(**{flag: False}):
+            assert pick(what, None, BF16, 64, "90") == 2
+            assert pick(what, None, BF16, 128, "90") == 2
+            assert pick(what, None, np.float32, 64, "90") == 1
+            assert pick(what, 3, BF16, 64, "90") == 3          # an explicit version ignores the setting
+        assert pick(what, None, BF16, 64, "90") == 3           # restored after the block
+        with settings.using(attention_v3_forward=what != "forward", attention_v3_backward=what != "backward"):
+            assert pick(what, None, BF16, 64, "90") == 2        # each op reads its own flag
+        for v in (1, 2, 3):
+            assert pick(what, v, BF16, 64, "90") == v
+        assert pick(what, 1, np.float32, 32, "80") == 1
+        with pytest.raises(TypeError, match=f"version 3 {what} takes bfloat16"):
+            pick(what, 3, np.float32, 64, "90")
+        with pytest.raises(ValueError, match="head dims"):
+            pick(what, 3, BF16, 32, "90")
+        with pytest.raises(ValueError, match="sm_90"):
+            pick(what, 3, BF16, 64, "80")
+        with pytest.raises(ValueError, match="out: version 3 .* 16-byte aligned"):
+            pick(what, 3, BF16, 64, "90", misaligned="out")
+        with pytest.raises(TypeError, match="version 2 takes bfloat16"):
+            pick(what, 2, np.float32, 64, "90")
+        with pytest.raises(ValueError, match="head dims"):
+            pick(what, 2, BF16, 32, "90")
+        with pytest.raises(ValueError, match="version"):
+            pick(what, 4, BF16, 64, "90")
+
+
+def test_launchers_refuse_ladder_configs():
+    """The non-pipelined forward's configs and the fused-D dQ pass are the ladder's (before any launch)."""
+    qkv = np.zeros((1, 4, 3 * 64), BF16)
+    with pytest.raises(ValueError, match="forward_v3_serial"):
+        attn.forward_v3(qkv, 1, None, None, config=(2, 64))
+    with pytest.raises(ValueError, match="fused-D"):
+        attn.backward_v3(None, qkv, None, None, 1, None, dq_config=(2, 64, 1))
+
+
+def test_v3_compile_options_follow_settings():
+    """The block order's head group is compiled in from settings.attention_head_group, read each call."""
+    with settings.using(attention_head_group=16):
+        assert attn.v3_compile_options() == ("-DV3_HEAD_GROUP=16",)
+        with settings.using(attention_head_group=0):
+            assert attn.v3_compile_options() == ("-DV3_HEAD_GROUP=0",)
+        assert attn.v3_compile_options() == ("-DV3_HEAD_GROUP=16",)
+
+
 # ------------------------------------------------------------------- GPU -----
-
-def _locate(out, ref, B, T, NH, hd, S=1):
-    """Where the error is: worst (b, part, head, 16-row block) by relative error, as text."""
-    o = np.asarray(out, np.float64).reshape(B, T, S, NH, hd)
-    r = np.asarray(ref, np.float64).reshape(B, T, S, NH, hd)
-    nb = -(-T // 16)
-    rows = []
-    for b in range(B):
-        for s in range(S):
-            for h in range(NH):
-                for blk in range(nb):
-                    sl = slice(16 * blk, 16 * blk + 16)
-                    d = o[b, sl, s, h] - r[b, sl, s, h]
-                    err = float(np.linalg.norm(d) / max(np.linalg.norm(r[b, sl, s, h]), 1e-30))
-                    nan = int(np.isnan(o[b, sl, s, h]).sum())
-                    rows.append((err if not nan else np.inf, b, s, h, blk, nan))
-    rows.sort(reverse=True)
-    part = "qkv" if S == 3 else "o"
-    lines = [f"  b={b} {part[s]} head={h} rows {16 * blk}..{min(16 * blk + 15, T - 1)}: rel err {e:.3e}"
-             + (f" ({nan} NaN)" if nan else "") for e, b, s, h, blk, nan in rows[:8]]
-    n_bad = sum(1 for e, *_ in rows if e > 1e-2)
-    return f"{n_bad}/{len(rows)} blocks above 1e-2; worst:\n" + "\n".join(lines)
-
-
-def _lse_locate(lse, ref):
-    d = np.abs(np.asarray(lse, np.float64) - ref)
-    b, h, t = np.unravel_index(np.nanargmax(np.where(np.isnan(d), np.inf, d)), d.shape)
-    return f"max |lse err| {np.nanmax(d):.3e} at b={b} h={h} t={t}; NaN: {int(np.isnan(d).sum())}"
-
 
 def _tol(dtype):
     return 1e-2 if dtype == BF16 else 1e-5
@@ -264,16 +275,16 @@ def _ids(c):
 def test_gpu_forward(rng, case):
     cp = runtime.cupy
     version, dtype, (B, NH, T, hd) = case
-    qkv = _qkv(rng, B, T, NH, hd, dtype, sigma=1.5)
+    qkv = make_qkv(rng, B, T, NH, hd, dtype, sigma=1.5)
     out = poison((B, T, NH * hd), dtype)
     lse = poison((B, NH, T), np.float32)
     gpucore.attention_forward(cp.asarray(qkv), NH, out=out, lse=lse, version=version)
     ref_out, ref_lse = attn.attention_forward_reference(qkv, NH)
     o, l_ = to_cpu(out), to_cpu(lse)
     err = rel_err(o, ref_out)
-    assert err < _tol(dtype), f"out rel err {err:.3e}\n{_locate(o, ref_out, B, T, NH, hd)}"
+    assert err < _tol(dtype), f"out rel err {err:.3e}\n{locate(o, ref_out, B, T, NH, hd)}"
     lse_err = np.abs(l_.astype(np.float64) - ref_lse)
-    assert np.all(lse_err < (2e-3 if dtype == BF16 else 1e-4)), _lse_locate(l_, ref_lse)
+    assert np.all(lse_err < (2e-3 if dtype == BF16 else 1e-4)), lse_locate(l_, ref_lse)
 
 
 @pytest.mark.cuda
@@ -281,7 +292,7 @@ def test_gpu_forward(rng, case):
 def test_gpu_backward(rng, case):
     cp = runtime.cupy
     version, dtype, (B, NH, T, hd) = case
-    qkv = _qkv(rng, B, T, NH, hd, dtype, sigma=1.5)
+    qkv = make_qkv(rng, B, T, NH, hd, dtype, sigma=1.5)
     dout = rng.standard_normal((B, T, NH * hd)).astype(dtype)
     qkv_g, dout_g = cp.asarray(qkv), cp.asarray(dout)
     out, lse = gpucore.attention_forward(qkv_g, NH, version=version)
@@ -295,35 +306,7 @@ def test_gpu_backward(rng, case):
     for s, name in enumerate("qkv"):
         part, rpart = d[..., s * C:(s + 1) * C], ref[..., s * C:(s + 1) * C]
         err = rel_err(part, rpart)
-        assert err < tol, f"d{name} rel err {err:.3e}\n{_locate(d, ref, B, T, NH, hd, S=3)}"
-
-
-FLASH_VARIANTS = ([("fwd", hd, c) for hd, cs in attn.FWD_CONFIGS.items() for c in cs[1:]]
-                  + [("dkdv", hd, c) for hd, cs in attn.DKDV_CONFIGS.items() for c in cs[1:]]
-                  + [("dq", hd, c) for hd, cs in attn.DQ_CONFIGS.items() for c in cs[1:]])
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("variant", FLASH_VARIANTS, ids=lambda v: f"{v[0]}-hd{v[1]}-" + "-".join(map(str, v[2])))
-def test_gpu_flash_tile_variants(rng, variant):
-    """The non-default tile configurations (timed by `bench attention --opt sweep=1`) are correct too."""
-    cp = runtime.cupy
-    kind, hd, cfg = variant
-    B, NH, T = 2, 2, 301
-    C = NH * hd
-    qkv = _qkv(rng, B, T, NH, hd, BF16, sigma=1.5)
-    dout = rng.standard_normal((B, T, C)).astype(BF16)
-    qkv_g, dout_g = cp.asarray(qkv), cp.asarray(dout)
-    out, lse = poison((B, T, C), BF16), poison((B, NH, T), np.float32)
-    attn._forward_v2(qkv_g, NH, out, lse, cfg=cfg if kind == "fwd" else None)
-    ref_out, _ = attn.attention_forward_reference(qkv, NH)
-    assert rel_err(to_cpu(out), ref_out) < 1e-2, _locate(to_cpu(out), ref_out, B, T, NH, hd)
-    dqkv = poison(qkv.shape, BF16)
-    attn._backward_v2(dout_g, qkv_g, out, lse, NH, dqkv, dkdv_cfg=cfg if kind == "dkdv" else None,
-                      dq_cfg=cfg if kind == "dq" else None)
-    ref = attn.attention_backward_reference(dout, qkv, NH)
-    d = to_cpu(dqkv)
-    assert rel_err(d, ref) < 1e-2, _locate(d, ref, B, T, NH, hd, S=3)
+        assert err < tol, f"d{name} rel err {err:.3e}\n{locate(d, ref, B, T, NH, hd, S=3)}"
 
 
 @pytest.mark.cuda
@@ -331,7 +314,7 @@ def test_gpu_flash_tile_variants(rng, variant):
 def test_gpu_deterministic(rng, version, dtype, hd):
     cp = runtime.cupy
     B, NH, T = 2, 3, 300
-    qkv = cp.asarray(_qkv(rng, B, T, NH, hd, dtype))
+    qkv = cp.asarray(make_qkv(rng, B, T, NH, hd, dtype))
     dout = cp.asarray(rng.standard_normal((B, T, NH * hd)).astype(dtype))
     runs = []
     for _ in range(2):
@@ -344,48 +327,33 @@ def test_gpu_deterministic(rng, version, dtype, hd):
 @pytest.mark.cuda
 def test_gpu_default_version_is_flash_for_bf16(rng):
     cp = runtime.cupy
-    qkv = cp.asarray(_qkv(rng, 1, 70, 2, 64, BF16))
+    qkv = cp.asarray(make_qkv(rng, 1, 70, 2, 64, BF16))
     out, lse = gpucore.attention_forward(qkv, 2)
     out2, lse2 = gpucore.attention_forward(qkv, 2, version=2)
     assert to_cpu(out).tobytes() == to_cpu(out2).tobytes()
     with pytest.raises(TypeError, match="version 2 takes bfloat16"):
         gpucore.attention_forward(qkv.astype(np.float32), 2, version=2)
     with pytest.raises(ValueError, match="head dims"):
-        gpucore.attention_forward(cp.asarray(_qkv(rng, 1, 8, 2, 32, BF16)), 2, version=2)
-
-
-class _PeakHook(runtime.cupy.cuda.MemoryHook if runtime.cupy is not None else object):
-    """Peak bytes taken from CuPy's memory pool while active (what a call allocates)."""
-    name = "gpucore_test_peak"
-
-    def __init__(self):
-        self.cur = self.peak = 0
-
-    def malloc_postprocess(self, **kw):
-        self.cur += kw["mem_size"]
-        self.peak = max(self.peak, self.cur)
-
-    def free_postprocess(self, **kw):
-        self.cur -= kw["mem_size"]
+        gpucore.attention_forward(cp.asarray(make_qkv(rng, 1, 8, 2, 32, BF16)), 2, version=2)
 
 
 @pytest.mark.cuda
 def test_gpu_flash_scratch_is_O_BNHT(rng):
     cp = runtime.cupy
     B, NH, T, hd = 2, 4, 2048, 64
-    qkv = cp.asarray(_qkv(rng, B, T, NH, hd, BF16))
+    qkv = cp.asarray(make_qkv(rng, B, T, NH, hd, BF16))
     dout = cp.asarray(rng.standard_normal((B, T, NH * hd)).astype(BF16))
     out, lse = gpucore.attention_forward(qkv, NH, version=2)
     dqkv = cp.empty_like(qkv)
     gpucore.attention_backward(dout, qkv, out, lse, NH, dqkv=dqkv, version=2)   # compile first
     cp.cuda.Device().synchronize()
-    with _PeakHook() as fwd:
+    with peak_hook() as fwd:
         gpucore.attention_forward(qkv, NH, out=out, lse=lse, version=2)
-    with _PeakHook() as bwd:
+    with peak_hook() as bwd:
         gpucore.attention_backward(dout, qkv, out, lse, NH, dqkv=dqkv, version=2)
     assert fwd.peak == 0
     assert bwd.peak <= -(-4 * B * NH * T // 512) * 512           # D only, pool-rounded
-    with _PeakHook() as v1:
+    with peak_hook() as v1:
         gpucore.attention_forward(qkv, NH, out=out, lse=lse, version=1)
     assert v1.peak >= B * NH * T * T * 4                           # v1 stores the scores
 
@@ -405,45 +373,23 @@ def test_gpu_attention_convenience(rng, causal, dtype, hd):
 
 
 # ------------------------------------------------------- version 3 backward -----
-# kernels_cu/flash_attention_v3_bwd.cu (wgmma, sm_90a). The forward here is v2 (measured
+# kernels_cu/attention/flash_v3_bwd.cu (wgmma, sm_90a). The forward here is v2 (measured
 # correct on an H200), so a failure points at the v3 backward alone; the messages name
 # dq / dk / dv and the worst (b, head, 16-row block): all blocks bad -> a fragment layout or
 # descriptor; only diagonal blocks -> the causal mask; only the last block -> T tails.
 
 def test_v3_tables_match_kernel_instantiations():
-    src = runtime.KERNEL_DIR / "flash_attention_v3_bwd.cu"
-
-    def table(rows):
-        t = {}
-        for hd, *cfg in rows:
-            t.setdefault(hd, []).append(tuple(cfg))
-        return t
-
-    # instantiations are (hd, warpgroups, tile, min blocks per SM); the tables omit the last
-    def same(kernels, configs):   # order-free: the Python tables put the measured default first
-        return {hd: sorted(v) for hd, v in kernels.items()} == {hd: sorted(v) for hd, v in configs.items()}
-
-    # fused-D dq kernels (FLASH_V3_DQF) are the table's (warpgroups, BN, V3_FD) entries, register-A
-    # ones (FLASH_V3_*_RA) the (warpgroups, tile, V3_RA) entries
-    assert same(table([r[:3] for r in _instantiations(src, "FLASH_V3_DKDV")]
-                      + [(*r[:3], attn.V3_RA) for r in _instantiations(src, "FLASH_V3_DKDV_RA")]), attn.V3_DKDV_CONFIGS)
-    assert same(table([r[:3] for r in _instantiations(src, "FLASH_V3_DQ")]
-                      + [(*r[:3], attn.V3_FD) for r in _instantiations(src, "FLASH_V3_DQF")]
-                      + [(*r[:3], attn.V3_RA) for r in _instantiations(src, "FLASH_V3_DQ_RA")]), attn.V3_DQ_CONFIGS)
-    assert set(attn.V3_DKDV_CONFIGS) == set(attn.V3_DQ_CONFIGS) <= set(attn.FWD_CONFIGS)
-    for hd in attn.V3_DKDV_CONFIGS:
-        for g, bm, *var in attn.V3_DKDV_CONFIGS[hd]:
-            assert var in ([], [attn.V3_RA]) and (not var or (bm, hd) == (64, 64))
-            assert bm in (64, 128) and attn._v3_dkdv_smem(hd, g, bm) <= 227 * 1024
-            assert (bm * hd // 8) % (128 * g) == 0 and (64 * g * hd // 8) % (128 * g) == 0
-        for g, bn, *var in attn.V3_DQ_CONFIGS[hd]:
-            assert bn in (64, 128) and attn._v3_dq_smem(hd, g, bn) <= 227 * 1024
-            assert var in ([], [attn.V3_FD], [attn.V3_RA]) and (var != [attn.V3_RA] or (bn, hd) == (64, 64))
-            assert (bn * hd // 8) % (128 * g) == 0
+    """The v3 backward's default configs are instantiated (all instantiations: tests/ladder)."""
+    dkdv, dq = v3_bwd_instantiations()
+    for table, kernels in ((attn.V3_DKDV_CONFIG, dkdv), (attn.V3_DQ_CONFIG, dq)):
+        assert set(table) == set(kernels)
+        assert all(cfg in kernels[hd] for hd, cfg in table.items()), (table, kernels)
+    assert set(attn.V3_DKDV_CONFIG) == set(attn.V3_DQ_CONFIG) <= set(attn.V2_FWD_CONFIG)
+    check_v3_bwd_config_limits(DEFAULT_V3_DKDV, DEFAULT_V3_DQ)
 
 
 def test_v3_backward_version_argument_on_numpy(rng):
-    qkv = _qkv(rng, 1, 5, 2, 4)
+    qkv = make_qkv(rng, 1, 5, 2, 4)
     out, lse = gpucore.attention_forward(qkv, 2)
     dout = rng.standard_normal(out.shape).astype(np.float32)
     ref = attn.attention_backward_reference(dout, qkv, 2)
@@ -454,186 +400,113 @@ def test_v3_backward_version_argument_on_numpy(rng):
 
 @pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
 def test_v3_backward_kernels_compile_for_sm90a_without_spills():
-    src = runtime.KERNEL_DIR / "flash_attention_v3_bwd.cu"
-    rows = runtime.check_kernels(("90a",), [src])
+    src = runtime.KERNEL_DIR / "attention" / "flash_v3_bwd.cu"
+    rows = kernel_rows("90a", "attention/flash_v3_bwd.cu")
     assert rows and not [r for r in rows if not r["ok"]], rows
     # ptxas info C7510..C7515: wgmma serialised (e.g. too few registers) -- correct but slow
     log = runtime.compile_cubin(src, "90a", verbose_ptxas=True).log
     assert "serialized" not in log, [ln for ln in log.splitlines() if "serialized" in ln]
-    names = {r["kernel"] for r in rows}
-    for hd in attn.V3_DKDV_CONFIGS:
-        suffix = lambda c: attn.V3_VARIANT_SUFFIX[attn._v3_variant(c)]  # noqa: E731
-        assert {f"attention_backward_dkdv_kernel_v3_hd{hd}_g{c[0]}_m{c[1]}{suffix(c)}_bf16"
-                for c in attn.V3_DKDV_CONFIGS[hd]} <= names
-        assert {f"attention_backward_dq_kernel_v3_hd{hd}_g{c[0]}_n{c[1]}{suffix(c)}_bf16"
-                for c in attn.V3_DQ_CONFIGS[hd]} <= names
-
-
-def _need_sm90():
-    if runtime.device_arch() != attn.V3_ARCH[:-1]:
-        pytest.skip(f"version 3 backward needs sm_{attn.V3_ARCH[:-1]}")
-
-
-def _v3_case(rng, B, NH, T, hd, run):
-    """v2 forward, then `run(dout, qkv, out, lse, dqkv)` into a NaN-poisoned dqkv; checks dq, dk, dv."""
-    cp = runtime.cupy
-    C = NH * hd
-    qkv = _qkv(rng, B, T, NH, hd, BF16, sigma=1.5)
-    dout = rng.standard_normal((B, T, C)).astype(BF16)
-    qkv_g, dout_g = cp.asarray(qkv), cp.asarray(dout)
-    out, lse = gpucore.attention_forward(qkv_g, NH, version=2)
-    dqkv = poison(qkv.shape, BF16)
-    run(dout_g, qkv_g, out, lse, dqkv)
-    ref = attn.attention_backward_reference(dout, qkv, NH)
-    d = to_cpu(dqkv)
-    for s, name in enumerate("qkv"):
-        part, rpart = d[..., s * C:(s + 1) * C], ref[..., s * C:(s + 1) * C]
-        err = rel_err(part, rpart)
-        assert err < 1e-2, f"d{name} rel err {err:.3e}\n{_locate(d, ref, B, T, NH, hd, S=3)}"
+    assert v3_bwd_names(DEFAULT_V3_DKDV, DEFAULT_V3_DQ, attn.V3_VARIANT_SUFFIX) <= {r["kernel"] for r in rows}
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-NH{}-T{}-hd{}".format(*s))
 def test_gpu_backward_v3(rng, shape):
-    _need_sm90()
+    need_sm90()
     B, NH, T, hd = shape
-    _v3_case(rng, B, NH, T, hd,
+    check_v3_backward(rng, B, NH, T, hd,
              lambda do, qkv, o, l, dqkv: gpucore.attention_backward(do, qkv, o, l, NH, dqkv=dqkv, version=3))
-
-
-V3_VARIANTS = ([("dkdv", hd, c) for hd, cs in attn.V3_DKDV_CONFIGS.items() for c in cs[1:]]
-               + [("dq", hd, c) for hd, cs in attn.V3_DQ_CONFIGS.items() for c in cs[1:]])
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("variant", V3_VARIANTS, ids=lambda v: f"{v[0]}-hd{v[1]}-" + "-".join(map(str, v[2])))
-@pytest.mark.parametrize("T", [100, 301])
-def test_gpu_backward_v3_tile_variants(rng, variant, T):
-    _need_sm90()
-    kind, hd, cfg = variant
-    kw = {"dkdv_cfg" if kind == "dkdv" else "dq_cfg": cfg}
-    _v3_case(rng, 2, 2, T, hd, lambda do, qkv, o, l, dqkv: attn._backward_v3(do, qkv, o, l, 2, dqkv, **kw))
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("hd", [64, 128])
 def test_gpu_v3_block_order_same_bits(rng, hd):
-    """V3_HEAD_GROUP only reorders blocks: every group size (0 = the old order) gives the same
-    bits, forward and backward, with 35 heads (two full groups of 16 and a short one)."""
-    _need_sm90()
+    """settings.attention_head_group only reorders blocks: every group size (0 = the old order) gives
+    the same bits, forward and backward, with 35 heads (two full groups of 16 and a short one)."""
+    need_sm90()
     cp = runtime.cupy
     B, NH, T = 5, 7, 200
-    qkv = cp.asarray(_qkv(rng, B, T, NH, hd, BF16))
+    qkv = cp.asarray(make_qkv(rng, B, T, NH, hd, BF16))
     dout = cp.asarray(rng.standard_normal((B, T, NH * hd)).astype(BF16))
-    default, runs = attn.V3_HEAD_GROUP, []
-    try:
-        for group in (0, 1, 16, 64):
-            attn.V3_HEAD_GROUP = group
+    runs = []
+    for group in (0, 1, 16, 64):
+        with settings.using(attention_head_group=group):
             out, lse = gpucore.attention_forward(qkv, NH, version=3)
             dqkv = gpucore.attention_backward(dout, qkv, out, lse, NH, version=3)
             runs.append(b"".join(to_cpu(x).tobytes() for x in (out, lse, dqkv)))
-    finally:
-        attn.V3_HEAD_GROUP = default
     assert all(r == runs[0] for r in runs[1:])
-
-
-def _v3_backward_case(rng, hd, B=2, NH=3, T=300):
-    """(NH, qkv, dout, out, lse) on the GPU for the v3 backward tests: bf16, T not a tile multiple,
-    forward by v2 (the backward under test gets the same inputs whatever v3's forward does)."""
-    cp = runtime.cupy
-    qkv = cp.asarray(_qkv(rng, B, T, NH, hd, BF16))
-    dout = cp.asarray(rng.standard_normal((B, T, NH * hd)).astype(BF16))
-    out, lse = gpucore.attention_forward(qkv, NH, version=2)
-    return NH, qkv, dout, out, lse
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("hd", [64, 128])
 def test_gpu_deterministic_v3(rng, hd):
-    _need_sm90()
-    NH, qkv, dout, out, lse = _v3_backward_case(rng, hd)
+    need_sm90()
+    NH, qkv, dout, out, lse = v3_backward_case(rng, hd)
     runs = [to_cpu(gpucore.attention_backward(dout, qkv, out, lse, NH, version=3)).tobytes() for _ in range(2)]
     assert runs[0] == runs[1]
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("hd", [64, 128])
-def test_gpu_backward_v3_streams_and_fused_d_same_bits(rng, hd):
+def test_gpu_backward_v3_streams_same_bits(rng, hd):
     """The concurrent dQ pass (side stream) gives the bits of the one-stream order, run after run,
-    also on a non-default caller stream; the fused-D dq configs are deterministic and correct."""
-    _need_sm90()
+    also on a non-default caller stream; streams=None follows settings.attention_v3_streams.
+    (The fused-D dq configs: tests/ladder.)"""
+    need_sm90()
     cp = runtime.cupy
-    NH, qkv, dout, out, lse = _v3_backward_case(rng, hd)
-
-    def run(**kw):
-        dqkv = poison(qkv.shape, BF16)
-        attn._backward_v3(dout, qkv, out, lse, NH, dqkv, **kw)
-        return to_cpu(dqkv).tobytes()        # reads on the caller's stream: must see the side stream's dQ
-
-    one = run(streams=False)
-    assert run(streams=True) == one and run(streams=True) == one
+    NH, qkv, dout, out, lse = v3_backward_case(rng, hd)
+    one = v3_backward_bits(qkv, dout, out, lse, NH, streams=False)
+    assert v3_backward_bits(qkv, dout, out, lse, NH, streams=True) == one
+    assert v3_backward_bits(qkv, dout, out, lse, NH, streams=True) == one
     with cp.cuda.Stream(non_blocking=True):
-        assert run(streams=True) == one
-    for cfg in [c for c in attn.V3_DQ_CONFIGS[hd] if attn._v3_variant(c) == attn.V3_FD]:
-        fd = [run(dq_cfg=cfg) for _ in range(2)]
-        assert fd[0] == fd[1], cfg
-        ref = np.frombuffer(one, dtype=BF16).astype(np.float32)
-        got = np.frombuffer(fd[0], dtype=BF16).astype(np.float32)
-        assert rel_err(got, ref) < 1e-2, cfg
+        assert v3_backward_bits(qkv, dout, out, lse, NH, streams=True) == one
+    for streams in (False, True):
+        with settings.using(attention_v3_streams=streams):
+            assert v3_backward_bits(qkv, dout, out, lse, NH) == one
 
 
 @pytest.mark.cuda
 def test_gpu_default_backward_is_v3_on_sm90(rng):
-    _need_sm90()
+    need_sm90()
     cp = runtime.cupy
-    NH, qkv, dout, out, lse = _v3_backward_case(rng, 64, B=1, NH=2, T=70)
-    d_default = gpucore.attention_backward(dout, qkv, out, lse, NH)
+    NH, qkv, dout, out, lse = v3_backward_case(rng, 64, B=1, NH=2, T=70)
+    with settings.using(attention_v3_backward=True):
+        d_default = gpucore.attention_backward(dout, qkv, out, lse, NH)
     d3 = gpucore.attention_backward(dout, qkv, out, lse, NH, version=3)
-    if attn.V3_BWD_DEFAULT:
-        assert to_cpu(d_default).tobytes() == to_cpu(d3).tobytes()
+    assert to_cpu(d_default).tobytes() == to_cpu(d3).tobytes()
+    with settings.using(attention_v3_backward=False):   # the setting reverts the default to v2
+        d_off = gpucore.attention_backward(dout, qkv, out, lse, NH)
+    d2 = gpucore.attention_backward(dout, qkv, out, lse, NH, version=2)
+    assert to_cpu(d_off).tobytes() == to_cpu(d2).tobytes()
     q32 = qkv.astype(np.float32)
     o32, l32 = gpucore.attention_forward(q32, NH, version=1)
     with pytest.raises(TypeError, match="version 3 backward takes bfloat16"):
         gpucore.attention_backward(dout.astype(np.float32), q32, o32, l32, NH, version=3)
-    q32h = cp.asarray(_qkv(rng, 1, 8, 2, 32, BF16))
+    q32h = cp.asarray(make_qkv(rng, 1, 8, 2, 32, BF16))
     o32h, l32h = gpucore.attention_forward(q32h, 2)
     with pytest.raises(ValueError, match="head dims"):
         gpucore.attention_backward(cp.zeros_like(o32h), q32h, o32h, l32h, 2, version=3)
 
 
 # ------------------------------------------------------- version 3 forward -----
-# kernels_cu/flash_attention_v3.cu (wgmma, sm_90a). Its out/lse feed v2's backward (measured
-# correct on an H200), so test_gpu_v3_forward_v2_backward checks the layouts end to end. The
-# messages name the worst (b, head, 16-row block): every block bad -> a fragment layout or a
+# kernels_cu/attention/flash_v3_fwd.cu (wgmma, sm_90a, pipelined). Its out/lse feed v2's backward
+# (measured correct on an H200), so test_gpu_v3_forward_v2_backward checks the layouts end to end.
+# The messages name the worst (b, head, 16-row block): every block bad -> a fragment layout or a
 # descriptor (S = Q K^T: smem layout / K-major descriptor; O += P V: register-A packing / the
 # MN-major V descriptor); rows 64..127 of each tile only -> warpgroup 1's Q descriptor offset;
 # diagonal blocks only -> the causal mask; the last block only -> T tails (zero-fill / stores).
 
-def _v3_fwd_table():
-    """hd -> sorted configs of both v3 forward files (2-tuples: flash_attention_v3.cu,
-    (g, bn, stages): the pipelined flash_attention_v3p.cu); order is set in Python only."""
-    t = {}
-    for hd, g, bn, _minb in _instantiations(runtime.KERNEL_DIR / "flash_attention_v3.cu", "FLASH_FWD_V3"):
-        t.setdefault(hd, []).append((g, bn))
-    for hd, g, bn, st, _minb in _instantiations(runtime.KERNEL_DIR / "flash_attention_v3p.cu", "FLASH_FWD_V3P"):
-        t.setdefault(hd, []).append((g, bn, st))
-    return {hd: sorted(c) for hd, c in t.items()}
-
-
 def test_v3_forward_table_matches_kernel_instantiations():
-    assert _v3_fwd_table() == {hd: sorted(c) for hd, c in attn.V3_FWD_CONFIGS.items()}
-    assert set(attn.V3_FWD_CONFIGS) <= set(attn.FWD_CONFIGS)   # v2 is the fallback for the same hd
-    for hd, cfgs in attn.V3_FWD_CONFIGS.items():
-        assert hd in (64, 128)
-        for g, bn, *st in cfgs:
-            nt = 128 * g
-            assert g in (1, 2) and bn in (64, 128) and attn._v3_fwd_smem(hd, g, bn, *st) <= 227 * 1024
-            assert not st or st[0] in (3, 4)
-            assert (64 * g * hd // 8) % nt == 0 and (bn * hd // 8) % nt == 0   # copy loops divide evenly
+    """The pipelined forward's default configs are instantiated (all instantiations: tests/ladder)."""
+    kernels = v3_fwd_instantiations()
+    assert set(kernels) == set(attn.V3_FWD_CONFIG)
+    assert all(cfg in kernels[hd] for hd, cfg in attn.V3_FWD_CONFIG.items())
+    assert set(attn.V3_FWD_CONFIG) <= set(attn.V2_FWD_CONFIG)   # v2 is the fallback for the same hd
+    check_v3_fwd_config_limits(DEFAULT_V3_FWD)
 
 
 def test_v3_forward_version_argument_on_numpy(rng):
-    qkv = _qkv(rng, 1, 5, 2, 4)
+    qkv = make_qkv(rng, 1, 5, 2, 4)
     ref_out, ref_lse = attn.attention_forward_reference(qkv, 2)
     out, lse = gpucore.attention_forward(qkv, 2, version=3)   # NumPy: the reference, any version
     assert rel_err(out, ref_out) < 1e-6 and np.allclose(lse, ref_lse, atol=1e-6)
@@ -643,67 +516,30 @@ def test_v3_forward_version_argument_on_numpy(rng):
 
 @pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
 def test_v3_forward_kernels_compile_for_sm90a_without_spills():
-    rows = runtime.check_kernels(("90a",), [runtime.KERNEL_DIR / "flash_attention_v3.cu",
-                                            runtime.KERNEL_DIR / "flash_attention_v3p.cu"])
+    src = runtime.KERNEL_DIR / "attention" / "flash_v3_fwd.cu"
+    rows = kernel_rows("90a", "attention/flash_v3_fwd.cu")
     assert rows and not [r for r in rows if not r["ok"]], rows
     # ptxas C7520 etc.: wgmma serialised (e.g. a branch while one is in flight) -- the pipelined
     # kernels would still be correct but lose their overlap
-    log = runtime.compile_cubin(runtime.KERNEL_DIR / "flash_attention_v3p.cu", "90a", verbose_ptxas=True).log
+    log = runtime.compile_cubin(src, "90a", verbose_ptxas=True).log
     assert "serialized" not in log, [ln for ln in log.splitlines() if "serialized" in ln]
-    names = {r["kernel"] for r in rows}
-    for hd, cfgs in attn.V3_FWD_CONFIGS.items():
-        assert {f"attention_forward_kernel_v3_hd{hd}_g{c[0]}_n{c[1]}" + "".join(f"_s{x}" for x in c[2:]) + "_bf16"
-                for c in cfgs} <= names
-
-
-def _need_sm90_fwd():
-    if runtime.device_arch() != attn.V3_FWD_ARCH[:-1]:
-        pytest.skip(f"version 3 forward needs sm_{attn.V3_FWD_ARCH[:-1]}")
-
-
-def _v3_forward_check(rng, B, NH, T, hd, cfg=None, sigma=1.5):
-    """v3 forward (config cfg) into NaN-poisoned out/lse vs the float64 reference."""
-    cp = runtime.cupy
-    qkv = _qkv(rng, B, T, NH, hd, BF16, sigma=sigma)
-    out = poison((B, T, NH * hd), BF16)
-    lse = poison((B, NH, T), np.float32)
-    attn._forward_v3(cp.asarray(qkv), NH, out, lse, cfg=cfg)
-    ref_out, ref_lse = attn.attention_forward_reference(qkv, NH)
-    o, l_ = to_cpu(out), to_cpu(lse)
-    err = rel_err(o, ref_out)
-    assert not np.isnan(o.astype(np.float32)).any(), f"NaN in out\n{_locate(o, ref_out, B, T, NH, hd)}"
-    assert err < 1e-2, f"cfg {cfg}: out rel err {err:.3e}\n{_locate(o, ref_out, B, T, NH, hd)}"
-    lse_err = np.abs(l_.astype(np.float64) - ref_lse)
-    assert np.all(lse_err < 2e-3), f"cfg {cfg}: " + _lse_locate(l_, ref_lse)
+    assert v3_fwd_names(DEFAULT_V3_FWD) <= {r["kernel"] for r in rows}
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-NH{}-T{}-hd{}".format(*s))
 def test_gpu_forward_v3(rng, shape):
     """Default config per hd over T in {1, 17, 64, 100, 129, 257, 1024}, via the public API."""
-    _need_sm90_fwd()
+    need_sm90()
     test_gpu_forward(rng, (3, BF16, shape))
-
-
-V3_FWD_VARIANTS = [(hd, c) for hd, cs in attn.V3_FWD_CONFIGS.items() for c in cs]
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("variant", V3_FWD_VARIANTS,
-                         ids=lambda v: f"hd{v[0]}-g{v[1][0]}-n{v[1][1]}" + "".join(f"-s{x}" for x in v[1][2:]))
-@pytest.mark.parametrize("T", [1, 64, 100, 129, 301])
-def test_gpu_forward_v3_tile_variants(rng, variant, T):
-    _need_sm90_fwd()
-    hd, cfg = variant
-    _v3_forward_check(rng, 2, 2, T, hd, cfg=cfg)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("hd", [64, 128])
 def test_gpu_forward_v3_sharp_softmax(rng, hd):
     """Large scores (sigma 4): the running max changes often, exercising the O rescale."""
-    _need_sm90_fwd()
-    _v3_forward_check(rng, 1, 2, 300, hd, sigma=4.0)
+    need_sm90()
+    check_v3_forward(rng, 1, 2, 300, hd, sigma=4.0)
 
 
 @pytest.mark.cuda
@@ -711,11 +547,11 @@ def test_gpu_forward_v3_sharp_softmax(rng, hd):
                                    (1, 1, 1024, 64)], ids=lambda s: "B{}-NH{}-T{}-hd{}".format(*s))
 def test_gpu_v3_forward_v2_backward(rng, shape):
     """v3's out/lse drive v2's backward to the reference gradients (the layouts agree)."""
-    _need_sm90_fwd()
+    need_sm90()
     cp = runtime.cupy
     B, NH, T, hd = shape
     C = NH * hd
-    qkv = _qkv(rng, B, T, NH, hd, BF16, sigma=1.5)
+    qkv = make_qkv(rng, B, T, NH, hd, BF16, sigma=1.5)
     dout = rng.standard_normal((B, T, C)).astype(BF16)
     qkv_g, dout_g = cp.asarray(qkv), cp.asarray(dout)
     out, lse = gpucore.attention_forward(qkv_g, NH, version=3)
@@ -728,34 +564,39 @@ def test_gpu_v3_forward_v2_backward(rng, shape):
     d = to_cpu(dqkv)
     for s, name in enumerate("qkv"):
         err = rel_err(d[..., s * C:(s + 1) * C], ref[..., s * C:(s + 1) * C])
-        assert err < 1e-2, f"d{name} rel err {err:.3e}\n{_locate(d, ref, B, T, NH, hd, S=3)}"
+        assert err < 1e-2, f"d{name} rel err {err:.3e}\n{locate(d, ref, B, T, NH, hd, S=3)}"
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("hd", [64, 128])
 def test_gpu_deterministic_v3_forward(rng, hd):
-    _need_sm90_fwd()
+    need_sm90()
     cp = runtime.cupy
     NH = 3
-    qkv = cp.asarray(_qkv(rng, 2, 300, NH, hd, BF16))
+    qkv = cp.asarray(make_qkv(rng, 2, 300, NH, hd, BF16))
     runs = [[to_cpu(a).tobytes() for a in gpucore.attention_forward(qkv, NH, version=3)] for _ in range(2)]
     assert runs[0] == runs[1]
 
 
 @pytest.mark.cuda
 def test_gpu_default_forward_is_v3_on_sm90(rng):
-    _need_sm90_fwd()
+    need_sm90()
     cp = runtime.cupy
     NH = 2
-    qkv = cp.asarray(_qkv(rng, 1, 70, NH, 64, BF16))
-    o_def, l_def = gpucore.attention_forward(qkv, NH)
+    qkv = cp.asarray(make_qkv(rng, 1, 70, NH, 64, BF16))
+    with settings.using(attention_v3_forward=True):
+        o_def, l_def = gpucore.attention_forward(qkv, NH)
     o3, l3 = gpucore.attention_forward(qkv, NH, version=3)
-    if attn.V3_FWD_DEFAULT:
-        assert to_cpu(o_def).tobytes() == to_cpu(o3).tobytes()
-        assert to_cpu(l_def).tobytes() == to_cpu(l3).tobytes()
+    assert to_cpu(o_def).tobytes() == to_cpu(o3).tobytes()
+    assert to_cpu(l_def).tobytes() == to_cpu(l3).tobytes()
+    with settings.using(attention_v3_forward=False):    # the setting reverts the default to v2
+        o_off, l_off = gpucore.attention_forward(qkv, NH)
+    o2, l2 = gpucore.attention_forward(qkv, NH, version=2)
+    assert to_cpu(o_off).tobytes() == to_cpu(o2).tobytes()
+    assert to_cpu(l_off).tobytes() == to_cpu(l2).tobytes()
     with pytest.raises(TypeError, match="version 3 forward takes bfloat16"):
         gpucore.attention_forward(qkv.astype(np.float32), NH, version=3)
     with pytest.raises(ValueError, match="head dims"):
-        gpucore.attention_forward(cp.asarray(_qkv(rng, 1, 8, 2, 32, BF16)), 2, version=3)
-    o32, _ = gpucore.attention_forward(cp.asarray(_qkv(rng, 1, 8, 2, 32, BF16)), 2)   # default falls back
+        gpucore.attention_forward(cp.asarray(make_qkv(rng, 1, 8, 2, 32, BF16)), 2, version=3)
+    o32, _ = gpucore.attention_forward(cp.asarray(make_qkv(rng, 1, 8, 2, 32, BF16)), 2)   # default falls back
     assert not np.isnan(to_cpu(o32).astype(np.float32)).any()

@@ -8,28 +8,47 @@ Layout: q = qkv[..., :C], k = qkv[..., C:2C], v = qkv[..., 2C:]; head h is
 columns h*hd:(h+1)*hd of each; scale 1/sqrt(hd). lse_i = log sum_{j<=i}
 exp(scale q_i.k_j) is what the flash backward needs to recompute the softmax.
 
-Versions (GPU):
-  1  the classic way (llm.c's attention_forward, kernels_cu/attention.cu): permute
-     qkv to (3, B*NH, T, hd), cuBLAS batched Q K^T into a float32 (B, NH, T, T)
-     score matrix, causal softmax (kernel), cuBLAS batched P V, unpermute. The
-     backward recomputes the scores and stores dP as well: O(B*NH*T^2) scratch.
-     Any head dim, float32 or bfloat16.
-  2  flash attention (FlashAttention-2, kernels_cu/flash_attention*.cu): bf16
-     tensor cores, online softmax, only lse saved; the backward recomputes P
-     tile by tile in two deterministic passes (dK/dV per KV tile, dQ per Q tile).
-     Reads qkv and writes out/dqkv in place, scratch O(B*NH*T) (D = rowsum(dout*out)).
-     bfloat16 only, head dim 64 or 128, 16-byte aligned arrays.
-  3  backward only (kernels_cu/flash_attention_v3_bwd.cu): version 2's deterministic
-     two passes with the tile products on Hopper's wgmma (sm_90a), from 128-byte
-     swizzled shared memory; D from v2's preprocess. bf16, head dim 64 or 128, sm_90.
-     The default backward on sm_90 while V3_BWD_DEFAULT is True.
-The default (version=None) is 2 where it applies, else 1 (float32 inputs, other
-head dims, misaligned views); asking for version=2 where it does not apply
-raises instead of falling back.
+The production path (version=None), picked per call by `pick_version`:
+  3  bf16, head dim 64 or 128, 16-byte aligned arrays, an sm_90 GPU, and the setting
+     attention_v3_forward / attention_v3_backward on (default):
+       forward   kernels_cu/attention/flash_v3_fwd.cu: FlashAttention-3-style on Hopper wgmma,
+                 pipelined (S of KV tile j+1 in flight during tile j's softmax), config
+                 V3_FWD_CONFIG[hd] (compiled for sm_90a).
+       backward  kernels_cu/attention/flash_v3_bwd.cu: v2's deterministic two passes on wgmma --
+                 D = rowsum(dout * out) by v2's preprocess (attention/flash_bwd.cu), then the dK/dV
+                 pass (V3_DKDV_CONFIG[hd]; at hd 64 the register-A kernel, V3_RA) and the dQ pass
+                 (V3_DQ_CONFIG[hd]) on a side stream beside it (setting attention_v3_streams).
+     Both walk the heads in groups of settings.attention_head_group (block order, compiled in
+     with -DV3_HEAD_GROUP).
+  2  elsewhere, same conditions but any GPU (or v3 switched off): FlashAttention-2 on mma.sync,
+     kernels_cu/attention/flash_fwd.cu (V2_FWD_CONFIG[hd]) and flash_bwd.cu (preprocess,
+     dK/dV pass V2_DKDV_CONFIG[hd], dQ pass V2_DQ_CONFIG[hd]). Online softmax, only lse saved;
+     reads qkv and writes out/dqkv in place; scratch O(B*NH*T) (D, backward only).
+  1  the general fallback: float32, any other head dim, misaligned views. llm.c's classic
+     attention (kernels_cu/attention/classic.cu): permute qkv to (3, B*NH, T, hd), cuBLAS
+     batched Q K^T into a float32 (B, NH, T, T) score matrix, causal softmax kernel, cuBLAS
+     batched P V, unpermute; the backward recomputes the scores and stores dP as well:
+     O(B*NH*T^2) scratch.
+version=1/2/3 asks for one version; asking for 2 or 3 where it does not apply raises
+(TypeError for the dtype, ValueError otherwise) instead of falling back. out/lse of v2 and v3
+have the same layout, so either backward runs on either forward's results.
+
+`forward_v2` / `backward_v2` / `forward_v3` / `backward_v3` launch one version with an explicit
+tile config (default: the tables below), for the kernel ladder and `gpucore bench attention
+--opt sweep=1`. The ladder -- the non-pipelined v3 forward (kernels_cu/ladder/attention/
+flash_v3_fwd_serial.cu), every non-default config and the fused-D dQ pass -- lives in
+gpucore/ladder/attention.py; this module never imports it. Instantiations in the production
+.cu files that only the ladder launches:
+  attention/flash_fwd.cu     FLASH_FWD (64,4,2,64) (64,4,1,64) (64,8,1,128) (128,4,1,64) (128,8,1,32)
+  attention/flash_bwd.cu     FLASH_BWD_DKDV and FLASH_BWD_DQ (64,8,64) (64,4,32) (128,8,32)
+  attention/flash_v3_fwd.cu  FLASH_FWD_V3P (64,2,64,4) (64,2,128,3)
+  attention/flash_v3_bwd.cu  FLASH_V3_DKDV (64,2,64) (64,1,64), FLASH_V3_DKDV_RA (64,1,64),
+                             FLASH_V3_DQ (64,2,64) (64,1,64) (128,1,64), FLASH_V3_DQ_RA (64,2,64)
+                             (64,1,64), every FLASH_V3_DQF (fused D)
 
 NumPy inputs run the float64 reference (the result rounded to the input dtype).
 The reference backward recomputes everything from qkv; `out` and `lse` are only
-checked. Both versions are deterministic: same input, same bits.
+checked. Every version is deterministic: same input, same bits.
 """
 from __future__ import annotations
 
@@ -37,118 +56,84 @@ import math
 
 import numpy as np
 
-from .. import dtypes, runtime
+from .. import dtypes, runtime, settings
 from ._common import check_array, check_same_dtype, output
 from .matmul import batched_matmul
 
 F32, BF16 = dtypes.float32, dtypes.bfloat16
 VERSIONS = (1, 2, 3)
-
-# Flash kernel configurations; must match the FLASH_FWD / FLASH_BWD_DKDV / FLASH_BWD_DQ
-# instantiations (tests/test_attention.py checks). The first entry per head dim is the
-# default; the others are there for `gpucore bench attention --opt sweep=1`.
-# forward: head dim -> [(warps per block, m16 tiles per warp, keys per KV tile)];
-#   Q tile = 16 * tiles * warps rows
-FWD_CONFIGS = {64: [(8, 1, 64), (4, 2, 64), (4, 1, 64), (8, 1, 128)],
-               128: [(8, 1, 64), (4, 1, 64), (8, 1, 32)]}
-# backward dK/dV pass: head dim -> [(warps, Q-tile rows)]; KV tile = 16 * warps keys
-DKDV_CONFIGS = {64: [(4, 64), (8, 64), (4, 32)], 128: [(4, 32), (8, 32)]}
-# backward dQ pass: head dim -> [(warps, keys per KV tile)]; Q tile = 16 * warps rows
-DQ_CONFIGS = {64: [(4, 64), (8, 64), (4, 32)], 128: [(4, 32), (8, 32)]}
 PREPROCESS_BLOCK = 256
 V1_SOFTMAX_BLOCK = 256     # 8 warps = 8 rows per block
 V1_PERMUTE_BLOCK = 256
 
-# Version 3 forward (kernels_cu/flash_attention_v3.cu): FlashAttention-3-style on Hopper wgmma,
-# compiled for sm_90a, runs on sm_90 only; writes out and lse exactly as v2 does, so either
-# backward runs on them. Must match the FLASH_FWD_V3 instantiations (tests check); the first
-# entry per head dim is the default. head dim -> [(consumer warpgroups, keys per KV tile)];
-# Q tile = 64 * warpgroups rows. A third element (K/V stages, >= 3) selects the pipelined
-# kernel of kernels_cu/flash_attention_v3p.cu (FLASH_FWD_V3P: S_{j+1} = Q K^T in flight during
-# softmax, FA3's intra-warpgroup overlap); 2-tuples are flash_attention_v3.cu's kernels.
-# First entry = default. Measured on an H200 (B=64 NH=12 T=1024 hd=64 causal, 2026-11-22):
-# (2,64,3) 256.5 TFLOP/s, (2,64,4) 248.5, (2,64) 238.5, (2,128) 204.7, (1,128) 195.8, (2,128,3) 194.8.
-# (Warp-specialised / ping-pong variants, flash_attention_v3pp.cu, ran 142-173 TFLOP/s and were
-# removed; code in commit 6df0503, see tools/notes/attention.md.)
-V3_FWD_CONFIGS = {64: [(2, 64, 3), (2, 64), (2, 64, 4), (2, 128, 3), (2, 128), (1, 128)],
-                  128: [(2, 64, 3), (2, 64), (2, 128)]}
-V3_FWD_ARCH = "90a"
-# The default forward (version=None) is 3 where it applies (bf16, sm_90, head dim in
-# V3_FWD_CONFIGS, 16-byte aligned), else 2, else 1. False reverts the default to v2.
-V3_FWD_DEFAULT = True
+# Default tile configs per head dim (the measured best; tools/notes/attention.md). The kernels
+# must be instantiated in the .cu files (tests/test_attention.py checks); the other
+# instantiations are gpucore/ladder/attention.py's tables.
+# v2 forward: (warps per block, m16 tiles per warp, keys per KV tile); Q tile = 16 * tiles * warps rows
+V2_FWD_CONFIG = {64: (8, 1, 64), 128: (8, 1, 64)}
+# v2 backward dK/dV pass: (warps, Q-tile rows); KV tile = 16 * warps keys
+V2_DKDV_CONFIG = {64: (4, 64), 128: (4, 32)}
+# v2 backward dQ pass: (warps, keys per KV tile); Q tile = 16 * warps rows
+V2_DQ_CONFIG = {64: (4, 64), 128: (4, 32)}
+
+V3_ARCH = "90a"            # v3 kernels compile for sm_90a and run on sm_90 devices only
+# v3 forward (pipelined): (consumer warpgroups, keys per KV tile, K/V ring stages);
+# Q tile = 64 * warpgroups rows. H200, B=64 NH=12 T=1024 hd=64: 303-311 TFLOP/s.
+V3_FWD_CONFIG = {64: (2, 64, 3), 128: (2, 64, 3)}
+# v3 backward configs: (warpgroups, tile[, variant]). dK/dV pass: tile = Q-tile rows, KV tile =
+# 64 * warpgroups keys; dQ pass: tile = keys per KV tile, Q tile = 64 * warpgroups rows.
+# Variant V3_RA ("register A", kernel names ..._ra_bf16, BM/BN 64 at hd 64 only): the pass holds
+# its warpgroup's fixed operand (K and V in dK/dV, Q and dout in dQ) as wgmma register
+# fragments, so its two N = 64 products read only B from shared memory.
+# H100 hd 64 (2026-11-22): dkdv (2,64,RA) 203.9 TFLOP/s vs (2,64) 201.3; H200: dq (2,128) best.
+V3_RA = 2
+V3_VARIANT_SUFFIX = {0: "", V3_RA: "_ra"}
+V3_DKDV_CONFIG = {64: (2, 64, V3_RA), 128: (2, 64)}
+V3_DQ_CONFIG = {64: (2, 128), 128: (2, 64)}
 
 
-def _v3_fwd_smem(hd, wgs, bn, stages=2):
-    return 1024 + (64 * wgs + 2 * stages * bn) * hd * 2
-
-
-def _fwd_smem(hd, warps, mt, bn):
+def v2_fwd_smem(hd, warps, mt, bn):
+    """Dynamic shared memory (bytes) of a v2 forward block."""
     return (16 * mt * warps + 4 * bn) * (hd + 8) * 2
 
 
-def _dkdv_smem(hd, warps, bm):
+def v2_dkdv_smem(hd, warps, bm):
     return (32 * warps + 4 * bm) * (hd + 8) * 2 + 16 * bm
 
 
-def _dq_smem(hd, warps, bn):
+def v2_dq_smem(hd, warps, bn):
     return (32 * warps + 4 * bn) * (hd + 8) * 2
 
 
-# Version 3 backward (kernels_cu/flash_attention_v3_bwd.cu): v2's deterministic two passes on
-# Hopper wgmma, compiled for sm_90a, runs on sm_90 only. Must match the FLASH_V3_DKDV /
-# FLASH_V3_DQ instantiations (tests check); first entry per head dim = default.
-# dK/dV pass: head dim -> [(warpgroups, Q-tile rows)]; KV tile = 64 * warpgroups keys
-# A third element names a kernel variant: V3_FD (1) = fused D (dQ pass only, below), V3_RA (2) =
-# "register A": the pass holds its warpgroup's fixed operand (K and V in dK/dV, Q and dout in dQ)
-# as wgmma register fragments, so the two N = 64 products read only B from shared memory
-# (FLASH_V3_*_RA, kernel names ..._ra_bf16; BM/BN 64 at hd 64 only).
-V3_FD, V3_RA = 1, 2
-# hd 64 on an H100 (whole backward with dq (2,128), V3_HEAD_GROUP 16, 2026-11-22): dkdv (2,64,RA)
-# 1.264 ms = 203.9 TFLOP/s, (2,64) 1.280 ms = 201.3 (before the block order: 191.1 vs 186.9).
-V3_DKDV_CONFIGS = {64: [(2, 64, V3_RA), (2, 64), (1, 64), (1, 64, V3_RA)], 128: [(2, 64)]}
-# dQ pass: head dim -> [(warpgroups, keys per KV tile)]; Q tile = 64 * warpgroups rows
-# hd 64 on an H200 (whole backward, 2026-11-22): dq (2,128) 1.345 ms, (2,64) 1.391, (1,64) 1.440.
-# A third element 1 = fused D (FLASH_V3_DQF): the dQ pass computes D = rowsum(dout * out) of its
-# own rows and writes it; no preprocess kernel, the dK/dV pass runs after the dQ pass.
-V3_DQ_CONFIGS = {64: [(2, 128), (2, 128, V3_FD), (2, 64), (2, 64, V3_RA), (1, 64), (1, 64, V3_RA), (2, 64, V3_FD)],
-                 128: [(2, 64), (2, 64, V3_FD), (1, 64)]}
-V3_VARIANT_SUFFIX = {0: "", V3_FD: "_fd", V3_RA: "_ra"}
+def v3_fwd_smem(hd, wgs, bn, stages):
+    """Dynamic shared memory of a v3 forward block: Q tile + `stages` K/V tiles (the serial
+    ladder kernel double-buffers: stages=2), + 1024 for the 128-byte-swizzle alignment."""
+    return 1024 + (64 * wgs + 2 * stages * bn) * hd * 2
 
 
-def _v3_variant(cfg):
-    return cfg[2] if len(cfg) > 2 else 0
-V3_ARCH = "90a"
-# Blocks started together share the operands of V3_HEAD_GROUP heads through L2 (v3_block_order in
-# kernels_cu/flash_attention_v3.cuh); 0 = the old order (head = blockIdx.x). Compiled in (-D).
-V3_HEAD_GROUP = 16
-
-
-def _v3_options():
-    return (f"-DV3_HEAD_GROUP={int(V3_HEAD_GROUP)}",)
-# The default backward (version=None) is 3 where it applies (bf16, sm_90, head dim in the
-# tables, 16-byte aligned), else as before. False reverts the default to v2 without code changes.
-V3_BWD_DEFAULT = True
-BWD_VERSIONS = (1, 2, 3)
-# Non-fused dq configs: after the preprocess, run the dQ pass on a side stream concurrently with
-# the dK/dV pass on the caller's (both only read qkv/dout/lse/D and write disjoint column blocks
-# of dqkv, so the result is the same bits). The GPU then fills the idle SMs of one pass' causal
-# tail with the other's blocks. False: one stream, preprocess -> dkdv -> dq.
-V3_BWD_STREAMS = True
-
-
-def _v3_stages(hd):
+def v3_stages(hd):
     """Q/dO (dK/dV pass) and K/V (dQ pass) ring stages: 3 at hd 64, where the dK / dQ wgmma
     group of one tile runs on into the next (the kernels static_assert the same rule), else 2."""
     return 3 if hd == 64 else 2
 
 
-def _v3_dkdv_smem(hd, wgs, bm):
-    st = _v3_stages(hd)
+def v3_dkdv_smem(hd, wgs, bm):
+    st = v3_stages(hd)
     return 1024 + (2 * 64 * wgs + 2 * st * bm) * hd * 2 + 8 * st * bm
 
 
-def _v3_dq_smem(hd, wgs, bn):
-    return 1024 + (2 * 64 * wgs + 2 * _v3_stages(hd) * bn) * hd * 2
+def v3_dq_smem(hd, wgs, bn):
+    return 1024 + (2 * 64 * wgs + 2 * v3_stages(hd) * bn) * hd * 2
+
+
+def v3_variant(cfg):
+    """The variant element of a v3 backward config (0: plain kernel)."""
+    return cfg[2] if len(cfg) > 2 else 0
+
+
+def v3_compile_options():
+    """NVRTC options of every v3 kernel: the block order's head group (settings.attention_head_group)."""
+    return (f"-DV3_HEAD_GROUP={int(settings.current().attention_head_group)}",)
 
 
 # ----------------------------------------------------------------- checks ----
@@ -179,24 +164,51 @@ def _check_version(version):
         raise ValueError(f"version: must be one of {VERSIONS} or None, got {version!r}")
 
 
-def _flash_ok(dtype, hd, arrays) -> str | None:
-    """None if version 2 runs on these arrays, else the reason it does not."""
+def _misaligned(arrays):
+    """The name of the first (name, GPU array) pair not 16-byte aligned, or None."""
+    return next((name for name, a in arrays if a.data.ptr % 16), None)
+
+
+def _reason(version, what, dtype, hd, arch, misaligned) -> str | None:
+    """None if `version` (2 or 3) of attention_`what` ("forward"/"backward") runs here, else why not."""
+    name = "version 2" if version == 2 else f"version 3 {what}"
+    head_dims = V2_FWD_CONFIG if version == 2 else V3_FWD_CONFIG if what == "forward" else V3_DKDV_CONFIG
     if dtype != BF16:
-        return f"version 2 takes bfloat16, got {dtypes.name(dtype)} (float32 runs version 1)"
-    if hd not in FWD_CONFIGS:
-        return f"version 2 supports head dims {sorted(FWD_CONFIGS)}, got {hd}"
-    for name, a in arrays:
-        if a.data.ptr % 16:
-            return f"{name}: version 2 needs 16-byte aligned arrays"
+        return f"{name} takes bfloat16, got {dtypes.name(dtype)}" + (" (float32 runs version 1)" if version == 2 else "")
+    if hd not in head_dims:
+        return f"{name} supports head dims {sorted(head_dims)}, got {hd}"
+    if misaligned is not None:
+        return f"{misaligned}: {name} needs 16-byte aligned arrays"
+    if version == 3 and arch != V3_ARCH[:-1]:
+        return f"{name} needs an sm_{V3_ARCH[:-1]} GPU (wgmma), this one is sm_{arch}"
     return None
 
 
-def _pick_version(version, dtype, hd, arrays):
-    reason = _flash_ok(dtype, hd, arrays)
+def pick_version(what, version, dtype, hd, arch, misaligned=None) -> int:
+    """The version a GPU call of attention_`what` ("forward" or "backward") runs. Pure: no GPU needed.
+
+    version: the caller's (None = the production path of the module docstring, read from
+    settings.current(): attention_v3_forward / attention_v3_backward); dtype and hd: the
+    inputs'; arch: the device's compute capability digits ("90"); misaligned: the name of
+    the first array not 16-byte aligned (None: all are). Asking for 2 or 3 where it does not
+    apply raises TypeError (dtype) or ValueError (anything else).
+    """
+    if what not in ("forward", "backward"):
+        raise ValueError(f"what: 'forward' or 'backward', got {what!r}")
+    _check_version(version)
+    s = settings.current()
+    if version == 3 or (version is None and (s.attention_v3_forward if what == "forward"
+                                             else s.attention_v3_backward)):
+        reason = _reason(3, what, dtype, hd, arch, misaligned)
+        if reason is None:
+            return 3
+        if version == 3:
+            raise (TypeError if "takes bfloat16" in reason else ValueError)(reason)
+    reason = _reason(2, what, dtype, hd, arch, misaligned)
     if version is None:
         return 1 if reason else 2
     if version == 2 and reason:
-        raise (TypeError if reason.startswith("version 2 takes") else ValueError)(reason)
+        raise (TypeError if "takes bfloat16" in reason else ValueError)(reason)
     return version
 
 
@@ -254,7 +266,7 @@ def _permute_launch(name, out, x, S, B, T, NH, hd, stride, offset):
     n = S * B * NH * T * hd
     if n == 0:
         return
-    k = runtime.get_kernel("attention", f"attention_{name}_kernel_v1_{dtypes.kernel_suffix(x.dtype)}")
+    k = runtime.get_kernel("attention/classic", f"attention_{name}_kernel_v1_{dtypes.kernel_suffix(x.dtype)}")
     grid = min(-(-n // V1_PERMUTE_BLOCK), runtime.sm_count() * 32)
     runtime.launch(k, grid, V1_PERMUTE_BLOCK, (out, x, np.int32(S), np.int32(B), np.int32(T), np.int32(NH),
                                                np.int32(hd), np.int32(stride), np.int32(offset)))
@@ -271,7 +283,7 @@ def _unpermute(out, x, S, B, T, NH, hd, stride, offset=0):
 
 
 def _softmax_launch(name, args, rows):
-    k = runtime.get_kernel("attention", name)
+    k = runtime.get_kernel("attention/classic", name)
     runtime.launch(k, -(-rows // (V1_SOFTMAX_BLOCK // 32)), V1_SOFTMAX_BLOCK, args)
 
 
@@ -325,117 +337,120 @@ def _backward_v1(dout, qkv, NH, dqkv, causal=True):
 
 
 # -------------------------------------------------------------- version 2 ----
+# The launchers below take arrays attention_forward / attention_backward have checked
+# (bf16 GPU arrays, hd 64 or 128, 16-byte aligned; v3: an sm_90 device) and launch on the
+# current stream; the ladder and the benchmarks call them with explicit configs.
 
-def _forward_v2(qkv, NH, out, lse, cfg=None):
+def forward_v2(qkv, NH, out, lse, config=None):
+    """v2 flash forward (attention/flash_fwd.cu) with `config` (warps, m16 tiles per warp, BN),
+    default V2_FWD_CONFIG[hd]; grid (B*NH, Q tiles of 16 * tiles * warps rows)."""
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
-    warps, mt, bn = cfg or FWD_CONFIGS[hd][0]
-    k = runtime.get_kernel("flash_attention", f"attention_forward_kernel_v2_hd{hd}_w{warps}_mt{mt}_n{bn}_bf16")
+    warps, mt, bn = config or V2_FWD_CONFIG[hd]
+    k = runtime.get_kernel("attention/flash_fwd", f"attention_forward_kernel_v2_hd{hd}_w{warps}_mt{mt}_n{bn}_bf16")
     runtime.launch(k, (B * NH, -(-T // (16 * mt * warps))), 32 * warps,
                    (out, lse, qkv, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd))),
-                   shared_mem=_fwd_smem(hd, warps, mt, bn))
+                   shared_mem=v2_fwd_smem(hd, warps, mt, bn))
 
 
-def _v3_reason(what, dtype, hd, configs, arch, arrays) -> str | None:
-    """None if the version 3 `what` ("forward"/"backward") runs on these arrays here, else why not."""
-    if dtype != BF16:
-        return f"version 3 {what} takes bfloat16, got {dtypes.name(dtype)}"
-    if hd not in configs:
-        return f"version 3 {what} supports head dims {sorted(configs)}, got {hd}"
-    for name, a in arrays:
-        if a.data.ptr % 16:
-            return f"{name}: version 3 {what} needs 16-byte aligned arrays"
-    if runtime.device_arch() != arch[:-1]:
-        return f"version 3 {what} needs an sm_{arch[:-1]} GPU (wgmma), this one is sm_{runtime.device_arch()}"
-    return None
-
-
-def _forward_v3(qkv, NH, out, lse, cfg=None):
-    """wgmma flash forward (kernels_cu/flash_attention_v3.cu): grid (B*NH, Q tiles of 64*wgs rows)."""
-    B, T, C3 = qkv.shape
-    hd = C3 // 3 // NH
-    wgs, bn, *st = cfg or V3_FWD_CONFIGS[hd][0]
-    if st:   # pipelined variant (flash_attention_v3p.cu), st[0] K/V stages
-        k = runtime.get_kernel("flash_attention_v3p",
-                               f"attention_forward_kernel_v3_hd{hd}_g{wgs}_n{bn}_s{st[0]}_bf16",
-                               options=_v3_options(), arch=V3_FWD_ARCH)
-    else:
-        k = runtime.get_kernel("flash_attention_v3", f"attention_forward_kernel_v3_hd{hd}_g{wgs}_n{bn}_bf16",
-                               options=_v3_options(), arch=V3_FWD_ARCH)
-    runtime.launch(k, (B * NH, -(-T // (64 * wgs))), 128 * wgs,
-                   (out, lse, qkv, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd))),
-                   shared_mem=_v3_fwd_smem(hd, wgs, bn, *st))
-
-
-def _backward_v2(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None):
+def _preprocess(dout, out, NH):
+    """D = rowsum(dout * out) (B, NH, T) float32 (attention/flash_bwd.cu; v2 and v3 backward)."""
     cp = runtime.cupy
-    B, T, C3 = qkv.shape
-    hd = C3 // 3 // NH
-    kv_warps, bm = dkdv_cfg or DKDV_CONFIGS[hd][0]
-    q_warps, bn = dq_cfg or DQ_CONFIGS[hd][0]
-    scale = np.float32(1.0 / math.sqrt(hd))
+    B, T, C = out.shape
+    hd = C // NH
     D = cp.empty((B, NH, T), dtype=F32)
     rows = B * T * NH
-    k0 = runtime.get_kernel("flash_attention_bwd", f"attention_backward_preprocess_kernel_v2_hd{hd}_bf16")
-    runtime.launch(k0, -(-rows * (hd // 8) // PREPROCESS_BLOCK), PREPROCESS_BLOCK,
+    k = runtime.get_kernel("attention/flash_bwd", f"attention_backward_preprocess_kernel_v2_hd{hd}_bf16")
+    runtime.launch(k, -(-rows * (hd // 8) // PREPROCESS_BLOCK), PREPROCESS_BLOCK,
                    (D, dout, out, np.int32(rows), np.int32(T), np.int32(NH)))
-    args = (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), scale)
-    k1 = runtime.get_kernel("flash_attention_bwd",
-                            f"attention_backward_dkdv_kernel_v2_hd{hd}_w{kv_warps}_m{bm}_bf16")
+    return D
+
+
+def backward_v2(dout, qkv, out, lse, NH, dqkv, dkdv_config=None, dq_config=None):
+    """v2 flash backward (attention/flash_bwd.cu): preprocess, dK/dV pass with `dkdv_config`
+    (warps, BM), dQ pass with `dq_config` (warps, BN); defaults V2_DKDV_CONFIG / V2_DQ_CONFIG."""
+    B, T, C3 = qkv.shape
+    hd = C3 // 3 // NH
+    kv_warps, bm = dkdv_config or V2_DKDV_CONFIG[hd]
+    q_warps, bn = dq_config or V2_DQ_CONFIG[hd]
+    D = _preprocess(dout, out, NH)
+    args = (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd)))
+    k1 = runtime.get_kernel("attention/flash_bwd", f"attention_backward_dkdv_kernel_v2_hd{hd}_w{kv_warps}_m{bm}_bf16")
     runtime.launch(k1, (B * NH, -(-T // (16 * kv_warps))), 32 * kv_warps, args,
-                   shared_mem=_dkdv_smem(hd, kv_warps, bm))
-    k2 = runtime.get_kernel("flash_attention_bwd", f"attention_backward_dq_kernel_v2_hd{hd}_w{q_warps}_n{bn}_bf16")
+                   shared_mem=v2_dkdv_smem(hd, kv_warps, bm))
+    k2 = runtime.get_kernel("attention/flash_bwd", f"attention_backward_dq_kernel_v2_hd{hd}_w{q_warps}_n{bn}_bf16")
     runtime.launch(k2, (B * NH, -(-T // (16 * q_warps))), 32 * q_warps, args,
-                   shared_mem=_dq_smem(hd, q_warps, bn))
+                   shared_mem=v2_dq_smem(hd, q_warps, bn))
 
 
 # -------------------------------------------------------------- version 3 ----
 
+def forward_v3(qkv, NH, out, lse, config=None):
+    """v3 pipelined wgmma forward (attention/flash_v3_fwd.cu) with `config` (warpgroups, BN,
+    K/V stages), default V3_FWD_CONFIG[hd]; grid (B*NH, Q tiles of 64 * warpgroups rows).
+    Writes out and lse exactly as v2 does."""
+    B, T, C3 = qkv.shape
+    hd = C3 // 3 // NH
+    config = config or V3_FWD_CONFIG[hd]
+    if len(config) != 3:
+        raise ValueError(f"config: (warpgroups, BN, stages) of attention/flash_v3_fwd.cu, got {config!r} "
+                         "(the non-pipelined kernels are gpucore.ladder.attention.forward_v3_serial)")
+    wgs, bn, stages = config
+    k = runtime.get_kernel("attention/flash_v3_fwd", f"attention_forward_kernel_v3_hd{hd}_g{wgs}_n{bn}_s{stages}_bf16",
+                           options=v3_compile_options(), arch=V3_ARCH)
+    runtime.launch(k, (B * NH, -(-T // (64 * wgs))), 128 * wgs,
+                   (out, lse, qkv, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd))),
+                   shared_mem=v3_fwd_smem(hd, wgs, bn, stages))
 
-def _backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None, streams=None):
-    """v2's preprocess (D = rowsum(dout * out)), then the wgmma dK/dV and dQ passes.
 
-    dq_cfg with a third element V3_FD (fused D): the dQ pass computes D itself and runs first, then
-    the dK/dV pass (no preprocess). Otherwise, with streams (default V3_BWD_STREAMS), the dQ pass
-    runs on a side stream concurrently with the dK/dV pass; the caller's stream waits for both.
+def _v3_bwd_kernel(pass_, hd, config):
+    """The attention/flash_v3_bwd.cu kernel of `pass_` ("dkdv" or "dq") for a config
+    (warpgroups, tile[, V3_RA])."""
+    variant = v3_variant(config)
+    if variant not in V3_VARIANT_SUFFIX:
+        raise ValueError(f"{pass_} config {config!r}: variant {variant} is not a kernel of the production backward "
+                         "(the fused-D dQ pass is gpucore.ladder.attention.backward_v3)")
+    tile = "m" if pass_ == "dkdv" else "n"
+    name = f"attention_backward_{pass_}_kernel_v3_hd{hd}_g{config[0]}_{tile}{config[1]}{V3_VARIANT_SUFFIX[variant]}_bf16"
+    return runtime.get_kernel("attention/flash_v3_bwd", name, options=v3_compile_options(), arch=V3_ARCH)
+
+
+def backward_v3_dkdv(dout, qkv, lse, D, NH, dqkv, config=None):
+    """The v3 dK/dV pass alone (attention/flash_v3_bwd.cu), given D = rowsum(dout * out):
+    writes the dk and dv columns of dqkv. `config` (warpgroups, BM[, V3_RA]), default
+    V3_DKDV_CONFIG[hd]."""
+    B, T, C3 = qkv.shape
+    hd = C3 // 3 // NH
+    config = config or V3_DKDV_CONFIG[hd]
+    wgs, bm = config[:2]
+    runtime.launch(_v3_bwd_kernel("dkdv", hd, config), (B * NH, -(-T // (64 * wgs))), 128 * wgs,
+                   (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd))),
+                   shared_mem=v3_dkdv_smem(hd, wgs, bm))
+
+
+def backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_config=None, dq_config=None, streams=None):
+    """v3 wgmma backward: v2's preprocess (D), then the dK/dV pass (`dkdv_config`, default
+    V3_DKDV_CONFIG[hd]) and the dQ pass (`dq_config` (warpgroups, BN[, V3_RA]), default
+    V3_DQ_CONFIG[hd]).
+
+    streams (None: settings.current().attention_v3_streams): the dQ pass runs on a side stream
+    concurrently with the dK/dV pass on the caller's (both only read qkv/dout/lse/D and write
+    disjoint column blocks of dqkv: the same bits either way), so each pass fills the idle SMs
+    of the other's causal tail; the caller's stream waits for both. False: one stream,
+    preprocess -> dK/dV -> dQ.
     """
     cp = runtime.cupy
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
-    dkdv_cfg, dq_cfg = dkdv_cfg or V3_DKDV_CONFIGS[hd][0], dq_cfg or V3_DQ_CONFIGS[hd][0]
-    kv_wgs, bm, q_wgs, bn = dkdv_cfg[0], dkdv_cfg[1], dq_cfg[0], dq_cfg[1]
-    kv_suffix, q_suffix = V3_VARIANT_SUFFIX[_v3_variant(dkdv_cfg)], V3_VARIANT_SUFFIX[_v3_variant(dq_cfg)]
-    fused = _v3_variant(dq_cfg) == V3_FD
-    streams = V3_BWD_STREAMS if streams is None else streams
-    scale = np.float32(1.0 / math.sqrt(hd))
-    D = cp.empty((B, NH, T), dtype=F32)
-    k1 = runtime.get_kernel("flash_attention_v3_bwd",
-                            f"attention_backward_dkdv_kernel_v3_hd{hd}_g{kv_wgs}_m{bm}{kv_suffix}_bf16",
-                            options=_v3_options(), arch=V3_ARCH)
-    args = (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), scale)
-
-    def dkdv():
-        runtime.launch(k1, (B * NH, -(-T // (64 * kv_wgs))), 128 * kv_wgs, args,
-                       shared_mem=_v3_dkdv_smem(hd, kv_wgs, bm))
-
-    q_grid, q_smem = (B * NH, -(-T // (64 * q_wgs))), _v3_dq_smem(hd, q_wgs, bn)
-    if fused:   # dQ pass writes D, then the dK/dV pass reads it (same stream: ordered)
-        k2 = runtime.get_kernel("flash_attention_v3_bwd",
-                                f"attention_backward_dq_kernel_v3_hd{hd}_g{q_wgs}_n{bn}{q_suffix}_bf16",
-                                options=_v3_options(), arch=V3_ARCH)
-        runtime.launch(k2, q_grid, 128 * q_wgs, (dqkv, D, qkv, dout, out, lse, np.int32(T), np.int32(NH), scale),
-                       shared_mem=q_smem)
-        dkdv()
-        return
-    rows = B * T * NH
-    k0 = runtime.get_kernel("flash_attention_bwd", f"attention_backward_preprocess_kernel_v2_hd{hd}_bf16")
-    runtime.launch(k0, -(-rows * (hd // 8) // PREPROCESS_BLOCK), PREPROCESS_BLOCK,
-                   (D, dout, out, np.int32(rows), np.int32(T), np.int32(NH)))
-    k2 = runtime.get_kernel("flash_attention_v3_bwd",
-                            f"attention_backward_dq_kernel_v3_hd{hd}_g{q_wgs}_n{bn}{q_suffix}_bf16",
-                            options=_v3_options(), arch=V3_ARCH)
+    dq_config = dq_config or V3_DQ_CONFIG[hd]
+    q_wgs, bn = dq_config[:2]
+    k2 = _v3_bwd_kernel("dq", hd, dq_config)
+    streams = settings.current().attention_v3_streams if streams is None else streams
+    D = _preprocess(dout, out, NH)
+    args = (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd)))
+    q_grid, q_smem = (B * NH, -(-T // (64 * q_wgs))), v3_dq_smem(hd, q_wgs, bn)
     if not streams:
-        dkdv()
+        backward_v3_dkdv(dout, qkv, lse, D, NH, dqkv, config=dkdv_config)
         runtime.launch(k2, q_grid, 128 * q_wgs, args, shared_mem=q_smem)
         return
     main = cp.cuda.get_current_stream()
@@ -445,7 +460,7 @@ def _backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=None, dq_cfg=None, stre
     # dQ first in launch order on its own stream: its heaviest tiles start while the dK/dV
     # pass' blocks queue behind; each pass fills the other's causal tail.
     runtime.launch(k2, q_grid, 128 * q_wgs, args, shared_mem=q_smem, stream=side)
-    dkdv()
+    backward_v3_dkdv(dout, qkv, lse, D, NH, dqkv, config=dkdv_config)
     joined.record(side)
     main.wait_event(joined)      # whatever the caller queues next (and D's release) sees dQ done
 
@@ -471,9 +486,9 @@ def attention_forward(qkv, num_heads, out=None, lse=None, version=None):
     """Causal self-attention of qkv (B, T, 3C) with num_heads heads.
 
     Returns (out (B, T, C) of qkv's dtype, lse (B, NH, T) float32). `version`:
-    None (best available: 3 where it applies and V3_FWD_DEFAULT, else 2, else 1),
-    1 (classic, stores (B, NH, T, T)), 2 (flash, bf16) or 3 (flash on Hopper wgmma:
-    bf16, sm_90, head dims in V3_FWD_CONFIGS; same out/lse layout as 2).
+    None (the production path: 3 where it applies and settings.attention_v3_forward,
+    else 2, else 1), 1 (classic, stores (B, NH, T, T)), 2 (flash, bf16, hd 64/128) or
+    3 (flash on Hopper wgmma: bf16, sm_90, hd 64/128; same out/lse layout as 2).
     """
     B, T, C, NH, hd = _check_qkv(qkv, num_heads)
     _check_version(version)
@@ -485,19 +500,14 @@ def attention_forward(qkv, num_heads, out=None, lse=None, version=None):
         out[...] = r_out.astype(out.dtype)
         lse[...] = r_lse.astype(F32)
         return out, lse
-    if version == 3 or (version is None and V3_FWD_DEFAULT):
-        reason = _v3_reason("forward", qkv.dtype, hd, V3_FWD_CONFIGS, V3_FWD_ARCH, (("qkv", qkv), ("out", out)))
-        if reason is None:
-            if B * T:
-                _forward_v3(qkv, NH, out, lse)
-            return out, lse
-        if version == 3:
-            raise (TypeError if "takes bfloat16" in reason else ValueError)(reason)
-    version = _pick_version(version, qkv.dtype, hd, (("qkv", qkv), ("out", out)))
+    version = pick_version("forward", version, qkv.dtype, hd, runtime.device_arch(),
+                           _misaligned((("qkv", qkv), ("out", out))))
     if B * T == 0:
         return out, lse
-    if version == 2:
-        _forward_v2(qkv, NH, out, lse)
+    if version == 3:
+        forward_v3(qkv, NH, out, lse)
+    elif version == 2:
+        forward_v2(qkv, NH, out, lse)
     else:
         _forward_v1(qkv, NH, out, lse)
     return out, lse
@@ -508,12 +518,11 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None):
 
     out and lse are attention_forward's results for this qkv. dqkv is an
     activation gradient: overwritten [=] (allocated when None). `version`: None
-    (3 where it applies and V3_BWD_DEFAULT, else 2, else 1), 1, 2, or 3 (the v2
-    algorithm on Hopper wgmma: bf16, sm_90, head dims in V3_DKDV_CONFIGS).
+    (3 where it applies and settings.attention_v3_backward, else 2, else 1), 1, 2,
+    or 3 (the v2 algorithm on Hopper wgmma: bf16, sm_90, hd 64/128).
     """
     B, T, C, NH, hd = _check_qkv(qkv, num_heads)
-    if version is not None and version not in BWD_VERSIONS:
-        raise ValueError(f"version: must be one of {BWD_VERSIONS} or None, got {version!r}")
+    _check_version(version)
     check_array("dout", dout, shape=(B, T, C))
     check_array("out", out, shape=(B, T, C))
     check_array("lse", lse, dtype=F32, shape=(B, NH, T))
@@ -523,21 +532,14 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None):
     if xp is np:
         dqkv[...] = attention_backward_reference(dout, qkv, NH).astype(dqkv.dtype)
         return dqkv
-    if version == 3 or (version is None and V3_BWD_DEFAULT):
-        reason = _v3_reason("backward", qkv.dtype, hd, V3_DKDV_CONFIGS, V3_ARCH,
-                            (("qkv", qkv), ("dout", dout), ("out", out), ("dqkv", dqkv)))
-        if reason is None:
-            if B * T:
-                _backward_v3(dout, qkv, out, lse, NH, dqkv)
-            return dqkv
-        if version == 3:
-            raise (TypeError if "takes bfloat16" in reason else ValueError)(reason)
-    version = _pick_version(version, qkv.dtype, hd,
-                            (("qkv", qkv), ("dout", dout), ("out", out), ("dqkv", dqkv)))
+    version = pick_version("backward", version, qkv.dtype, hd, runtime.device_arch(),
+                           _misaligned((("qkv", qkv), ("dout", dout), ("out", out), ("dqkv", dqkv))))
     if B * T == 0:
         return dqkv
-    if version == 2:
-        _backward_v2(dout, qkv, out, lse, NH, dqkv)
+    if version == 3:
+        backward_v3(dout, qkv, out, lse, NH, dqkv)
+    elif version == 2:
+        backward_v2(dout, qkv, out, lse, NH, dqkv)
     else:
         _backward_v1(dout, qkv, NH, dqkv)
     return dqkv

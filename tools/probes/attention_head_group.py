@@ -1,6 +1,7 @@
-"""Probe: v3 attention forward and backward at the bench shape for several V3_HEAD_GROUP values
-(block order, kernels_cu/flash_attention_v3.cuh; 0 = head = blockIdx.x, the old order), timed in
-alternation.  Run:  PYTHONPATH=. python3 tools/probes/attention_head_group.py [groups, e.g. 0,8,16,32]
+"""Probe: v3 attention forward and backward at the bench shape for several block-order head groups
+(settings.attention_head_group, v3_block_order in kernels_cu/attention/flash_v3.cuh; 0 = head =
+blockIdx.x, the old order), timed in alternation.
+Run:  PYTHONPATH=. python3 tools/probes/attention_head_group.py [groups, e.g. 0,8,16,32]
 """
 import sys
 
@@ -8,6 +9,7 @@ import cupy as cp
 import numpy as np
 
 import gpucore
+from gpucore import settings
 from gpucore.bench import time_interleaved
 from gpucore.ops import attention as attn
 
@@ -23,14 +25,14 @@ flops_f = 4.0 * B * NH * T * T * hd / 2
 
 def with_group(g, fn):
     def run():
-        attn.V3_HEAD_GROUP = g
-        fn()
+        with settings.using(attention_head_group=g):
+            fn()
     return run
 
 
-fwd = lambda: attn._forward_v3(qkv, NH, out, lse)                      # noqa: E731
-bwd = lambda: attn._backward_v3(dout, qkv, out, lse, NH, dqkv)          # noqa: E731
-ra = lambda: attn._backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=(2, 64, attn.V3_RA))  # noqa: E731
+fwd = lambda: attn.forward_v3(qkv, NH, out, lse)                        # noqa: E731
+bwd = lambda: attn.backward_v3(dout, qkv, out, lse, NH, dqkv)            # noqa: E731
+ra = lambda: attn.backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_config=(2, 64, attn.V3_RA))   # noqa: E731
 names = [(f"forward  group={g}", flops_f) for g in groups] + [(f"backward group={g}", 2.5 * flops_f) for g in groups] \
     + [(f"backward dkdv RA group={g}", 2.5 * flops_f) for g in groups]
 fns = [with_group(g, fwd) for g in groups] + [with_group(g, bwd) for g in groups] + [with_group(g, ra) for g in groups]

@@ -15,8 +15,8 @@ qkv = cp.asarray(rng.standard_normal((B, T, 3 * NH * hd)).astype(np.float32).ast
 dout = cp.asarray(rng.standard_normal((B, T, NH * hd)).astype(np.float32).astype(gpucore.bfloat16))
 out, lse = gpucore.attention_forward(qkv, NH)                   # default forward (v3 pipelined)
 dqkv = cp.empty_like(qkv)
-attn._backward_v3(dout, qkv, out, lse, NH, dqkv, streams=False)  # default configs
-attn._backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_cfg=(2, 64, attn.V3_RA), dq_cfg=(2, 64, attn.V3_RA),
-                  streams=False)
+attn.backward_v3(dout, qkv, out, lse, NH, dqkv, streams=False)  # default configs (dK/dV register-A)
+attn.backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_config=(2, 64, attn.V3_RA), dq_config=(2, 64, attn.V3_RA),
+                 streams=False)
 cp.cuda.get_current_stream().synchronize()
 print("attention v3 forward + backward (default, register-A) ran once")
