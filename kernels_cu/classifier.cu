@@ -40,6 +40,7 @@
  */
 #include "common.cuh"
 #include "fast_packs.cuh"
+#include "ptx.cuh"       // smem_u32, cp_async16, cp_async_commit / cp_async_wait
 
 #define CLS_BLOCK 1024
 #define CLS_CACHE 7   // 7 x 16 B per thread: 57344 bf16 / 28672 fp32 columns; 8 spills at 64 regs (sm_80)
@@ -249,14 +250,6 @@ __device__ void classifier_backward_v2(float* losses, T* logits, const int* targ
 
 #define CLS3_BLOCK 512
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const u32 dst = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
 // Merge (m2, s2) into (m, s), where s = sum exp(x - shift(m)), shift(-inf) = 0
 // (so an all -inf stretch holds s = 0 and a NaN stays NaN). Commutative bit
 // for bit, so both lanes of a butterfly step agree.
@@ -324,13 +317,13 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
     #pragma unroll
     for (int k = 0; k < KH; k++) {
         const int i = tid + k * CLS3_BLOCK;
-        if (i < n_packs) cp_async16(s_row + i, xr + i);
+        if (i < n_packs) cp_async16(smem_u32(s_row + i), xr + i, 16);
     }
     cp_async_commit();
     #pragma unroll
     for (int k = KH; k < K; k++) {
         const int i = tid + k * CLS3_BLOCK;
-        if (i < n_packs) cp_async16(s_row + i, xr + i);
+        if (i < n_packs) cp_async16(smem_u32(s_row + i), xr + i, 16);
     }
     cp_async_commit();
     // Each thread reads back only the packs it copied until the barriers below.

@@ -7,8 +7,10 @@
  *
  * The wgmma wrappers exist only where the compiler targets sm_90a (__CUDA_ARCH_FEAT_SM90_ALL);
  * kernel files guard their bodies with the same macro and __trap() otherwise, so
- * `kernels check --arch 80 --arch 90` still compiles them. wg_smem_u32/wg_cp_async16/
- * wg_swz128 are plain sm_80 PTX and are defined for every arch.
+ * `kernels check --arch 80 --arch 90` still compiles them. wg_swz128 is plain arithmetic and is
+ * defined for every arch. The sm_80 PTX these kernels also use (shared-memory addresses,
+ * cp.async) is ptx.cuh's, included here: smem_u32_asm, cp_async16, cp_async_commit, cp_async_wait
+ * (they replace this header's former wg_smem_u32, wg_cp_async16, wg_cp_async_commit/wait).
  *
  * 128-byte swizzle (CU_TENSOR_MAP_SWIZZLE_128B / descriptor layout type 1): a tile whose rows are
  * 128 bytes (64 bf16) is stored in "atoms" of 8 rows x 128 B = 1024 B, 1024-byte aligned; the
@@ -45,19 +47,8 @@
  */
 #pragma once
 #include "common.cuh"
+#include "ptx.cuh"       // smem_u32_asm, cp_async16 / cp_async_commit / cp_async_wait (sm_80 PTX)
 
-__device__ __forceinline__ u32 wg_smem_u32(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
-// 16-byte cp.async (L2 only); src_bytes 0 zero-fills the destination (src must still be a valid address).
-__device__ __forceinline__ void wg_cp_async16(u32 dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void wg_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void wg_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 // Byte offset of 16-byte chunk c (0..7) of row r inside a 128B-swizzled (rows x 128 B) block.
 __device__ __forceinline__ u32 wg_swz128(int r, int c) { return (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
 

@@ -1,6 +1,9 @@
 /*
  * attention/flash.cuh -- tensor-core building blocks shared by the flash attention
  * forward (attention/flash_fwd.cu) and backward (attention/flash_bwd.cu) kernels.
+ * The PTX wrappers themselves (smem_u32, cp_async16_zfill, cp_async4, cp_async_commit/wait,
+ * ldmatrix_x4(_trans), mma_bf16_16816) are ptx.cuh's; this header adds the tile loads and the
+ * fragment addressing on top of them.
  *
  * - mma.sync m16n8k16 bf16 x bf16 -> f32 and its fragment layouts (PTX ISA,
  *   "Matrix Fragments for mma.m16n8k16"), with g = lane / 4, t = lane % 4:
@@ -21,7 +24,7 @@
  *     ldsm_a      rows r..r+15 as an A operand (cols k0..k0+15)
  *     ldsm_b      rows n..n+15 of a [n][k] tile as two B operands (n-tiles n, n+8)
  *     ldsm_b_trans rows k..k+15 of a [k][n] tile as two B operands (n-tiles n, n+8)
- * - cp.async 16-byte copies global -> shared with zero-fill of rows past the
+ * - Tile loads by cp.async 16-byte copies global -> shared with zero-fill of rows past the
  *   end (src-size 0), so tails never read out of bounds and never feed
  *   uninitialised smem (possibly NaN bits) into an mma.
  * - Shared-memory tiles are row-major with a pitch of HD + 8 bf16: 8 rows read
@@ -30,38 +33,13 @@
  */
 #pragma once
 #include "common.cuh"
+#include "ptx.cuh"       // smem_u32, cp.async, ldmatrix, mma_bf16_16816
 
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
 #define FA_NEG_INF (-__int_as_float(0x7f800000))
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    return static_cast<u32>(__cvta_generic_to_shared(p));
-}
-
-// ---- cp.async ----------------------------------------------------------------
-
-// 16 bytes global -> shared; valid == false writes 16 zero bytes (gmem is not read).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(smem_u32(smem)), "l"(gmem), "r"(valid ? 16 : 0));
-}
-
-// 4 bytes global -> shared; valid == false writes zero.
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
-                 :: "r"(smem_u32(smem)), "l"(gmem), "r"(valid ? 4 : 0));
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Wait until at most N of this thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
-}
+// ---- cp.async tiles -----------------------------------------------------------
 
 // Rows [r0, r0 + ROWS) of a (T, HD) slice of global memory whose rows are
 // `stride` elements apart -> smem tile (ROWS, HD + 8). Rows >= T become zeros.
@@ -76,7 +54,7 @@ __device__ __forceinline__ void load_tile_async(bf16* s, const bf16* g, int r0, 
         const int r = r0 + row;
         const bool valid = r < T;
         const bf16* src = g + (size_t)(valid ? r : 0) * stride + c * 8;
-        cp_async16(s + row * (HD + 8) + c * 8, src, valid);
+        cp_async16_zfill(s + row * (HD + 8) + c * 8, src, valid);
     }
 }
 
@@ -86,27 +64,17 @@ __device__ __forceinline__ void load_vec_async(float* s, const float* g, int r0,
     for (int i = threadIdx.x; i < ROWS; i += NT) {
         const int r = r0 + i;
         const bool valid = r < T;
-        cp_async4(s + i, g + (valid ? r : 0), valid);
+        cp_async4(smem_u32(s + i), g + (valid ? r : 0), valid ? 4 : 0);
     }
 }
 
-// ---- ldmatrix / mma ------------------------------------------------------------
-
-__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const bf16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], const bf16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-}
+// ---- ldmatrix fragment addressing ----------------------------------------------
 
 // A fragment of rows [r, r+16), cols [k0, k0+16) of a row-major tile with pitch LDS.
 // Lane l addresses row r + l%16, col k0 + (l/16)*8: matrices (r,k0) (r+8,k0) (r,k0+8) (r+8,k0+8) = a0..a3.
 template <int LDS>
 __device__ __forceinline__ void ldsm_a(u32 (&a)[4], const bf16* tile, int r, int k0, int lane) {
-    ldsm_x4(a, tile + (r + (lane & 15)) * LDS + k0 + (lane >> 4) * 8);
+    ldmatrix_x4(a[0], a[1], a[2], a[3], smem_u32(tile + (r + (lane & 15)) * LDS + k0 + (lane >> 4) * 8));
 }
 
 // B fragments for n-tiles [n, n+8) and [n+8, n+16), k in [k0, k0+16), from a row-major
@@ -114,7 +82,8 @@ __device__ __forceinline__ void ldsm_a(u32 (&a)[4], const bf16* tile, int r, int
 // n + (l/16)*8 + l%8, col k0 + ((l/8)%2)*8: r0,r1 = b0,b1 of n-tile n; r2,r3 = of n-tile n+8.
 template <int LDS>
 __device__ __forceinline__ void ldsm_b(u32 (&b)[4], const bf16* tile, int n, int k0, int lane) {
-    ldsm_x4(b, tile + (n + (lane >> 4) * 8 + (lane & 7)) * LDS + k0 + ((lane >> 3) & 1) * 8);
+    ldmatrix_x4(b[0], b[1], b[2], b[3],
+                smem_u32(tile + (n + (lane >> 4) * 8 + (lane & 7)) * LDS + k0 + ((lane >> 3) & 1) * 8));
 }
 
 // B fragments for n-tiles [n, n+8) and [n+8, n+16), k in [k0, k0+16), from a row-major
@@ -122,15 +91,8 @@ __device__ __forceinline__ void ldsm_b(u32 (&b)[4], const bf16* tile, int n, int
 // addresses row k0 + ((l/8)%2)*8 + l%8, col n + (l/16)*8: r0,r1 = b0,b1 of n-tile n; r2,r3 of n+8.
 template <int LDS>
 __device__ __forceinline__ void ldsm_b_trans(u32 (&b)[4], const bf16* tile, int k0, int n, int lane) {
-    ldsm_x4_trans(b, tile + (k0 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LDS + n + (lane >> 4) * 8);
-}
-
-// d += a . b  (m16n8k16, bf16 inputs, f32 accumulators)
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    ldmatrix_x4_trans(b[0], b[1], b[2], b[3],
+                      smem_u32(tile + (k0 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LDS + n + (lane >> 4) * 8));
 }
 
 // Two floats -> bf16x2 (round to nearest even), `lo` in the low half. One cvt instruction.

@@ -137,8 +137,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(bf16* dqkv,          // (B, T, 3C
                 for (int np = 0; np < NQ / 2; np++) {
                     u32 qb[4];
                     ldsm_b<LDS>(qb, q_s, np * 16, kk * 16, lane);
-                    mma_bf16(st[2 * np], ka, qb[0], qb[1]);
-                    mma_bf16(st[2 * np + 1], ka, qb[2], qb[3]);
+                    mma_bf16_16816(st[2 * np], ka, qb[0], qb[1]);
+                    mma_bf16_16816(st[2 * np + 1], ka, qb[2], qb[3]);
                 }
             }
             // P^T = exp(S^T * scale - lse[query]); 0 where key > query or query >= T.
@@ -169,8 +169,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(bf16* dqkv,          // (B, T, 3C
                 for (int dp = 0; dp < HD / 16; dp++) {
                     u32 ob[4];
                     ldsm_b_trans<LDS>(ob, o_s, kq * 16, dp * 16, lane);
-                    mma_bf16(dv[2 * dp], pa, ob[0], ob[1]);
-                    mma_bf16(dv[2 * dp + 1], pa, ob[2], ob[3]);
+                    mma_bf16_16816(dv[2 * dp], pa, ob[0], ob[1]);
+                    mma_bf16_16816(dv[2 * dp + 1], pa, ob[2], ob[3]);
                 }
             }
             // dP^T = V dO^T  (16 keys x BM queries)
@@ -185,8 +185,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(bf16* dqkv,          // (B, T, 3C
                 for (int np = 0; np < NQ / 2; np++) {
                     u32 ob[4];
                     ldsm_b<LDS>(ob, o_s, np * 16, kk * 16, lane);
-                    mma_bf16(dpt[2 * np], va, ob[0], ob[1]);
-                    mma_bf16(dpt[2 * np + 1], va, ob[2], ob[3]);
+                    mma_bf16_16816(dpt[2 * np], va, ob[0], ob[1]);
+                    mma_bf16_16816(dpt[2 * np + 1], va, ob[2], ob[3]);
                 }
             }
             // dS^T = P^T (dP^T - D[query]), in place of P^T
@@ -208,8 +208,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(bf16* dqkv,          // (B, T, 3C
                 for (int dp = 0; dp < HD / 16; dp++) {
                     u32 qb[4];
                     ldsm_b_trans<LDS>(qb, q_s, kq * 16, dp * 16, lane);
-                    mma_bf16(dk[2 * dp], sa, qb[0], qb[1]);
-                    mma_bf16(dk[2 * dp + 1], sa, qb[2], qb[3]);
+                    mma_bf16_16816(dk[2 * dp], sa, qb[0], qb[1]);
+                    mma_bf16_16816(dk[2 * dp + 1], sa, qb[2], qb[3]);
                 }
             }
         }
@@ -299,11 +299,11 @@ __device__ __forceinline__ void flash_bwd_dq(bf16* dqkv,          // (B, T, 3C)
                 for (int np = 0; np < NS / 2; np++) {
                     u32 kb[4], vb[4];
                     ldsm_b<LDS>(kb, k_s, np * 16, kk * 16, lane);
-                    mma_bf16(s[2 * np], qa, kb[0], kb[1]);
-                    mma_bf16(s[2 * np + 1], qa, kb[2], kb[3]);
+                    mma_bf16_16816(s[2 * np], qa, kb[0], kb[1]);
+                    mma_bf16_16816(s[2 * np + 1], qa, kb[2], kb[3]);
                     ldsm_b<LDS>(vb, v_s, np * 16, kk * 16, lane);
-                    mma_bf16(dp[2 * np], oa, vb[0], vb[1]);
-                    mma_bf16(dp[2 * np + 1], oa, vb[2], vb[3]);
+                    mma_bf16_16816(dp[2 * np], oa, vb[0], vb[1]);
+                    mma_bf16_16816(dp[2 * np + 1], oa, vb[2], vb[3]);
                 }
             }
             // dS = P (dP - D) with P = exp(S * scale - lse), 0 where key > row.
@@ -332,8 +332,8 @@ __device__ __forceinline__ void flash_bwd_dq(bf16* dqkv,          // (B, T, 3C)
                 for (int dp2 = 0; dp2 < HD / 16; dp2++) {
                     u32 kb[4];
                     ldsm_b_trans<LDS>(kb, k_s, kk * 16, dp2 * 16, lane);
-                    mma_bf16(dq[2 * dp2], sa, kb[0], kb[1]);
-                    mma_bf16(dq[2 * dp2 + 1], sa, kb[2], kb[3]);
+                    mma_bf16_16816(dq[2 * dp2], sa, kb[0], kb[1]);
+                    mma_bf16_16816(dq[2 * dp2 + 1], sa, kb[2], kb[3]);
                 }
             }
         }

@@ -111,8 +111,8 @@ __device__ __forceinline__ void flash_forward(bf16* out,          // (B, T, C)
                     ldsm_b<LDS>(kb, k_s, np * 16, kk * 16, lane);
                     #pragma unroll
                     for (int mt = 0; mt < MT; mt++) {
-                        mma_bf16(s[mt][2 * np], qf[mt][kk], kb[0], kb[1]);
-                        mma_bf16(s[mt][2 * np + 1], qf[mt][kk], kb[2], kb[3]);
+                        mma_bf16_16816(s[mt][2 * np], qf[mt][kk], kb[0], kb[1]);
+                        mma_bf16_16816(s[mt][2 * np + 1], qf[mt][kk], kb[2], kb[3]);
                     }
                 }
             }
@@ -172,8 +172,8 @@ __device__ __forceinline__ void flash_forward(bf16* out,          // (B, T, C)
                     ldsm_b_trans<LDS>(vb, v_s, kk * 16, dp * 16, lane);
                     #pragma unroll
                     for (int mt = 0; mt < MT; mt++) {
-                        mma_bf16(o[mt][2 * dp], pa[mt], vb[0], vb[1]);
-                        mma_bf16(o[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+                        mma_bf16_16816(o[mt][2 * dp], pa[mt], vb[0], vb[1]);
+                        mma_bf16_16816(o[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
                     }
                 }
             }

@@ -56,7 +56,7 @@ __device__ __forceinline__ void v3_load_tile(u32 s, const bf16* g, int r0, int T
         const int row = i / CPR, c = i % CPR;
         const bool valid = r0 + row < T;
         const bf16* src = g + (size_t)(valid ? r0 + row : 0) * stride + c * 8;
-        wg_cp_async16(s + v3_off<ROWS>(row, c), src, valid ? 16 : 0);
+        cp_async16(s + v3_off<ROWS>(row, c), src, valid ? 16 : 0);
     }
 }
 

@@ -135,7 +135,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
     static_assert(!OVL || NWG * MINB <= 2, "hd 64 runs the 3-stage overlapped loop (ops/attention.py sizes smem so)");
     constexpr int ST = OVL ? 3 : 2;               // Q/dO/lse/D ring stages
     extern __shared__ unsigned char smem_v3[];
-    const u32 raw = wg_smem_u32(smem_v3);
+    const u32 raw = smem_u32_asm(smem_v3);
     const u32 sK = (raw + 1023u) & ~1023u;        // swizzle atoms need 1024-byte alignment
     const u32 sV = sK + KV_BYTES;
     const u32 sQ = sV + KV_BYTES;                 // 2 stages
@@ -162,7 +162,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
     v3_load_tile<BM, HD, NT>(sO, do_g, i_first * BM, T, C);
     load_vec_async<BM, NT>(sL, l_g, i_first * BM, T);
     load_vec_async<BM, NT>(sD, d_g, i_first * BM, T);
-    wg_cp_async_commit();
+    cp_async_commit();
 
     const int wk0 = n0 + 64 * wg;                 // this warpgroup's first key
     const int key0 = wk0 + 16 * w4 + g;           // this thread's keys: key0, key0 + 8
@@ -177,7 +177,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
     static_assert(!RA || BM == 64, "register-A products are m64n64");
     [[maybe_unused]] u32 ka[RA ? HD / 16 : 1][4], va[RA ? HD / 16 : 1][4];
     if constexpr (RA) {                           // this warpgroup's K and V rows, once per block
-        wg_cp_async_wait<0>();
+        cp_async_wait<0>();
         __syncthreads();                          // everyone's copies of K, V landed
         v3_tile_frags<BN, HD>(ka, smem_v3 + (sK - raw), 64 * wg + 16 * w4 + g, t4);
         v3_tile_frags<BN, HD>(va, smem_v3 + (sV - raw), 64 * wg + 16 * w4 + g, t4);
@@ -185,7 +185,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
 
     for (int i = i_first; i < i_end; i++) {
         const int buf = (i - i_first) % ST, nxt = (i - i_first + 1) % ST;
-        wg_cp_async_wait<0>();                    // this thread's copies of tile i landed
+        cp_async_wait<0>();                       // this thread's copies of tile i landed
         fence_proxy_async();                      // ... visible to wgmma (async proxy)
         __syncthreads();                          // ... everyone's; and every warpgroup has retired
                                                   // the wgmma of tile i-1 (ST 2) / i-2 (ST 3)
@@ -196,7 +196,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
             load_vec_async<BM, NT>(sL + nxt * BM, l_g, r, T);
             load_vec_async<BM, NT>(sD + nxt * BM, d_g, r, T);
         }
-        wg_cp_async_commit();
+        cp_async_commit();
         const int m0 = i * BM;
         if (wk0 < T && m0 + BM - 1 >= wk0) {      // warpgroup-uniform: some query >= some key
             const u32 q_s = sQ + buf * Q_BYTES, o_s = sO + buf * Q_BYTES;
@@ -265,7 +265,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
     wgmma_wait<0>();
     wg_fence_regs<HD / 2>(dk);
     wg_fence_regs<HD / 2>(dv);
-    wg_cp_async_wait<0>();
+    cp_async_wait<0>();
     bf16* dk_g = dqkv + (size_t)b * T * stride + C + h * HD;
     v3_store_acc<HD>(dk_g, dk, scale, key0, T, stride, t4);
     v3_store_acc<HD>(dk_g + C, dv, 1.f, key0, T, stride, t4);
@@ -286,7 +286,7 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
     static_assert(!OVL || NWG * MINB <= 2, "hd 64 runs the 3-stage overlapped loop (ops/attention.py sizes smem so)");
     constexpr int ST = OVL ? 3 : 2;               // K/V ring stages
     extern __shared__ unsigned char smem_v3[];
-    const u32 raw = wg_smem_u32(smem_v3);
+    const u32 raw = smem_u32_asm(smem_v3);
     const u32 sQ = (raw + 1023u) & ~1023u;
     const u32 sO = sQ + Q_BYTES;                  // dout
     const u32 sK = sO + Q_BYTES;                  // ST stages
@@ -309,7 +309,7 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
     v3_load_tile<BM, HD, NT>(sO, do_g, m0, T, C);
     v3_load_tile<BN, HD, NT>(sK, k_g, 0, T, stride);
     v3_load_tile<BN, HD, NT>(sV, v_g, 0, T, stride);
-    wg_cp_async_commit();
+    cp_async_commit();
 
     const int wm0 = m0 + 64 * wg;                 // this warpgroup's first row
     const int row0 = wm0 + 16 * w4 + g, row1 = row0 + 8;
@@ -343,7 +343,7 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
     static_assert(!RA || BN == 64, "register-A products are m64n64");
     [[maybe_unused]] u32 qa[RA ? HD / 16 : 1][4], oa[RA ? HD / 16 : 1][4];
     if constexpr (RA) {                           // this warpgroup's Q and dout rows, once per block
-        wg_cp_async_wait<0>();
+        cp_async_wait<0>();
         __syncthreads();
         v3_tile_frags<BM, HD>(qa, smem_v3 + (sQ - raw), 64 * wg + 16 * w4 + g, t4);
         v3_tile_frags<BM, HD>(oa, smem_v3 + (sO - raw), 64 * wg + 16 * w4 + g, t4);
@@ -351,14 +351,14 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
 
     for (int j = 0; j < n_tiles; j++) {
         const int buf = j % ST, nxt = (j + 1) % ST;
-        wg_cp_async_wait<0>();                    // tile j landed (this thread's copies)
+        cp_async_wait<0>();                       // tile j landed (this thread's copies)
         fence_proxy_async();
         __syncthreads();                          // everyone's; tile j+1-ST's wgmma all retired
         if (j + 1 < n_tiles) {
             v3_load_tile<BN, HD, NT>(sK + nxt * KV_BYTES, k_g, (j + 1) * BN, T, stride);
             v3_load_tile<BN, HD, NT>(sV + nxt * KV_BYTES, v_g, (j + 1) * BN, T, stride);
         }
-        wg_cp_async_commit();
+        cp_async_commit();
         const int n0 = j * BN;
         if (wm0 < T && n0 <= wm0 + 63) {          // warpgroup-uniform: some key <= some row
             const u32 k_s = sK + buf * KV_BYTES, v_s = sV + buf * KV_BYTES;
@@ -407,7 +407,7 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
     }
     wgmma_wait<0>();
     wg_fence_regs<HD / 2>(dq);
-    wg_cp_async_wait<0>();
+    cp_async_wait<0>();
     v3_store_acc<HD>(dqkv + (size_t)b * T * stride + h * HD, dq, scale, row0, T, stride, t4);
 }
 

@@ -64,8 +64,8 @@ struct V3KvCopier {
         for (int it = 0; it < IT; it++) {
             const bool valid = r0 + row0 + it * RSTEP < T;
             const bf16* src = valid ? next + it * rstep : k;
-            wg_cp_async16(sk + soff + it * RSTEP * 128, src, valid ? 16 : 0);
-            wg_cp_async16(sv + soff + it * RSTEP * 128, src + C, valid ? 16 : 0);
+            cp_async16(sk + soff + it * RSTEP * 128, src, valid ? 16 : 0);
+            cp_async16(sv + soff + it * RSTEP * 128, src + C, valid ? 16 : 0);
         }
         next += (size_t)BN * stride;
     }
@@ -172,10 +172,10 @@ __device__ __forceinline__ void flash_forward_v3p(bf16* out,          // (B, T, 
     static_assert(PRE >= 1, "NSTAGE >= 3: V_{j-1}, tile j and PRE tiles in flight");
     constexpr u32 Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
     extern __shared__ unsigned char smem_v3p[];
-    const u32 sQ = (wg_smem_u32(smem_v3p) + 1023u) & ~1023u;  // swizzle atoms: 1024-byte aligned
+    const u32 sQ = (smem_u32_asm(smem_v3p) + 1023u) & ~1023u;  // swizzle atoms: 1024-byte aligned
     const u32 sK = sQ + Q_BYTES;                               // NSTAGE x KV_BYTES
     const u32 sV = sK + NSTAGE * KV_BYTES;                     // NSTAGE x KV_BYTES
-    unsigned char* const smem_gen = smem_v3p + (sQ - wg_smem_u32(smem_v3p));
+    unsigned char* const smem_gen = smem_v3p + (sQ - smem_u32_asm(smem_v3p));
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, w4 = warp & 3;
@@ -195,7 +195,7 @@ __device__ __forceinline__ void flash_forward_v3p(bf16* out,          // (B, T, 
     #pragma unroll
     for (int p = 0; p < PRE; p++) {
         if (p < n_tiles) kv_copy.load_next(sK + p * KV_BYTES, sV + p * KV_BYTES, k_g, C, p * BN, T, stride);
-        wg_cp_async_commit();
+        cp_async_commit();
     }
 
     const int wm0 = m0 + 64 * wg;                              // this warpgroup's first row
@@ -215,7 +215,7 @@ __device__ __forceinline__ void flash_forward_v3p(bf16* out,          // (B, T, 
     float m_run[2] = {FA_NEG_INF, FA_NEG_INF}, l_run[2] = {0.f, 0.f};
 
     for (int j = 0; j < n_tiles; j++) {
-        wg_cp_async_wait<PRE - 1>();                           // tile j landed (this thread's copies)
+        cp_async_wait<PRE - 1>();                              // tile j landed (this thread's copies)
         fence_proxy_async();                                   // ... visible to wgmma (async proxy)
         __syncthreads();                                       // ... everyone's; stage of j-2 retired
         {
@@ -223,7 +223,7 @@ __device__ __forceinline__ void flash_forward_v3p(bf16* out,          // (B, T, 
             if (jn < n_tiles)
                 kv_copy.load_next(sK + (jn % NSTAGE) * KV_BYTES, sV + (jn % NSTAGE) * KV_BYTES, k_g, C, jn * BN, T,
                                   stride);
-            wg_cp_async_commit();                              // one group per iteration, maybe empty
+            cp_async_commit();                                 // one group per iteration, maybe empty
         }
         // Warpgroup-uniform dispatch. Each step is a complete fence ... wait<0> unit with no
         // branch while a wgmma is in flight (ptxas serialises wgmma across divergent paths,
@@ -247,7 +247,7 @@ __device__ __forceinline__ void flash_forward_v3p(bf16* out,          // (B, T, 
     // The warpgroup's last P V when it ran to the block's last tile (no copies after the loop,
     // so V stage (n_tiles - 1) % NSTAGE is intact).
     if (n_wg > 0 && n_wg == n_tiles) v3p_last_pv<HD, BN>(o, pa, sV + ((n_tiles - 1) % NSTAGE) * KV_BYTES);
-    wg_cp_async_wait<0>();
+    cp_async_wait<0>();
 
     // Epilogue (as v3): quad sums, lse, O / l as bf16 into this warp's own 16 Q rows (only this
     // warpgroup's wgmma read them, all retired), then 16-byte coalesced stores.

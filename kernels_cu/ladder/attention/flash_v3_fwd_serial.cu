@@ -55,10 +55,10 @@ __device__ __forceinline__ void flash_forward_v3(bf16* out,          // (B, T, C
     constexpr int ND = HD / 8;                 // n8 blocks of O
     constexpr u32 Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
     extern __shared__ unsigned char smem_v3[];
-    const u32 sQ = (wg_smem_u32(smem_v3) + 1023u) & ~1023u;   // swizzle atoms: 1024-byte aligned
+    const u32 sQ = (smem_u32_asm(smem_v3) + 1023u) & ~1023u;  // swizzle atoms: 1024-byte aligned
     const u32 sK = sQ + Q_BYTES;                               // 2 x KV_BYTES
     const u32 sV = sK + 2 * KV_BYTES;                          // 2 x KV_BYTES
-    unsigned char* const smem_gen = smem_v3 + (sQ - wg_smem_u32(smem_v3));   // generic pointer to sQ
+    unsigned char* const smem_gen = smem_v3 + (sQ - smem_u32_asm(smem_v3));  // generic pointer to sQ
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, w4 = warp & 3;
@@ -76,7 +76,7 @@ __device__ __forceinline__ void flash_forward_v3(bf16* out,          // (B, T, C
     v3_load_tile<BM, HD, NT>(sQ, q_g, m0, T, stride);
     v3_load_tile<BN, HD, NT>(sK, k_g, 0, T, stride);
     v3_load_tile<BN, HD, NT>(sV, v_g, 0, T, stride);
-    wg_cp_async_commit();                                      // group: Q + KV tile 0
+    cp_async_commit();                                         // group: Q + KV tile 0
 
     const int wm0 = m0 + 64 * wg;                              // this warpgroup's first row
     const bool wg_active = wm0 < T;
@@ -92,14 +92,14 @@ __device__ __forceinline__ void flash_forward_v3(bf16* out,          // (B, T, C
 
     for (int j = 0; j < n_tiles; j++) {
         const int buf = j & 1;
-        wg_cp_async_wait<0>();                                 // tile j (and Q) landed: own copies
+        cp_async_wait<0>();                                    // tile j (and Q) landed: own copies
         fence_proxy_async();                                   // ... visible to wgmma (async proxy)
         __syncthreads();                                       // ... everyone's; buffer buf^1 retired
         if (j + 1 < n_tiles) {
             v3_load_tile<BN, HD, NT>(sK + (buf ^ 1) * KV_BYTES, k_g, (j + 1) * BN, T, stride);
             v3_load_tile<BN, HD, NT>(sV + (buf ^ 1) * KV_BYTES, v_g, (j + 1) * BN, T, stride);
         }
-        wg_cp_async_commit();
+        cp_async_commit();
         const int n0 = j * BN;
         if (wg_active && n0 <= wm0 + 63) {                     // warpgroup-uniform
             const u32 kb = sK + buf * KV_BYTES, vb = sV + buf * KV_BYTES;
@@ -154,7 +154,7 @@ __device__ __forceinline__ void flash_forward_v3(bf16* out,          // (B, T, C
             for (int kk = 0; kk < BN / 16; kk++) wg_fence_regs<4>(pa[kk]);   // pa live until the wait
         }
     }
-    wg_cp_async_wait<0>();
+    cp_async_wait<0>();
 
     // Epilogue (attention/flash_v3.cuh, shared with v3p): quad sums, lse, O / l as bf16 into this
     // warp's own 16 Q rows (only this warpgroup's wgmma read them, all retired), coalesced stores.

@@ -9,11 +9,15 @@
  * Grid:   1-D, ceil(M/BM) * ceil(N/BN) blocks, rasterised in groups of GROUP_M
  *         block-rows so that blocks running together share A and B tiles in L2.
  *
- * Block tile BM x BN x 32 (default 128 x 128 x 32), 8 warps as WARPS_M x WARPS_N
+ * Block tile BM x BN x 32 = 128 x 128 x 32 (V4_CONFIG at the end, the one instantiation:
+ * gemm_forward_kernel_v4_bf16_{f32,bf16}), 8 warps as WARPS_M x WARPS_N
  * (2 x 4): each warp owns a (BM/WARPS_M) x (BN/WARPS_N) = 64 x 32 tile of C as
  * 4 x 4 mma tiles of m16n8k16 (64 float accumulators per thread).
  * Pipeline: STAGES (4) shared-memory stages filled by cp.async.cg (16 bytes,
  * L2 only); while tile kt is multiplied, tiles kt+1 .. kt+STAGES-1 are in flight.
+ * (A 128 x 256 variant with 64 x 64 warp tiles, "v4w", was removed: slower than v4 at
+ * 4096^3 on an H200. ladder/gemm/tc2.cu's v4b is the rung where 64 x 64 warp tiles pay.)
+ * PTX wrappers (cp.async, ldmatrix, mma.sync): ptx.cuh.
  *
  * Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16", bf16), lane = 4*g + t:
  *   A (16x16, row): a0 = A[g][2t,2t+1]  a1 = A[g+8][2t,2t+1]  a2 = A[g][2t+8,+9]  a3 = A[g+8][2t+8,+9]
@@ -35,40 +39,10 @@
  *     chunk c ^ (k & 7) (flips the low 3 bits only: needs BN >= 64).
  */
 #include "common.cuh"
+#include "ptx.cuh"      // smem_u32_asm, cp.async, ldmatrix, mma.sync
 
 #define BK 32
 #define GROUP_M 8
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-// 16 bytes global -> shared, bypassing L1; src_bytes = 0 writes 16 zero bytes.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ void ldmatrix_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-
-// d += a @ b for one 16x8x16 tile (bf16 in, f32 accumulate).
-__device__ __forceinline__ void mma_bf16_16816(float* d, const u32* a, const u32* b) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 // Byte offsets inside one stage (see the swizzle in the header).
 __device__ __forceinline__ int a_off(int m, int c) { return m * (BK * 2) + ((c ^ ((m >> 1) & 3)) << 4); }
@@ -96,7 +70,7 @@ __device__ void gemm_v4(Tout* C, const bf16* A, const bf16* B, int M, int N, int
     static_assert(NT % 2 == 0, "B fragments are loaded two n-tiles at a time");
     static_assert(BN >= 64 && A_CHUNKS % THREADS == 0 && B_CHUNKS % THREADS == 0, "tile / thread mismatch");
     extern __shared__ __align__(128) unsigned char smem[];   // STAGES x (A stage, B stage)
-    const u32 smem0 = smem_addr(smem);
+    const u32 smem0 = smem_u32_asm(smem);
 
     // Grouped rasterisation: GROUP_M block-rows advance together along N.
     const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
@@ -174,7 +148,7 @@ __device__ void gemm_v4(Tout* C, const bf16* A, const bf16* B, int M, int N, int
             #pragma unroll
             for (int i = 0; i < MT; i++)
                 #pragma unroll
-                for (int j = 0; j < NT; j++) mma_bf16_16816(acc[i][j], af[i], bfr[j]);
+                for (int j = 0; j < NT; j++) mma_bf16_16816(acc[i][j], af[i], bfr[j][0], bfr[j][1]);
         }
     }
     cp_async_wait<0>();                     // no copy may still target smem when the block exits
@@ -192,7 +166,7 @@ __device__ void gemm_v4(Tout* C, const bf16* A, const bf16* B, int M, int N, int
     }
 }
 
-// Dynamic shared memory: STAGES * (BM*32 + 32*BN) * 2 bytes = 65536 for the defaults
+// Dynamic shared memory: STAGES * (BM*32 + 32*BN) * 2 bytes = 65536 for V4_CONFIG
 // (ops/matmul.py GEMM_VERSIONS must agree).
 #define V4_CONFIG 128, 128, 2, 4, 4
 extern "C" __global__ void __launch_bounds__(256) gemm_forward_kernel_v4_bf16_f32(
@@ -202,16 +176,4 @@ extern "C" __global__ void __launch_bounds__(256) gemm_forward_kernel_v4_bf16_f3
 extern "C" __global__ void __launch_bounds__(256) gemm_forward_kernel_v4_bf16_bf16(
         bf16* C, const bf16* A, const bf16* B, int M, int N, int K) {
     gemm_v4<bf16, V4_CONFIG>(C, A, B, M, N, K);
-}
-
-// A wider variant for the bench: 128 x 256 block, 8 warps of 64 x 64 (8 ldmatrix.x4 per
-// 32 mma instead of 6 per 16), 3 stages: 3 * (8 + 16) KB = 73728 bytes of smem, 1 block/SM.
-#define V4W_CONFIG 128, 256, 2, 4, 3
-extern "C" __global__ void __launch_bounds__(256) gemm_forward_kernel_v4w_bf16_f32(
-        float* C, const bf16* A, const bf16* B, int M, int N, int K) {
-    gemm_v4<float, V4W_CONFIG>(C, A, B, M, N, K);
-}
-extern "C" __global__ void __launch_bounds__(256) gemm_forward_kernel_v4w_bf16_bf16(
-        bf16* C, const bf16* A, const bf16* B, int M, int N, int K) {
-    gemm_v4<bf16, V4W_CONFIG>(C, A, B, M, N, K);
 }

@@ -46,40 +46,10 @@
  * one lane constant serves every fragment load.
  */
 #include "common.cuh"
+#include "ptx.cuh"      // smem_u32_asm, cp.async, ldmatrix, mma.sync
 
 #define BK2 64
 #define GROUP_M2 8
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-// 16 bytes global -> shared, bypassing L1; src_bytes = 0 writes 16 zero bytes.
-__device__ __forceinline__ void cp_async16_cg(u32 dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ void ldsm_x4(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_trans(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-
-// d += a @ b for one 16x8x16 tile (bf16 in, f32 accumulate).
-__device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 template <typename Tout>
 __device__ __forceinline__ void store2(Tout* p, float x, float y);
@@ -109,7 +79,7 @@ __device__ __forceinline__ void gemm_v4b(Tout* C, const bf16* A, const bf16* B, 
     static_assert(A_ROW_STEP % 8 == 0 && B_ROW_STEP % 8 == 0 && THREADS % B_ROW_CHUNKS == 0,
                   "a thread's chunks must keep one swizzle phase (row & 7)");
     extern __shared__ __align__(1024) unsigned char smem[];    // STAGES x (A stage, B stage)
-    const u32 smem0 = smem_u32(smem);
+    const u32 smem0 = smem_u32_asm(smem);
 
     // Grouped rasterisation: GROUP_M2 block-rows advance together along N.
     const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
@@ -142,13 +112,13 @@ __device__ __forceinline__ void gemm_v4b(Tout* C, const bf16* A, const bf16* B, 
         for (int i = 0; i < A_ITERS; i++) {
             const bool ok = a_k_ok && m0 + a_r0 + i * A_ROW_STEP < M;
             const bf16* src = a_src + (size_t)i * A_ROW_STEP * K + k0;
-            cp_async16_cg(base + a_dst + i * A_ROW_STEP * (BK2 * 2), ok ? src : A, ok ? 16 : 0);
+            cp_async16(base + a_dst + i * A_ROW_STEP * (BK2 * 2), ok ? src : A, ok ? 16 : 0);
         }
         #pragma unroll
         for (int i = 0; i < B_ITERS; i++) {
             const bool ok = b_col_ok && k0 + b_r0 + i * B_ROW_STEP < K;
             const bf16* src = b_src + (size_t)(k0 + i * B_ROW_STEP) * N;
-            cp_async16_cg(base + b_dst + i * B_ROW_STEP * (BN * 2), ok ? src : B, ok ? 16 : 0);
+            cp_async16(base + b_dst + i * B_ROW_STEP * (BN * 2), ok ? src : B, ok ? 16 : 0);
         }
     };
 
@@ -161,11 +131,12 @@ __device__ __forceinline__ void gemm_v4b(Tout* C, const bf16* A, const bf16* B, 
     auto load_frags = [&](int buf, u32 stage_base, int ks) {
         #pragma unroll
         for (int i = 0; i < MT; i++)
-            ldsm_x4(af[buf][i], stage_base + a_frag + i * 16 * (BK2 * 2) + (((u32)(2 * ks) << 4) ^ x16));
+            ldmatrix_x4(af[buf][i][0], af[buf][i][1], af[buf][i][2], af[buf][i][3],
+                        stage_base + a_frag + i * 16 * (BK2 * 2) + (((u32)(2 * ks) << 4) ^ x16));
         #pragma unroll
         for (int j = 0; j < NT; j += 2)
-            ldsm_x4_trans(bfr[buf][j][0], bfr[buf][j][1], bfr[buf][j + 1][0], bfr[buf][j + 1][1],
-                          stage_base + b_frag + ks * 16 * (BN * 2) + (((u32)j << 4) ^ x16));
+            ldmatrix_x4_trans(bfr[buf][j][0], bfr[buf][j][1], bfr[buf][j + 1][0], bfr[buf][j + 1][1],
+                              stage_base + b_frag + ks * 16 * (BN * 2) + (((u32)j << 4) ^ x16));
     };
 
     float acc[MT][NT][4];
@@ -180,9 +151,9 @@ __device__ __forceinline__ void gemm_v4b(Tout* C, const bf16* A, const bf16* B, 
     #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < ktiles) load_tile(s, s);
-        cp_async_commit_group();            // empty groups keep the group count uniform
+        cp_async_commit();                  // empty groups keep the group count uniform
     }
-    cp_async_wait_group<STAGES - 2>();      // this thread's copies of tile 0 have landed
+    cp_async_wait<STAGES - 2>();            // this thread's copies of tile 0 have landed
     __syncthreads();                        // ... everyone's
     int rs = 0, ws = STAGES - 1;            // stage read now, stage written next
     load_frags(0, smem0, 0);
@@ -191,12 +162,12 @@ __device__ __forceinline__ void gemm_v4b(Tout* C, const bf16* A, const bf16* B, 
         // Stage ws held tile kt-1: every warp finished reading it before the barrier
         // of the previous iteration (its last fragments were loaded one k-step early).
         if (kt + STAGES - 1 < ktiles) load_tile(kt + STAGES - 1, ws);
-        cp_async_commit_group();
+        cp_async_commit();
         ws = (ws + 1 == STAGES) ? 0 : ws + 1;
         #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
             if (ks == KS - 1) {             // fragments of ks are in registers: move to tile kt+1
-                cp_async_wait_group<STAGES - 2>();   // tile kt+1 has landed (this thread) ...
+                cp_async_wait<STAGES - 2>();         // tile kt+1 has landed (this thread) ...
                 __syncthreads();                     // ... everywhere
                 rs = (rs + 1 == STAGES) ? 0 : rs + 1;
             }
@@ -205,10 +176,11 @@ __device__ __forceinline__ void gemm_v4b(Tout* C, const bf16* A, const bf16* B, 
             #pragma unroll
             for (int i = 0; i < MT; i++)
                 #pragma unroll
-                for (int j = 0; j < NT; j++) mma_16816(acc[i][j], af[ks & 1][i], bfr[ks & 1][j]);
+                for (int j = 0; j < NT; j++)
+                    mma_bf16_16816(acc[i][j], af[ks & 1][i], bfr[ks & 1][j][0], bfr[ks & 1][j][1]);
         }
     }
-    cp_async_wait_group<0>();               // no copy may still target smem when the block exits
+    cp_async_wait<0>();                     // no copy may still target smem when the block exits
 
     const int g = lane >> 2, t = lane & 3;
     #pragma unroll

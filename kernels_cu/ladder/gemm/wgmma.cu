@@ -41,6 +41,7 @@
  *   d[4j+2..4j+3] = C[g+8][8j+2t, +1] -- the m16n8 layout of mma.sync, 32 times over.
  */
 #include "common.cuh"
+#include "ptx.cuh"       // smem_u32_asm, cp.async
 #include "wgmma.cuh"     // wgmma wrappers, descriptors, fences (shared with attention v3)
 
 #define BM5 128
@@ -53,18 +54,6 @@
 #define STAGE5 (A_STAGE5 + B_STAGE5)
 // Dynamic shared memory: STAGES5 * 48 KB + 1 KB to round the base up to 1024 (= 197632;
 // ops/matmul.py GEMM_VERSIONS must agree).
-
-__device__ __forceinline__ u32 smem_u32_5(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
-__device__ __forceinline__ void cp_async16_5(u32 dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit_5() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait_5() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 template <typename Tout>
 __device__ __forceinline__ void store2_5(Tout* p, float x, float y);
@@ -92,7 +81,7 @@ __device__ __forceinline__ void tile_origin5(int pid, int tiles_m, int tiles_n, 
 template <typename Tout>
 __device__ __forceinline__ void gemm_v5(Tout* C, const bf16* A, const bf16* B, int M, int N, int K) {   // (M,N) (M,K) (K,N)
     extern __shared__ unsigned char smem5[];
-    const u32 smem0 = (smem_u32_5(smem5) + 1023u) & ~1023u;   // swizzle atoms need 1024-byte alignment
+    const u32 smem0 = (smem_u32_asm(smem5) + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
 
     int m0, n0;
     tile_origin5(blockIdx.x, (M + BM5 - 1) / BM5, (N + BN5 - 1) / BN5, m0, n0);
@@ -118,13 +107,13 @@ __device__ __forceinline__ void gemm_v5(Tout* C, const bf16* A, const bf16* B, i
         for (int i = 0; i < 4; i++) {
             const bool ok = a_k_ok && m0 + a_r0 + 32 * i < M;
             const bf16* src = a_src + (size_t)(32 * i) * K + k0;
-            cp_async16_5(base + a_dst + 4096 * i, ok ? src : A, ok ? 16 : 0);
+            cp_async16(base + a_dst + 4096 * i, ok ? src : A, ok ? 16 : 0);
         }
         #pragma unroll
         for (int i = 0; i < 8; i++) {
             const bool ok = b_col_ok && k0 + b_r0 + 8 * i < K;
             const bf16* src = b_src + (size_t)(k0 + 8 * i) * N;
-            cp_async16_5(base + b_dst + 1024 * i, ok ? src : B, ok ? 16 : 0);
+            cp_async16(base + b_dst + 1024 * i, ok ? src : B, ok ? 16 : 0);
         }
     };
 
@@ -136,14 +125,14 @@ __device__ __forceinline__ void gemm_v5(Tout* C, const bf16* A, const bf16* B, i
     #pragma unroll
     for (int s = 0; s < STAGES5 - 2; s++) {                 // tiles 0 .. STAGES5-3: group index = tile index
         if (s < ktiles) load_tile(s, s);
-        cp_async_commit_5();
+        cp_async_commit();
     }
     for (int kt = 0; kt < ktiles; kt++) {
-        cp_async_wait_5<STAGES5 - 3>();      // groups 0..kt complete: this thread's tile kt landed
+        cp_async_wait<STAGES5 - 3>();        // groups 0..kt complete: this thread's tile kt landed
         fence_proxy_async();                 // ... visible to the async proxy (wgmma)
         __syncthreads();                     // ... for every thread; all tile kt-2 wgmma retired
         if (kt + STAGES5 - 2 < ktiles) load_tile(kt + STAGES5 - 2, (kt + STAGES5 - 2) % STAGES5);
-        cp_async_commit_5();                 // (empty groups keep the count uniform)
+        cp_async_commit();                   // (empty groups keep the count uniform)
         const u32 sa = smem0 + (kt % STAGES5) * STAGE5 + wg * (64 * 128);
         const u32 sb = smem0 + (kt % STAGES5) * STAGE5 + A_STAGE5;
         wgmma_fence();
@@ -156,7 +145,7 @@ __device__ __forceinline__ void gemm_v5(Tout* C, const bf16* A, const bf16* B, i
     wgmma_wait<0>();
     #pragma unroll
     for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");   // no read of d before the wait
-    cp_async_wait_5<0>();
+    cp_async_wait<0>();
 
     const int g = lane >> 2, t = lane & 3;
     const int row = m0 + wg * 64 + (warp & 3) * 16 + g;
@@ -217,10 +206,6 @@ __device__ __forceinline__ void mbar_wait6(u32 bar, u32 parity) {
 __device__ __forceinline__ void mbar_arrive6(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// 16-byte cp.async without the zero-fill operand (the source is known to be in bounds)
-__device__ __forceinline__ void cp_async16_full6(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-}
 // arrive on `bar` when all of this thread's earlier cp.async have completed
 __device__ __forceinline__ void cp_async_mbar_arrive6(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
@@ -232,8 +217,8 @@ template <typename Tout>
 __device__ __forceinline__ void gemm_v6(Tout* C, const bf16* A, const bf16* B, int M, int N, int K) {   // (M,N) (M,K) (K,N)
     extern __shared__ unsigned char smem6[];
     __shared__ __align__(8) unsigned long long bars6[2 * STAGES6];      // full[0..S), empty[0..S)
-    const u32 smem0 = (smem_u32_5(smem6) + 1023u) & ~1023u;
-    const u32 full0 = smem_u32_5(bars6), empty0 = full0 + 8 * STAGES6;
+    const u32 smem0 = (smem_u32_asm(smem6) + 1023u) & ~1023u;
+    const u32 full0 = smem_u32_asm(bars6), empty0 = full0 + 8 * STAGES6;
 
     const int tiles_m = (M + BM5 - 1) / BM5, tiles_n = (N + BN5 - 1) / BN5;
     const int tiles = tiles_m * tiles_n;
@@ -280,10 +265,10 @@ __device__ __forceinline__ void gemm_v6(Tout* C, const bf16* A, const bf16* B, i
                 const u32 base = smem0 + s * STAGE5;
                 if (mn_inside && k0 + BK5 <= K) {
                     #pragma unroll
-                    for (int i = 0; i < 8; i++) cp_async16_full6(base + a_dst + 2048 * i, a_tile + i * a_row_step);
+                    for (int i = 0; i < 8; i++) cp_async16(base + a_dst + 2048 * i, a_tile + i * a_row_step, 16);
                     #pragma unroll
                     for (int i = 0; i < 16; i++)
-                        cp_async16_full6(base + ((i & 1) ? b_dst_odd : b_dst_even) + 512 * i, b_tile + i * b_row_step);
+                        cp_async16(base + ((i & 1) ? b_dst_odd : b_dst_even) + 512 * i, b_tile + i * b_row_step, 16);
                     cp_async_mbar_arrive6(full0 + 8 * s);
                     continue;
                 }
@@ -291,19 +276,19 @@ __device__ __forceinline__ void gemm_v6(Tout* C, const bf16* A, const bf16* B, i
                 #pragma unroll
                 for (int i = 0; i < 8; i++) {
                     const bool ok = a_k_ok && m0 + a_r0 + 16 * i < M;
-                    cp_async16_5(base + a_dst + 2048 * i, ok ? a_src + (size_t)(16 * i) * K + k0 : A, ok ? 16 : 0);
+                    cp_async16(base + a_dst + 2048 * i, ok ? a_src + (size_t)(16 * i) * K + k0 : A, ok ? 16 : 0);
                 }
                 #pragma unroll
                 for (int i = 0; i < 16; i++) {
                     const int kr = b_r0 + 4 * i;
                     const bool ok = b_col_ok && k0 + kr < K;
-                    cp_async16_5(base + ((i & 1) ? b_dst_odd : b_dst_even) + 512 * i,
+                    cp_async16(base + ((i & 1) ? b_dst_odd : b_dst_even) + 512 * i,
                                  ok ? b_src + (size_t)(k0 + 4 * i) * N : B, ok ? 16 : 0);
                 }
                 cp_async_mbar_arrive6(full0 + 8 * s);
             }
         }
-        cp_async_wait_5<0>();
+        cp_async_wait<0>();
         return;
     }
 
