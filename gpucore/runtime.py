@@ -301,22 +301,56 @@ def ptxas_report(log: str) -> list[dict]:
     return rows
 
 
+def _cached_compile_paths(path: Path, arch: str) -> tuple[Path, Path]:
+    """(cubin, ptxas report) cache files of (file, arch): load_module's cubin name and key (no options)."""
+    base = f"{path.stem}-sm{arch}-{cache_key(path, arch, ())}"
+    return CACHE_DIR / f"{base}.cubin", CACHE_DIR / f"{base}.ptxas.json"
+
+
+def _compile_report(path: Path, arch: str) -> list[dict]:
+    """ptxas' per-kernel report for one file and arch: from the disk cache, or by compiling once.
+
+    The cubin of that compile is cached too (what load_module would compile),
+    so a later run on a GPU of this arch does not compile the file again.
+    Raises KernelCompileError (never cached: a broken file is compiled anew).
+    """
+    import json
+    cubin_path, cached = _cached_compile_paths(path, arch)
+    try:
+        return json.loads(cached.read_text())["kernels"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass    # not cached yet, or an unreadable cache file: compile
+    res = compile_cubin(path, arch, verbose_ptxas=True)
+    report = ptxas_report(res.log)
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    for data, target in ((res.cubin, cubin_path),
+                         (json.dumps({"kernels": report}).encode(), cached)):
+        fd, tmp = tempfile.mkstemp(dir=CACHE_DIR, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:   # atomic: a concurrent check never reads half a file
+            f.write(data)
+        os.replace(tmp, target)
+    return report
+
+
 def check_kernels(archs=("80", "90"), files=None) -> list[dict]:
     """Compile every kernel file for each arch; return one row per kernel.
 
     A row has 'ok' False on a compile error (with 'error') or a spill.
+    ptxas' report is cached on disk (CACHE_DIR, keyed by cache_key like the
+    cubins), so checking an unchanged file again does not compile it.
     """
     rows = []
     for path in (files or kernel_files()):
+        path = Path(path)
         for arch in archs:
             try:
-                res = compile_cubin(path, arch, verbose_ptxas=True)
+                report = _compile_report(path, arch)
             except KernelCompileError as e:
-                rows.append({"file": _display_name(Path(path)), "arch": arch, "kernel": "-", "ok": False,
+                rows.append({"file": _display_name(path), "arch": arch, "kernel": "-", "ok": False,
                              "error": str(e).splitlines()[0]})
                 continue
-            for r in ptxas_report(res.log):
+            for r in report:
                 spilled = r["spill_stores"] > 0 or r["spill_loads"] > 0
-                rows.append({"file": res.file, "arch": arch, "ok": not spilled,
+                rows.append({"file": _display_name(path), "arch": arch, "ok": not spilled,
                              "error": "local-memory spill" if spilled else "", **r})
     return rows

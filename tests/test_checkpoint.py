@@ -257,3 +257,58 @@ def test_cupy_arrays_round_trip(tmp_path, rng):
     assert _same_bits(loaded["w"], host["w"])
     assert _same_bits(loaded["w_bf16"], host["w_bf16"])
     assert _same_bits(loaded["strided"], np.ascontiguousarray(host["w"][:, ::2]))
+
+
+# ------------------------------------------------------ training checkpoints ----
+
+def test_killed_save_leaves_a_temp_file_that_cleanup_removes(tmp_path):
+    """SIGKILL mid-save (no except clause runs) leaves .<name>.<random>.tmp; only the cleanup removes it,
+    and only once it is older than min_age_s."""
+    import subprocess
+    import sys
+    code = ("import os, signal, numpy as np\n"
+            "from gpucore import checkpoint\n"
+            "real, calls = checkpoint._to_host, []\n"
+            "def dying(name, a):\n"
+            "    calls.append(name)\n"
+            "    if len(calls) == 2:\n"
+            "        os.kill(os.getpid(), signal.SIGKILL)\n"
+            "    return real(name, a)\n"
+            "checkpoint._to_host = dying\n"
+            f"checkpoint.save_checkpoint({str(tmp_path / 'ckpt_000007.ckpt')!r}, "
+            "{'a': np.ones(1000, np.float32), 'b': np.ones(1000, np.float32)}, {})\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == -9, res.stderr
+    (tmp,) = os.listdir(tmp_path)
+    assert tmp.startswith(".ckpt_000007.ckpt.") and tmp.endswith(".tmp")
+    assert checkpoint.remove_stale_temp_files(tmp_path, checkpoint.CHECKPOINT_GLOB) == []   # may be live
+    other = tmp_path / ".unrelated.txt.x.tmp"
+    other.write_text("not ours")
+    removed = checkpoint.remove_stale_temp_files(tmp_path, checkpoint.CHECKPOINT_GLOB, min_age_s=0)
+    assert removed == [tmp_path / tmp] and os.listdir(tmp_path) == [other.name]
+
+
+def _fake_ckpts(d, steps):
+    for s in steps:
+        checkpoint.checkpoint_path(d, s).write_bytes(b"x")
+
+
+def test_checkpoints_sort_by_step_not_name(tmp_path):
+    _fake_ckpts(tmp_path, [999_999, 1_000_000, 5])
+    (tmp_path / "ckpt_notes.ckpt").write_text("not a step")
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [5, 999_999, 1_000_000]
+    assert checkpoint.find_checkpoint(tmp_path).name == "ckpt_1000000.ckpt"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="no checkpoints"):
+        checkpoint.find_checkpoint(empty)
+
+
+def test_prune_keeps_the_newest_and_later_runs_checkpoints(tmp_path):
+    _fake_ckpts(tmp_path, [1, 2, 3, 4, 5])
+    # a run resumed at step 1 has just saved step 3: 4 and 5 are an earlier run's, not its to delete
+    removed = checkpoint.prune_checkpoints(tmp_path, keep_last=1, newest_step=3)
+    assert [p.name for p in removed] == ["ckpt_000001.ckpt", "ckpt_000002.ckpt"]
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [3, 4, 5]
+    assert checkpoint.prune_checkpoints(tmp_path, keep_last=0, newest_step=5) == []
+    assert checkpoint.prune_checkpoints(tmp_path, keep_last=5, newest_step=5) == []
