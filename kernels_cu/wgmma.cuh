@@ -1,7 +1,7 @@
 /*
  * wgmma.cuh -- shared helpers for Hopper's warpgroup MMA (wgmma.mma_async, sm_90a).
  *
- * Used by ladder/gemm/wgmma.cu (gemm v5) and the attention v3 kernels (flash_attention_v3*.cu).
+ * Used by ladder/gemm/wgmma.cu (gemm v5) and the attention v3 kernels (attention/flash_v3*.cu).
  * Rule for co-owners: APPEND ONLY (other files rely on the names and semantics below).
  * Names are prefixed wg_/wgmma_ so this header can be included next to attention/flash.cuh.
  *

@@ -7,5 +7,6 @@ family and adds the rungs that lost or that exist to be read and measured
 (`gpucore bench <family> --version ...`, tests/ladder/).
 
     gemm        our own GEMM, v1 (naive SIMT) .. v6 (warp-specialized Hopper wgmma)
-    attention   the v3 forward without its pipeline (the step before the default)
+    attention   the v3 forward without its pipeline (the step before the default), every tile
+                configuration of the production kernels (the sweep), and the fused-D backward
 """

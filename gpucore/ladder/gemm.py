@@ -47,10 +47,10 @@ GEMM_VERSIONS = {
     4: ("ladder/gemm/tc", BF16, (128, 128), 256, 4 * (128 * 32 + 32 * 128) * 2),
     "4b": ("ladder/gemm/tc2", BF16, (128, 256), 256, 3 * (128 * 64 + 64 * 256) * 2),
     "4c": ("ladder/gemm/tc2", BF16, (128, 128), 128, 3 * (128 * 64 + 64 * 128) * 2),
-    # v5 (gemm_wgmma.cu, sm_90 only): wgmma.m64n256k16 from 128B-swizzled shared memory, 2
+    # v5 (ladder/gemm/wgmma.cu, sm_90 only): wgmma.m64n256k16 from 128B-swizzled shared memory, 2
     # warpgroups on a 128x256x64 block, 4 cp.async stages (+1 KB to align the base to 1024).
     5: ("ladder/gemm/wgmma", BF16, (128, 256), 256, 4 * (128 * 64 + 64 * 256) * 2 + 1024),
-    # v6 (gemm_wgmma.cu): v5's tiles and stages, warp-specialized -- a producer warpgroup copies,
+    # v6 (ladder/gemm/wgmma.cu): v5's tiles and stages, warp-specialized -- a producer warpgroup copies,
     # 2 consumer warpgroups only multiply; stages handed over by mbarriers (no __syncthreads);
     # persistent (a grid of min(tiles, SMs) blocks).
     6: ("ladder/gemm/wgmma", BF16, (128, 256), 384, 4 * (128 * 64 + 64 * 256) * 2 + 1024),

@@ -345,8 +345,8 @@ __device__ __forceinline__ void flash_bwd_dq(bf16* dqkv,          // (B, T, 3C)
     store_rows16<HD, LDS>(dqkv + (size_t)b * T * stride + h * HD, sdq, wm0, T, stride, lane);
 }
 
-// Configurations; kernel names carry them. gpucore/ops/attention.py lists the same in
-// DKDV_CONFIGS / DQ_CONFIGS, the first of each HD being the default.
+// Configurations; kernel names carry them. gpucore/ops/attention.py launches the
+// default of each HD (V2_DKDV_CONFIG / V2_DQ_CONFIG); gpucore/ladder/attention.py lists them all.
 //   dkdv (HD, warps, Q-tile rows): KV tile = 16 * warps keys;
 //        smem = (32 * NWARPS + 4 * BM) * (HD + 8) * 2 + 16 * BM bytes
 //   dq   (HD, warps, KV-tile keys): Q tile = 16 * warps rows;

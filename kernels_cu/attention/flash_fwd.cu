@@ -203,8 +203,8 @@ __device__ __forceinline__ void flash_forward(bf16* out,          // (B, T, C)
 }
 
 // Configurations: (HD, warps per block, m16 tiles per warp, keys per KV tile); kernel
-// names carry them (..._hd64_w8_mt1_n64_bf16). gpucore/ops/attention.py lists the same in
-// FWD_CONFIGS, the first of each HD being the default; `gpucore bench attention --opt
+// names carry them (..._hd64_w8_mt1_n64_bf16). gpucore/ops/attention.py launches the
+// default of each HD (V2_FWD_CONFIG); gpucore/ladder/attention.py lists them all (V2_FWD_CONFIGS); `gpucore bench attention --opt
 // sweep=1` times all. MT = 2 (FlashAttention-2's hd 64 choice: 4 warps x 32 rows) reuses
 // every K/V fragment read from smem for two mma, halving smem traffic per mma.
 // Dynamic shared memory = (16 * MT * NWARPS + 4 * BN) * (HD + 8) * 2 bytes.

@@ -423,16 +423,16 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
 #define V3_DQF_BODY(HD, NWG, BN, MINB) __trap()
 #endif
 
-// Configurations; kernel names carry them; gpucore/ops/attention.py lists the same in
-// V3_DKDV_CONFIGS / V3_DQ_CONFIGS (first per HD = default). NWG warpgroups = 128 * NWG threads.
+// Configurations; kernel names carry them; gpucore/ops/attention.py launches the
+// default per HD (V3_DKDV_CONFIG / V3_DQ_CONFIG); gpucore/ladder/attention.py lists them all. NWG warpgroups = 128 * NWG threads.
 //   dkdv (HD, NWG, BM): KV tile 64 * NWG keys, Q tiles of BM rows, ST stages (3 at hd 64, else 2);
 //        smem = 1024 + (2 * 64 * NWG + 2 * ST * BM) * HD * 2 + 8 * ST * BM bytes
 //   dq   (HD, NWG, BN): Q tile 64 * NWG rows, KV tiles of BN keys, ST stages;
 //        smem = 1024 + (2 * 64 * NWG + 2 * ST * BN) * HD * 2 bytes
 // MINB = __launch_bounds__' minimum blocks per SM: 2 / NWG keeps 255 registers allowed. (dq hd64
 // G2 BN64 at MINB 2 fit 128 registers before the overlapped loop; with it, it spills 8 bytes.)
-// The _RA macros instantiate the register-A variants (kernel names end in _ra_bf16; ops/attention.py:
-// a third config element 2): K/V (dK/dV pass) or Q/dout (dQ pass) fragments held in registers.
+// The _RA macros instantiate the register-A variants (kernel names end in _ra_bf16; a third config
+// element V3_RA = 2 in ops/attention.py): K/V (dK/dV pass) or Q/dout (dQ pass) fragments held in registers.
 #define FLASH_V3_DKDV_(HD, NWG, BM, MINB, RA, SUF)                                                   \
     extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \
     attention_backward_dkdv_kernel_v3_hd##HD##_g##NWG##_m##BM##SUF##_bf16(bf16* dqkv,          \
@@ -452,7 +452,7 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
 #define FLASH_V3_DQ(HD, NWG, BN, MINB) FLASH_V3_DQ_(HD, NWG, BN, MINB, false, )
 #define FLASH_V3_DQ_RA(HD, NWG, BN, MINB) FLASH_V3_DQ_(HD, NWG, BN, MINB, true, _ra)
 
-// dq with fused D (ops/attention.py: dq config (NWG, BN, 1)): writes D (B, NH, T) as well, so
+// dq with fused D (a ladder rung: gpucore/ladder/attention.py, dq config (NWG, BN, V3_FD = 1)): writes D (B, NH, T) as well, so
 // the preprocess kernel is gone and the dK/dV pass runs after this one.
 #define FLASH_V3_DQF(HD, NWG, BN, MINB)                                                              \
     extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \

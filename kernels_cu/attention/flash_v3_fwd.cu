@@ -260,8 +260,8 @@ __device__ __forceinline__ void flash_forward_v3p(bf16* out,          // (B, T, 
 #endif
 
 // Configurations (HD, consumer warpgroups, keys per KV tile, K/V stages, MINB = blocks per SM
-// for __launch_bounds__ (not in the name)); ops/attention.py V3_FWD_CONFIGS lists them as
-// (warpgroups, BN, stages). Dynamic shared memory = 1024 + (64 * NWG + 2 * NSTAGE * BN) * HD * 2.
+// for __launch_bounds__ (not in the name)); ops/attention.py launches V3_FWD_CONFIG,
+// gpucore/ladder/attention.py lists all of them (V3_FWD_CONFIGS) as (warpgroups, BN, stages). Dynamic shared memory = 1024 + (64 * NWG + 2 * NSTAGE * BN) * HD * 2.
 #define FLASH_FWD_V3P(HD, NWG, BN, NSTAGE, MINB)                                               \
     extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \
     attention_forward_kernel_v3_hd##HD##_g##NWG##_n##BN##_s##NSTAGE##_bf16(                     \

@@ -7,7 +7,7 @@
  *   s_ij = scale * q_i . k_j, causal j <= i;  out_i = softmax(s_i.) V   out (B, T, C) bf16
  *   lse_i = log sum_{j<=i} exp(s_ij)                                   lse (B, NH, T) f32
  * No gradients here (the backward is v2's attention/flash_bwd.cu, or a v3 backward).
- * Needs an sm_90 GPU: compiled for sm_90a (ops/attention.py loads it with arch "90a");
+ * Needs an sm_90 GPU: compiled for sm_90a (gpucore/ladder/attention.py loads it with arch "90a");
  * compiled for anything else (kernels check --arch 80/90) the kernels trap.
  *
  * Algorithm (FlashAttention-3 without the warp-specialised producer, Shah et al. 2024):
@@ -167,8 +167,8 @@ __device__ __forceinline__ void flash_forward_v3(bf16* out,          // (B, T, C
 #endif
 
 // Configurations (HD, consumer warpgroups, keys per KV tile); names carry them
-// (attention_forward_kernel_v3_hd64_g2_n128_bf16). ops/attention.py FWD3_CONFIGS lists the
-// same, the first per HD being the default. Dynamic shared memory =
+// (attention_forward_kernel_v3_hd64_g2_n128_bf16). gpucore/ladder/attention.py lists the
+// same (V3_SERIAL_FWD_CONFIGS). Dynamic shared memory =
 // 1024 (alignment) + (64 * NWG + 4 * BN) * HD * 2 bytes. MINB (blocks per SM for
 // __launch_bounds__, not in the name): 2 caps registers at 128 so two blocks (4 warpgroups)
 // share an SM and one's softmax overlaps the other's wgmma.
