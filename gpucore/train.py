@@ -100,7 +100,7 @@ def choose_device(device: str) -> tuple[str, str]:
     """(device, why) for --device auto|cuda|cpu; TrainError for cuda without a GPU."""
     from . import runtime
     if runtime.cupy is None:
-        missing = "CuPy is not installed"
+        missing = "no NVIDIA GPU: CuPy is not installed"
     elif not runtime.gpu_available():
         missing = "no NVIDIA GPU found"
     else:
@@ -520,8 +520,8 @@ def stop_after_step_on_sigint():
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         yield flag
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    finally:   # None: the previous handler was not set from Python; Python's own is the safe default
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:

@@ -55,7 +55,7 @@ def test_device_auto_says_what_it_chose_and_why(shards, tmp_path, monkeypatch):
                "--data", shards, "--out-dir", tmp_path)
     assert res.exit_code == 0, res.output
     first = res.output.splitlines()[0]
-    why = "CuPy is not installed" if runtime.cupy is None else "no NVIDIA GPU found"
+    why = "no NVIDIA GPU: CuPy is not installed" if runtime.cupy is None else "no NVIDIA GPU found"
     assert first == f"device auto -> cpu ({why})"
 
 
