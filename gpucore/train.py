@@ -185,7 +185,7 @@ def check_host_memory(plan: dict) -> None:
         return
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in plan.items() if v)
     raise TrainError(f"not enough memory for the CPU backend: this run needs about {need / 2**30:.1f} GiB "
-                     f"({parts}) and {avail / 2**30:.1f} GiB is available; "
+                     f"(GiB: {parts}) and {avail / 2**30:.1f} GiB is available; "
                      "use --model tiny or a smaller -B")
 
 

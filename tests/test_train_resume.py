@@ -114,6 +114,28 @@ def test_ctrl_c_saves_prints_resume_command_and_resume_finishes(shards, tmp_path
     assert [r.get("event") for r in recs if "event" in r] == ["start", "interrupted", "resume", "end"]
 
 
+def test_real_sigint_to_train_script(shards, tmp_path):
+    """The real thing: SIGINT to ./train.py mid-run exits 130 with the resume command, no traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, str(root / "train.py"), *_argv(shards, tmp_path, 10_000)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root)
+    for line in proc.stdout:
+        if line.startswith("step     2/"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "Ctrl-C: stopping after this step" in err
+    (ckpt,) = _ckpts(tmp_path)
+    step = int(ckpt[5:11])
+    assert step >= 2 and f"step {step:>5d}/10000" in out
+    assert f"interrupted after step {step} of 10000: saved checkpoint {tmp_path / ckpt}" in err
+    assert f"resume with: gpucore train --resume {tmp_path / ckpt} --steps 10000" in err
+
+
 def test_first_sigint_finishes_the_step_second_stops_at_once(shards, tmp_path, monkeypatch):
     _interrupt_on_call(monkeypatch, 3, how="signal")         # one Ctrl-C during step 3: step 3 completes
     res = _cli(_argv(shards, tmp_path / "a"))
