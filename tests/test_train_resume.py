@@ -122,11 +122,14 @@ def test_real_sigint_to_train_script(shards, tmp_path):
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.Popen([sys.executable, str(root / "train.py"), *_argv(shards, tmp_path, 10_000)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root)
+    seen = []
     for line in proc.stdout:
+        seen.append(line)
         if line.startswith("step     2/"):
             break
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
+    out = "".join(seen) + out
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "Ctrl-C: stopping after this step" in err
     (ckpt,) = _ckpts(tmp_path)
