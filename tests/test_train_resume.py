@@ -114,6 +114,34 @@ def test_ctrl_c_saves_prints_resume_command_and_resume_finishes(shards, tmp_path
     assert [r.get("event") for r in recs if "event" in r] == ["start", "interrupted", "resume", "end"]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_interrupt_between_micro_batches_resumes_bit_identically(shards, tmp_path, monkeypatch, device):
+    """Gradient accumulation 2, Ctrl-C after step 3 took its first micro-batch: the checkpoint holds the
+    data position after step 2 (not the loader's current one), so the resumed run equals a straight one."""
+    kw = dict(device=device, steps=5, total_batch_size=2 * 16, sample_every=0)
+    straight = run(_args(shards, tmp_path / "a", **kw), echo=lambda s: None)
+    real, fetched = train_mod.train_step, []
+
+    def step(model, opt, next_batch, grad_accum, lr):
+        def counted():
+            fetched.append(1)
+            if len(fetched) == 6:          # step 3's second micro-batch
+                raise KeyboardInterrupt
+            return next_batch()
+        return real(model, opt, counted, grad_accum, lr)
+    monkeypatch.setattr(train_mod, "train_step", step)
+    with pytest.raises(TrainInterrupted) as info:
+        run(_args(shards, tmp_path / "b", **kw), echo=lambda s: None)
+    assert info.value.step == 2 and info.value.checkpoint == tmp_path / "b" / "ckpt_000002.ckpt"
+    monkeypatch.undo()
+    resumed = run(_args(shards, tmp_path / "b", resume=str(info.value.checkpoint), **kw), echo=lambda s: None)
+    assert resumed["losses"] == straight["losses"][2:]
+    from gpucore.checkpoint import load_checkpoint
+    a, _ = load_checkpoint(tmp_path / "a" / "ckpt_000005.ckpt")
+    b, _ = load_checkpoint(tmp_path / "b" / "ckpt_000005.ckpt")
+    assert all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
 def test_real_sigint_to_train_script(shards, tmp_path):
     """The real thing: SIGINT to ./train.py mid-run exits 130 with the resume command, no traceback."""
     import subprocess
