@@ -71,11 +71,12 @@ def info():
     rt, drv = cupy.cuda.runtime.runtimeGetVersion(), cupy.cuda.runtime.driverGetVersion()
     click.echo(f"CUDA runtime {rt // 1000}.{rt % 1000 // 10}, driver {drv // 1000}.{drv % 1000 // 10}")
     for path in runtime.kernel_files():
+        family = path.relative_to(runtime.KERNEL_DIR).with_suffix("").as_posix()   # e.g. attention/flash_fwd
         try:
-            runtime.load_module(path.stem)
-            click.echo(f"  {path.name:<20s} compiles (sm_{runtime.device_arch()})")
+            runtime.load_module(family)
+            click.echo(f"  {family + '.cu':<36s} compiles (sm_{runtime.device_arch()})")
         except runtime.KernelCompileError as e:
-            click.echo(f"  {path.name:<20s} FAILS: {str(e).splitlines()[0]}")
+            click.echo(f"  {family + '.cu':<36s} FAILS: {str(e).splitlines()[0]}")
 
 
 @main.group()

@@ -128,3 +128,12 @@ def test_resume_command_repeats_what_differs_from_the_defaults():
     # the command parses: every flag it prints is an option of `gpucore train`
     ctx = train_command.make_context("train", shlex.split(cmd)[2:])
     assert ctx.params["batch_size"] == 64 and ctx.params["data"] == "my data" and ctx.params["keep_last"] == 2
+
+
+@pytest.mark.cuda
+def test_info_compiles_every_kernel_file_on_the_gpu():
+    """Kernel files in family folders (kernels_cu/attention/*.cu) load by their relative name."""
+    res = CliRunner().invoke(main, ["info"])
+    assert res.exit_code == 0, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.startswith("  ")]
+    assert len(lines) == len(runtime.kernel_files()) and all("compiles (sm_" in ln for ln in lines), res.output
