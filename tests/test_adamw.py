@@ -154,8 +154,17 @@ def test_gpu_adamw_matches_reference_and_is_deterministic(rng, grad_dtype, n, cl
         return to_cpu(pg), to_cpu(mg), to_cpu(vg), to_cpu(lowp)
 
     p1, m1, v1, l1 = run()
-    # compare the update (p_new - p_old), not p: p itself would hide errors in the step
-    assert rel_err(p1.astype(np.float64) - params, p_ref - params) < 1e-4, "params"
+    # compare the update (p_new - p_old), not p: p itself would hide errors in the step. Each p is
+    # stored in float32, so an element's update is only known to within one ulp of p: with a few
+    # elements (n = 1, 7) and tiny updates that ulp alone can exceed 1e-4 of the update (a seeded
+    # case: update 3.8e-7 on p = 1.495, ulp 1.2e-7). So: every element within 1e-4 of its update
+    # plus one ulp of p, and over many elements the relative error of the whole update as before.
+    d_ref = p_ref - params
+    ulp = np.spacing(np.abs(p_ref).astype(np.float32)).astype(np.float64)
+    bad = np.abs(p1.astype(np.float64) - p_ref) > 1e-4 * np.abs(d_ref) + ulp
+    assert not bad.any(), f"params: {int(bad.sum())} of {n} elements off, first at {np.argmax(bad)}"
+    if n >= 1000:
+        assert rel_err(p1.astype(np.float64) - params, d_ref) < 1e-4, "params"
     assert rel_err(m1, m_ref) < 1e-5, "m"
     assert rel_err(v1, v_ref) < 1e-5, "v"
     np.testing.assert_array_equal(l1, p1.astype(gpucore.bfloat16))

@@ -14,7 +14,7 @@ import pytest
 import gpucore
 from gpucore import runtime, settings
 from gpucore.ops import matmul as mm
-from conftest import poison, to_cpu
+from conftest import poison, rel_err, to_cpu
 from matmul_checks import check_close as _check_close, rand as _rand
 from gradcheck import assert_grad_close, numerical_grad
 
