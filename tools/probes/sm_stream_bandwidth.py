@@ -1,6 +1,6 @@
 """Probe: how fast can k multiprocessors (one block each) stream a 400 MB bf16 array from DRAM?
 
-The question behind DBIAS_STREAM="overlap" (tools/probes/dbias_overlap.py in commit d773fff): a column sum running
+The question behind the removed dbias "overlap" experiment (tools/probes/dbias_overlap.py in commit d773fff; tools/notes/restructure.md): a column sum running
 on a few SMs beside the GEMMs must pull ~500 GB/s from ~8 SMs. Variants, each a 512-thread
 block per SM (a 160 KB shared-memory request keeps it alone there):
   loads     16-byte ld.global, BATCH per thread in flight, XOR-folded (no float math)
