@@ -16,7 +16,8 @@ import sys
 import click
 
 from . import runtime
-from .train import TrainArgs, TrainError, TrainInterrupted, resolve_backend, run
+from .startup import TrainError, resolve_backend
+from .train import TrainArgs, TrainInterrupted, run
 
 
 class UserError(click.ClickException):

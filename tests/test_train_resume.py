@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpucore import optim
+from gpucore import startup
 from gpucore import train as train_mod
 from gpucore.cli import main
 from gpucore.train import TrainArgs, TrainInterrupted, run
@@ -235,10 +236,10 @@ def test_resume_drops_metrics_rows_past_the_checkpoint(tmp_path):
     rows = [{"event": "start"}, {"step": 0, "val_loss": 5.0}, {"step": 1, "loss": 4.0}, {"step": 2, "loss": 3.0},
             {"step": 2, "val_loss": 3.5}, {"step": 3, "loss": 2.0}, {"event": "interrupted", "step": 3}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
-    assert train_mod.trim_metrics(path, 2) == 4
+    assert startup.trim_metrics(path, 2) == 4
     assert _metrics(path) == rows[:4]
     before = path.read_bytes()
-    assert train_mod.trim_metrics(path, 2) == 0 and path.read_bytes() == before
+    assert startup.trim_metrics(path, 2) == 0 and path.read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]
 
 

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpucore import runtime
+from gpucore import startup
 from gpucore import train as train_mod
 from gpucore.cli import main
 
@@ -69,7 +70,7 @@ def test_device_cpu_prints_no_auto_line(shards, tmp_path):
 
 def test_cpu_run_bigger_than_host_memory_is_one_line(shards, tmp_path, monkeypatch, no_model_built):
     """d12 -B 64 on the CPU needs ~32 GiB: refused up front, naming need, available and the way out."""
-    monkeypatch.setattr(train_mod, "available_host_memory", lambda: 2 << 30)
+    monkeypatch.setattr(startup, "available_host_memory", lambda: 2 << 30)
     res = _cli("--model", "d12", "-B", 64, "--device", "cpu", "--data", shards, "--out-dir", tmp_path)
     line = _error_line(res)
     assert res.output.count("\n") == 1, res.output
@@ -85,17 +86,17 @@ def test_memory_check_counts_the_master_copy_and_optimizer_state(monkeypatch):
     plan = memory_plan(GPT2Config.from_preset("tiny"), 2, 32, "bfloat16")
     n = GPT2Config.from_preset("tiny").num_parameters
     assert plan["master"] == plan["m"] == plan["v"] == 4 * n and plan["params"] == plan["grads"] == 2 * n
-    monkeypatch.setattr(train_mod, "available_host_memory", lambda: sum(plan.values()) - 1)
-    with pytest.raises(train_mod.TrainError, match="master"):
-        train_mod.check_host_memory(plan)
-    monkeypatch.setattr(train_mod, "available_host_memory", lambda: sum(plan.values()))
-    train_mod.check_host_memory(plan)                # fits exactly
-    monkeypatch.setattr(train_mod, "available_host_memory", lambda: None)
-    train_mod.check_host_memory({"activations": 1 << 60})   # unknown: no check
+    monkeypatch.setattr(startup, "available_host_memory", lambda: sum(plan.values()) - 1)
+    with pytest.raises(startup.TrainError, match="master"):
+        startup.check_host_memory(plan)
+    monkeypatch.setattr(startup, "available_host_memory", lambda: sum(plan.values()))
+    startup.check_host_memory(plan)                # fits exactly
+    monkeypatch.setattr(startup, "available_host_memory", lambda: None)
+    startup.check_host_memory({"activations": 1 << 60})   # unknown: no check
 
 
 def test_available_host_memory_reads_meminfo():
-    avail = train_mod.available_host_memory()
+    avail = startup.available_host_memory()
     if not Path("/proc/meminfo").exists():
         pytest.skip("no /proc/meminfo on this system")
     assert avail is not None and 0 < avail < 1 << 50
@@ -125,7 +126,7 @@ def test_out_dir_read_only(shards, tmp_path, monkeypatch, no_model_built):
     if os.geteuid() == 0:   # root writes anyway: make the write probe fail the way the OS would
         def denied(*a, dir=None, **k):
             raise PermissionError(13, "Permission denied", str(dir))
-        monkeypatch.setattr(train_mod.tempfile, "mkstemp", denied)
+        monkeypatch.setattr(startup.tempfile, "mkstemp", denied)
     try:
         line = _error_line(_tiny(shards, ro))
     finally:
@@ -145,10 +146,10 @@ def test_metrics_path_unwritable(shards, tmp_path, no_model_built):
 def test_metrics_check_changes_nothing(tmp_path):
     existing = tmp_path / "m.jsonl"
     existing.write_text('{"step": 1}\n')
-    train_mod.check_metrics_file(existing)
+    startup.check_metrics_file(existing)
     assert existing.read_text() == '{"step": 1}\n'
     fresh = tmp_path / "sub" / "new.jsonl"
-    train_mod.check_metrics_file(fresh)
+    startup.check_metrics_file(fresh)
     assert not fresh.exists()
 
 
