@@ -1,4 +1,4 @@
-"""The `gpucore` command line (click): info, kernels check, bench, prepro, train, sample.
+"""The `gpucore` command line (click): info, kernels check, bench, prepro, train, export, sample.
 
 `train` is also ./train.py's command (the same click object). Its options
 take their defaults from gpucore.train.TrainArgs, the one place they are
@@ -232,12 +232,16 @@ _TRAIN_OPTIONS = [
     click.option("--out-dir", default=_D.out_dir, help="checkpoints and metrics.jsonl [default: out/<model>]"),
     click.option("--resume", default=_D.resume, type=click.Path(),
                  help="continue from a checkpoint file, or the newest intact ckpt_*.ckpt in a directory"),
+    click.option("--init-from", default=_D.init_from,
+                 help="start from these weights (fresh optimizer, step 0): a Hugging Face GPT-2 directory, "
+                      ".safetensors file or hub name (gpt2, gpt2-medium, ...), an llm.c model file, or a "
+                      "gpucore checkpoint; the model config comes from them"),
     click.option("--metrics", default=_D.metrics, type=click.Path(dir_okay=False),
                  help="metrics JSONL file [default: <out-dir>/metrics.jsonl]"),
 ]
 
 # Settings a resumed run takes from its checkpoint, so the resume command leaves them out.
-_FROM_CHECKPOINT = {"model", "dtype", "resume"}
+_FROM_CHECKPOINT = {"model", "dtype", "resume", "init_from"}
 
 
 def train_options(fn):
@@ -286,6 +290,38 @@ def train(**options):
         sys.exit(130)          # the shell's code for "ended by SIGINT"
     except TrainError as e:
         raise UserError(str(e)) from None
+
+
+# ----------------------------------------------------------------- export ----
+
+@main.command()
+@click.argument("source", metavar="CKPT")
+@click.option("--format", "fmt", type=click.Choice(["hf", "llmc"]), required=True,
+              help="hf: a Hugging Face GPT-2 directory (model.safetensors + config.json, fp32); "
+                   "llmc: an llm.c model file")
+@click.option("--out", required=True, type=click.Path(), help="the directory (hf) or file (llmc) to write")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="llm.c file precision (version 3 / 5); hf is always float32")
+def export(source, fmt, out, dtype):
+    """Write the weights of CKPT as a Hugging Face GPT-2 or an llm.c model file.
+
+    CKPT: a gpucore checkpoint file or run directory (its newest intact checkpoint), an llm.c
+    model file, a Hugging Face directory / .safetensors file, or a hub name (gpt2, ...).
+    """
+    from .weights import WeightsError, read_weights, write_hf, write_llmc
+    if fmt == "hf" and dtype != "float32":
+        raise UserError("--dtype: the Hugging Face export is float32 only")
+    try:
+        cfg, flat, desc = read_weights(source)
+        if fmt == "hf":
+            write_hf(out, cfg, flat)
+        else:
+            write_llmc(out, cfg, flat, dtype)
+    except WeightsError as e:
+        raise UserError(str(e)) from None
+    except OSError as e:
+        raise UserError(f"{e.filename or out}: {e.strerror}") from None
+    click.echo(f"{desc}: {cfg.describe()} -> {out} ({'Hugging Face' if fmt == 'hf' else 'llm.c ' + dtype})")
 
 
 # ----------------------------------------------------------------- sample ----

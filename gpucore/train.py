@@ -12,7 +12,7 @@ of its micro-batch losses. Only two host syncs per step: the loss and the
 norm, read after the update is queued.
 
 run() goes through these stages, each a function below:
-  prepare           read the checkpoint to resume from, pick the config, device
+  prepare           read the checkpoint to resume from (or the --init-from weights), pick the config, device
                     and dtype, the batch geometry and the paths (allocates nothing)
   check_*           host memory (CPU backend), out-dir and metrics writable
                     (gpucore/startup.py): fail in one line before minutes of work
@@ -20,6 +20,9 @@ run() goes through these stages, each a function below:
   Trainer.loop      steps, validation, samples, metrics rows, checkpoints
 Everything a run depends on is in its checkpoint (gpucore.checkpoint), so
 `--resume` continues bit-identically.
+`--init-from` starts a new run (step 0, fresh AdamW state) from weights that
+gpucore.weights reads (Hugging Face GPT-2, llm.c model file, gpucore
+checkpoint); the config comes from the weights.
 
 Ctrl-C: the first one lets the current step finish, the second one stops at
 once; either way the last completed step is checkpointed (atomically) and
@@ -87,6 +90,7 @@ class TrainArgs:
     checkpoint: bool = True
     out_dir: str | None = None        # None: out/<preset>
     resume: str | None = None
+    init_from: str | None = None      # start from these weights (fresh optimizer, step 0); see gpucore.weights
     metrics: str | None = None        # None: <out_dir>/metrics.jsonl
 
 
@@ -142,16 +146,22 @@ class RunSetup:
     resume_arrays: dict | None = None
     resume_meta: dict | None = None
     resume_path: Path | None = None
+    init_flat: object = None          # --init-from: host fp32 flat weights, until the model holds them
+    init_source: str | None = None    # --init-from: where they came from (gpucore.weights' description)
 
 
 def prepare(args: TrainArgs, echo) -> RunSetup:
     """Read the checkpoint (when resuming), choose config/backend/dtype and check the batch geometry."""
     from . import dtypes
-    from .model import GPT2Config, memory_plan
+    from .model import PRESETS, GPT2Config, memory_plan
     arrays = meta = ckpt = None
     device, why = choose_device(args.device)
     if args.device == "auto":
         echo(f"device auto -> {device} ({why})")
+    init_flat = init_source = None
+    if args.resume and args.init_from:
+        raise TrainError("--init-from and --resume: a resumed run continues its checkpoint's weights; "
+                         "use one of them")
     if args.resume:
         arrays, meta, ckpt = read_training_checkpoint(args.resume, on_skip=echo)
         cfg = GPT2Config.from_dict(meta["config"])
@@ -162,6 +172,23 @@ def prepare(args: TrainArgs, echo) -> RunSetup:
         if args.dtype != "auto" and dtypes.normalize(args.dtype) != dtype:
             raise TrainError(f"--dtype {args.dtype}: the checkpoint {ckpt} was trained in {dtypes.name(dtype)}")
         device, xp, _ = resolve_backend(device)
+    elif args.init_from:
+        from .weights import WeightsError, read_weights
+        try:
+            cfg, init_flat, init_source = read_weights(args.init_from)
+        except WeightsError as e:
+            raise TrainError(f"--init-from: {e}") from None
+        preset = next((name for name in PRESETS if _preset_config(name) == cfg), "custom")
+        if args.model is not None:
+            try:
+                wanted = GPT2Config.from_preset(args.model)
+            except ValueError as e:
+                raise TrainError(str(e)) from None
+            if wanted != cfg:
+                raise TrainError(f"--model {args.model} ({wanted.describe()}) does not match the weights of "
+                                 f"--init-from {args.init_from} ({cfg.describe()})")
+            preset = args.model
+        device, xp, dtype = resolve_backend(device, args.dtype)
     else:
         preset = args.model or "d12"
         try:
@@ -182,7 +209,16 @@ def prepare(args: TrainArgs, echo) -> RunSetup:
                     grad_accum=total // (B * T), out_dir=out_dir,
                     metrics_path=Path(args.metrics) if args.metrics else out_dir / "metrics.jsonl",
                     plan=memory_plan(cfg, B, T, dtype), start=int(meta["step"]) if meta else 0,
-                    resume_arrays=arrays, resume_meta=meta, resume_path=ckpt)
+                    resume_arrays=arrays, resume_meta=meta, resume_path=ckpt, init_flat=init_flat,
+                    init_source=init_source)
+
+
+def _preset_config(name: str):
+    from .model import GPT2Config
+    try:
+        return GPT2Config.from_preset(name)
+    except ValueError:
+        return None
 
 
 def make_loaders(args: TrainArgs, setup: RunSetup, echo):
@@ -226,12 +262,17 @@ def build_model(args: TrainArgs, setup: RunSetup):
     from .model import GPT2
     from .optim import AdamW
     resuming = setup.resume_arrays is not None
-    model = GPT2(setup.cfg, xp=setup.xp, dtype=setup.dtype, seed=None if resuming else args.seed)
+    initialised = setup.init_flat is not None
+    model = GPT2(setup.cfg, xp=setup.xp, dtype=setup.dtype,
+                 seed=None if resuming or initialised else args.seed)
     model.allocate_grads()
     model.allocate_activations(setup.B, setup.T)
     opt = AdamW(model, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay,
                 max_grad_norm=args.grad_clip or None)
     rng = np.random.default_rng(args.seed)
+    if initialised:
+        model.load_flat(setup.init_flat)
+        setup.init_flat = None            # the model holds them now: let the host copy go
     if resuming:
         arrays, meta = setup.resume_arrays, setup.resume_meta
         model.load_flat(arrays["params"])
@@ -262,6 +303,8 @@ def print_header(args, setup: RunSetup, model, train_loader, val_loader, echo) -
          f"dtype {dtypes.name(setup.dtype)} | B={setup.B} T={setup.T} | {setup.total:,} tokens/step "
          f"(grad accum {setup.grad_accum}) | steps {args.steps}"
          + (f" | resumed at step {setup.start} from {setup.resume_path}" if setup.resume_path else ""))
+    if setup.init_source:
+        echo(f"initialised from {setup.init_source} (fresh optimizer, step 0)")
     echo(f"AdamW lr {args.lr:g} warmup {args.warmup} final lr frac {args.final_lr_frac:g} betas "
          f"({args.beta1:g}, {args.beta2:g}) weight decay {args.weight_decay:g} grad clip {args.grad_clip:g}")
     echo(f"data: train {train_loader.num_tokens:,} tokens ({train_loader.num_batches} batches/epoch)"
@@ -324,7 +367,8 @@ def open_metrics(args: TrainArgs, setup: RunSetup):
         if setup.resume_path is None:
             log({"event": "start", "preset": setup.preset, "config": setup.cfg.to_dict(),
                  "dtype": dtypes.name(setup.dtype), "device": setup.device, "args": asdict(args),
-                 "parameters": setup.cfg.num_parameters})
+                 "parameters": setup.cfg.num_parameters, "init_from": args.init_from,
+                 "init_source": setup.init_source})
         else:
             log({"event": "resume", "step": setup.start, "checkpoint": str(setup.resume_path),
                  "args": asdict(args)})
