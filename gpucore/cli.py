@@ -188,7 +188,7 @@ _CHOICES_DEVICE = click.Choice(["auto", "cuda", "cpu"])
 _TRAIN_OPTIONS = [
     click.option("--model", default=_D.model,
                  help="model preset: d12 d24 d36 d48 (GPT-2 124M..1558M), tiny, small, micro "
-                      "[default: d12, or the checkpoint's with --resume]"),
+                      "[default: d12, the checkpoint's with --resume, the weights' with --init-from]"),
     click.option("-B", "--batch-size", type=click.IntRange(min=1), default=_D.batch_size, show_default=True,
                  help="sequences per micro-batch"),
     click.option("-T", "--seq-len", type=click.IntRange(min=1), default=_D.seq_len,

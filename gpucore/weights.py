@@ -313,7 +313,8 @@ def _hub_download(name: str) -> Path:
         return Path(snapshot_download(name, allow_patterns=["config.json", "model.safetensors"]))
     except Exception as e:  # network, offline cache miss, unknown repo: all one line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
-        raise WeightsError(f"{name}: cannot download from the Hugging Face hub ({msg})") from None
+        raise WeightsError(f"{name}: no such file or directory, and cannot download it from the Hugging Face "
+                           f"hub ({msg})") from None
 
 
 def _sniff(path: Path) -> str:

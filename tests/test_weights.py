@@ -296,6 +296,31 @@ def test_missing_path_and_hub_name_without_huggingface_hub(tmp_path, monkeypatch
         _one_line(exc, "pip install huggingface_hub", f"https://huggingface.co/{name}")
 
 
+def test_hub_name_goes_through_snapshot_download(tmp_path, hf_dir, tiny_flat, monkeypatch):
+    import sys
+    import types
+    calls = []
+
+    def snapshot_download(name, allow_patterns=None):
+        calls.append((name, allow_patterns))
+        if name == "nobody/nothing":
+            raise RuntimeError("Repository Not Found\nmore detail")
+        return str(hf_dir)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(snapshot_download=snapshot_download))
+    monkeypatch.chdir(tmp_path)
+    model, desc = load_gpt2("gpt2")
+    assert calls == [("gpt2", ["config.json", "model.safetensors"])]
+    assert np.array_equal(model.params.flat(), tiny_flat)
+    with pytest.raises(WeightsError) as exc:
+        read_weights("nobody/nothing")
+    _one_line(exc, "nobody/nothing", "Hugging Face hub", "Repository Not Found")
+    with pytest.raises(WeightsError) as exc:          # an existing path is never taken for a hub name
+        (tmp_path / "gpt2").mkdir()
+        read_weights("gpt2")
+    _one_line(exc, "no model.safetensors")
+    assert len(calls) == 2
+
+
 def test_write_refuses_non_gpt2_vocab_and_bad_sizes(tmp_path, tiny_flat):
     micro = GPT2Config.from_preset("micro")
     with pytest.raises(WeightsError, match="50257"):
