@@ -451,3 +451,9 @@ def test_gpu_write_hf_loads_in_transformers(tmp_path, tiny_flat):
         ref = hf(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
     _, logits = model.forward(cupy.asarray(tokens), return_logits=True)
     assert _rel(cupy.asnumpy(logits)[..., :50257], ref) < 1e-5
+
+
+def test_resume_command_leaves_init_from_out():
+    from gpucore.cli import resume_command
+    cmd = resume_command(TrainArgs(init_from="w.bin", steps=10, model="tiny"), "out/tiny/ckpt_000005.ckpt")
+    assert "--init-from" not in cmd and "--resume out/tiny/ckpt_000005.ckpt" in cmd
