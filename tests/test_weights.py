@@ -160,6 +160,53 @@ def test_load_gpt2_forward_matches(hf_dir, tiny_flat):
     assert float(model.forward(x, x)) == float(ref.forward(x, x))
 
 
+def _hf_numpy_forward(t: dict, cfg: dict, tokens):
+    """GPT2LMHeadModel's forward written from transformers' modeling_gpt2 (Conv1D: x @ W + b with W
+    stored (in, out)), in float64 NumPy, straight from the safetensors tensors: an oracle for the
+    layout conventions that needs no torch."""
+    g = {k.removeprefix("transformer."): v.astype(np.float64) for k, v in t.items()}
+    C, NH = cfg["n_embd"], cfg["n_head"]
+    hs = C // NH
+    B, T = tokens.shape
+
+    def ln(x, w, b):
+        mu = x.mean(-1, keepdims=True)
+        var = ((x - mu) ** 2).mean(-1, keepdims=True)
+        return (x - mu) / np.sqrt(var + cfg["layer_norm_epsilon"]) * w + b
+
+    def gelu_new(x):
+        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+    h = g["wte.weight"][tokens] + g["wpe.weight"][np.arange(T)]
+    mask = np.tril(np.ones((T, T), bool))
+    for l in range(cfg["n_layer"]):
+        p = f"h.{l}."
+        a = ln(h, g[p + "ln_1.weight"], g[p + "ln_1.bias"]) @ g[p + "attn.c_attn.weight"] + g[p + "attn.c_attn.bias"]
+        q, k, v = (x.reshape(B, T, NH, hs).transpose(0, 2, 1, 3) for x in np.split(a, 3, axis=-1))
+        att = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hs)
+        att = np.where(mask, att, -np.inf)
+        att = np.exp(att - att.max(-1, keepdims=True))
+        att /= att.sum(-1, keepdims=True)
+        y = (att @ v).transpose(0, 2, 1, 3).reshape(B, T, C)
+        h = h + y @ g[p + "attn.c_proj.weight"] + g[p + "attn.c_proj.bias"]
+        m = ln(h, g[p + "ln_2.weight"], g[p + "ln_2.bias"]) @ g[p + "mlp.c_fc.weight"] + g[p + "mlp.c_fc.bias"]
+        h = h + gelu_new(m) @ g[p + "mlp.c_proj.weight"] + g[p + "mlp.c_proj.bias"]
+    h = ln(h, g["ln_f.weight"], g["ln_f.bias"])
+    return h @ g["wte.weight"].T
+
+
+def test_exported_hf_matches_a_numpy_transformers_forward(hf_dir, tiny_flat):
+    t = safetensors_numpy.load_file(str(hf_dir / "model.safetensors"))
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tokens = np.random.default_rng(5).integers(0, 50257, (2, 16), dtype=np.int32)
+    ref = _hf_numpy_forward(t, cfg, tokens)
+    model = GPT2(TINY, seed=None)
+    model.load_flat(tiny_flat)
+    _, logits = model.forward(tokens, return_logits=True)
+    logits = np.asarray(logits[..., :TINY.vocab_size], np.float64)
+    assert np.abs(logits - ref).max() / np.abs(ref).max() < 1e-5
+
+
 def test_bare_safetensors_infers_n_head(tmp_path, hf_dir):
     bare = tmp_path / "bare"
     bare.mkdir()
