@@ -542,10 +542,15 @@ def _load(path, device: str = "auto", dtype: str = "auto"):
             from .checkpoint import load_model
             model, meta = load_model(path, xp=xp, dtype=dt)
             desc = f"{path}: gpucore checkpoint, step {meta.get('step', '?')}, {model.config.describe()}"
+    except click.ClickException:
+        raise
     except FileNotFoundError as e:
         raise click.ClickException(f"{path}: not found ({e.strerror or e})") from None
-    except (ValueError, OSError, KeyError) as e:
-        raise click.ClickException(str(e).splitlines()[0] if str(e) else f"{path}: cannot load") from None
+    except Exception as e:   # the loaders' own error classes (one line each); anything else is a bug
+        if not (isinstance(e, (ValueError, OSError, KeyError)) or type(e).__module__.startswith("gpucore")):
+            raise
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise click.ClickException(msg or f"{path}: cannot load ({type(e).__name__})") from None
     return model, desc
 
 
