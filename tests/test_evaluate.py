@@ -308,3 +308,17 @@ def test_gpu_matches_cpu(tiny, tmp_path):
     _make_state(tiny, p)
     r = ev.check_debug_state(gpu, ev.read_debug_state(p), tolerance="c")
     assert r["ok"], ev.format_debug_report(r)
+
+
+def test_check_debug_state_command_on_llmc_weights(tiny, tmp_path):
+    """The llm.c pair end to end: gpt2_124M.bin-style weights + debug state, no monkeypatching."""
+    weights = pytest.importorskip("gpucore.weights")
+    if not hasattr(weights, "write_llmc"):
+        pytest.skip("gpucore.weights has no write_llmc")
+    w = weights.write_llmc(tmp_path / "gpt2_tiny.bin", tiny.config, tiny.params.flat())
+    p = tmp_path / "gpt2_tiny_debug_state.bin"
+    _make_state(tiny, p)
+    r = CliRunner().invoke(ev.check_debug_state_command, ["--init-from", str(w), "--state", str(p),
+                                                          "--device", "cpu", "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "r.json").read_text())["ok"] is True
