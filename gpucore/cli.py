@@ -357,5 +357,14 @@ def sample(checkpoint, prompt, max_tokens, temperature, top_k, seed, device):
     click.echo((prompt + tokenizer.decode(out)) if gpt2_vocab else " ".join(map(str, out)))
 
 
+def _register_evaluation_commands():
+    # gpucore/evaluate.py defines `eval` and `check-debug-state` next to the code they run.
+    from .evaluate import check_debug_state_command, eval_command
+    main.add_command(eval_command)
+    main.add_command(check_debug_state_command)
+
+
+_register_evaluation_commands()
+
 if __name__ == "__main__":
     main()
