@@ -6,7 +6,7 @@ step, not with a traceback minutes later: each check here raises TrainError
 and `check_*` stages; they allocate nothing on the GPU.
 
     choose_device / resolve_backend   --device auto|cuda|cpu, --dtype -> (device, xp, dtype)
-    check_host_memory                 the memory plan against the host (CPU backend)
+    check_host_memory / check_gpu_memory   the memory plan against the host (CPU) / the free GPU memory
     oom_message, oom_error_types      the one line for a GPU out-of-memory
     check_output_dir / check_metrics_file / trim_metrics   writable paths; resumed metrics
     peak_flops                        for MFU
@@ -125,6 +125,21 @@ def check_host_memory(plan: dict) -> None:
     raise TrainError(f"not enough memory for the CPU backend: this run needs about {need / 2**30:.1f} GiB "
                      f"(GiB: {parts}) and {avail / 2**30:.1f} GiB is available; "
                      "use --model tiny or a smaller -B")
+
+
+def check_gpu_memory(plan: dict) -> None:
+    """TrainError, before anything is allocated, when the model's buffers alone (the memory plan)
+    exceed the GPU's free memory: a model larger than the GPU (say d48 at a large -B on an 80 GB
+    card). Kernel scratch comes on top, so passing this check does not promise the run fits;
+    the out-of-memory message covers the rest."""
+    info = gpu_memory_info()
+    need = sum(plan.values())
+    if info is None or need <= info[0]:
+        return
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in plan.items() if v)
+    raise TrainError(f"the model does not fit on the GPU: its buffers need about {need / 2**30:.1f} GiB "
+                     f"(GiB: {parts}) and the GPU has {info[0] / 2**30:.1f} GiB free of {info[1] / 2**30:.1f}; "
+                     "use a smaller -B (with --total-batch-size to keep the batch) or a smaller model")
 
 
 def peak_flops(device: str, dtype) -> float | None:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .startup import (TrainError, check_host_memory, check_metrics_file, check_output_dir, choose_device,
+from .startup import (TrainError, check_gpu_memory, check_host_memory, check_metrics_file, check_output_dir, choose_device,
                       format_plan, gpu_name, oom_error_types, oom_message, os_reason, peak_flops, resolve_backend,
                       trim_metrics)
 from .checkpoint import (CHECKPOINT_GLOB, CheckpointError, checkpoint_path, prune_checkpoints,
@@ -333,6 +333,8 @@ def run(args: TrainArgs, echo=print) -> dict:
                     "peak_gpu_bytes": None, "already_finished": True}
         if setup.device == "cpu":
             check_host_memory(setup.plan)
+        else:
+            check_gpu_memory(setup.plan)
         train_loader, val_loader = make_loaders(args, setup, echo)
         check_output_paths(args, setup, echo)
         model, opt, rng = build_model(args, setup)

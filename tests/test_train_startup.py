@@ -160,3 +160,17 @@ def test_write_failure_mid_run_is_one_line(shards, tmp_path, monkeypatch):
     monkeypatch.setattr(train_mod, "save_training_checkpoint", full)
     line = _error_line(_tiny(shards, tmp_path))
     assert line == f"Error: {tmp_path / 'ckpt_000001.ckpt'}: No space left on device"
+
+
+def test_model_larger_than_the_gpu_is_refused_before_allocation(monkeypatch):
+    """The memory plan against the GPU's free memory (issue 13: a model larger than the GPU)."""
+    from gpucore.model import GPT2Config, memory_plan
+    plan = memory_plan(GPT2Config.from_preset("d48"), 16, 1024, "bfloat16")
+    need = sum(plan.values())
+    monkeypatch.setattr(startup, "gpu_memory_info", lambda: (need - 1, 80 << 30))
+    with pytest.raises(startup.TrainError, match=r"does not fit on the GPU: .* GiB free of 80.0; use a smaller -B"):
+        startup.check_gpu_memory(plan)
+    monkeypatch.setattr(startup, "gpu_memory_info", lambda: (need, 80 << 30))
+    startup.check_gpu_memory(plan)                       # fits exactly
+    monkeypatch.setattr(startup, "gpu_memory_info", lambda: None)
+    startup.check_gpu_memory(plan)                       # unknown: no check
