@@ -201,21 +201,28 @@ def write_hellaswag_bin(path, examples) -> int:
     return len(exs)
 
 
-def read_hellaswag_bin(path) -> list[Example]:
-    """Examples from llm.c's eval file (hellaswag_val.bin), validating every field."""
-    path = Path(path)
+def _read_llmc_file(path: Path, name: str, kind: str, magic: int, expected: str):
+    """(bytes, int32 header) of an llm.c file with a 256-int header; EvalError for a missing,
+    unreadable, truncated or wrong-magic file (the caller checks the version and the body)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise EvalError(f"{path}: HellaSwag file not found") from None
+        raise EvalError(f"{path}: {name} not found") from None
     except OSError as e:
         raise EvalError(f"{path}: cannot read ({e.strerror})") from None
     if len(raw) < HEADER_BYTES:
-        raise EvalError(f"{path}: truncated eval file ({len(raw)} bytes; the header alone is {HEADER_BYTES})")
+        raise EvalError(f"{path}: truncated {kind} ({len(raw)} bytes; the header alone is {HEADER_BYTES})")
     header = np.frombuffer(raw[:HEADER_BYTES], dtype="<i4")
-    if header[0] != EVAL_MAGIC:
-        raise EvalError(f"{path}: bad magic number {header[0]} (expected {EVAL_MAGIC}): not an llm.c eval "
-                        "file such as hellaswag_val.bin")
+    if header[0] != magic:
+        raise EvalError(f"{path}: bad magic number {header[0]} (expected {magic}): not {expected}")
+    return raw, header
+
+
+def read_hellaswag_bin(path) -> list[Example]:
+    """Examples from llm.c's eval file (hellaswag_val.bin), validating every field."""
+    path = Path(path)
+    raw, header = _read_llmc_file(path, "HellaSwag file", "eval file", EVAL_MAGIC,
+                                  "an llm.c eval file such as hellaswag_val.bin")
     if header[1] != EVAL_VERSION:
         raise EvalError(f"{path}: unsupported eval file version {header[1]} (expected {EVAL_VERSION})")
     num, longest = int(header[2]), int(header[3])
@@ -400,17 +407,7 @@ def read_debug_state(path, vocab_size: int = LLMC_VOCAB) -> DebugState:
     """llm.c's gpt2_124M_debug_state.bin (see the module docstring); the gradients are
     whatever follows the loss (their split is checked against a model in check_debug_state)."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise EvalError(f"{path}: debug state file not found") from None
-    except OSError as e:
-        raise EvalError(f"{path}: cannot read ({e.strerror})") from None
-    if len(raw) < HEADER_BYTES:
-        raise EvalError(f"{path}: truncated debug state ({len(raw)} bytes; the header alone is {HEADER_BYTES})")
-    h = np.frombuffer(raw[:HEADER_BYTES], dtype="<i4")
-    if h[0] != STATE_MAGIC:
-        raise EvalError(f"{path}: bad magic number {h[0]} (expected {STATE_MAGIC}): not an llm.c debug state")
+    raw, h = _read_llmc_file(path, "debug state file", "debug state", STATE_MAGIC, "an llm.c debug state")
     if h[1] != STATE_VERSION:
         raise EvalError(f"{path}: debug state version {h[1]} (expected {STATE_VERSION}, padded vocab); "
                         "re-run llm.c's train_gpt2.py to write a new one")
