@@ -261,6 +261,10 @@ _TRAIN_OPTIONS = [
                  show_default=True,
                  help="bf16 runs: keep fp32 master weights, or none: bf16 weights updated with stochastic "
                       "rounding (sr) or with a bf16 Kahan compensation buffer (kahan)"),
+    click.option("--keep-gelu", type=click.Choice(["auto", "on", "off"]), default=_D.keep_gelu, show_default=True,
+                 help="store each layer's GELU output for the backward (on; L x B x T x 4C values) or "
+                      "recompute it there (off); auto: store on a GPU while the run's memory plan stays "
+                      "within a third of the device's memory"),
     click.option("--nproc", type=click.IntRange(min=0), default=_D.nproc, show_default=True,
                  help="data parallel on this machine: start N ranks, one GPU each (0: this process trains; "
                       "with mpirun/srun the launcher starts the ranks)"),
@@ -411,23 +415,33 @@ def sample(checkpoint, prompt, max_tokens, temperature, top_k, seed, device):
 @click.option("--master-weights", type=click.Choice(["fp32", "sr", "kahan"]), default="fp32", show_default=True)
 @click.option("--zero", type=click.IntRange(0, 1), default=0, show_default=True, help="ZeRO-1: per-rank plan")
 @click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True, help="data-parallel ranks")
+@click.option("--keep-gelu", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="GELU outputs stored per layer (on) or recomputed (off); auto: as `gpucore train` "
+                   "decides on this machine's GPU (off without one)")
 @click.option("--measure/--no-measure", default=True, show_default=True,
               help="on a GPU, train one step and print the measured peak next to the plan")
-def memory(model, batch_size, seq_len, dtype, optimizer, master_weights, zero, ranks, measure):
+def memory(model, batch_size, seq_len, dtype, optimizer, master_weights, keep_gelu, zero, ranks, measure):
     """A training run's memory: the plan per buffer (what the training banner prints), the largest
     activations, and on a GPU the measured peak after one step."""
     from .memory import format_report, measure_one_step, plan_run
+    from .model import resolve_keep_gelu
     device = "cuda" if runtime.gpu_available() else "cpu"
+    keep = {"auto": None, "on": True, "off": False}[keep_gelu]
     try:
-        cfg, T, dt, report = plan_run(model, batch_size, seq_len, dtype, master_weights, ranks, zero)
+        if keep is None:
+            cfg0, T0, dt0, _ = plan_run(model, batch_size, seq_len, dtype, master_weights)
+            keep = device == "cuda" and resolve_keep_gelu(None, cfg0, batch_size, T0, dt0, runtime.cupy,
+                                                          master_weights=master_weights)
+        cfg, T, dt, report = plan_run(model, batch_size, seq_len, dtype, master_weights, ranks, zero, keep)
     except ValueError as e:
         raise UserError(str(e)) from None
     from . import dtypes
     click.echo(f"{model}: {cfg.describe()} | {cfg.num_parameters:,} parameters | B={batch_size} T={T} | "
                f"{dtypes.name(dt)} | {optimizer}, master weights {master_weights}"
-               + (f" | {ranks} ranks, ZeRO-1 (per rank)" if zero else (f" | {ranks} ranks" if ranks > 1 else "")))
+               + (f" | {ranks} ranks, ZeRO-1 (per rank)" if zero else (f" | {ranks} ranks" if ranks > 1 else ""))
+               + f" | GELU outputs {'kept' if keep else 'recomputed'}")
     if measure and device == "cuda" and not zero:
-        report.measured = measure_one_step(cfg, batch_size, T, dt, optimizer, master_weights)
+        report.measured = measure_one_step(cfg, batch_size, T, dt, optimizer, master_weights, keep)
     elif measure and device == "cuda":
         click.echo("(not measured: ZeRO-1 needs the ranks; the plan is per rank)")
     click.echo(format_report(report))

@@ -1,7 +1,7 @@
 """The cuBLAS / cuBLASLt binding: row-major GEMMs on raw pointers, plans, and the autotune cache.
 
     gemm_ex(a, b, out, M, N, K, ...)   cuBLAS gemmEx / gemmStridedBatchedEx (CuPy's binding)
-    lt_gemm(a, b, out, M, N, K, ...)   cuBLASLt matmul, optionally with the bias epilogue;
+    lt_gemm(a, b, out, M, N, K, ...)   cuBLASLt matmul, optionally with the bias / GELU epilogues;
                                        False when Lt cannot (the caller then uses gemm_ex)
     lt_binding()                       the process's CublasLt (plans, tune cache), or None
     TuneCache(path)                    the winners of the timing race, on disk
@@ -16,8 +16,9 @@ Precision: bf16 inputs multiply on tensor cores with float32 accumulation
 (CUBLAS_COMPUTE_32F); float32 inputs use plain FP32 arithmetic (never TF32).
 
 Why cuBLASLt, through ctypes: CuPy binds cuBLAS but not cuBLASLt, whose matmul
-takes fused epilogues (CUBLASLT_EPILOGUE_BIAS: the forward bias costs nothing)
-and, unlike CuPy's cuBLAS wrappers, can be captured into a CUDA graph. We call
+takes fused epilogues (CUBLASLT_EPILOGUE_BIAS: the forward bias costs nothing;
+GELU_AUX(_BIAS): the MLP's GELU in the fc GEMM, its input kept as the "aux"
+matrix; DGELU: the GELU backward in the fcproj dx GEMM, reading that aux) and, unlike CuPy's cuBLAS wrappers, can be captured into a CUDA graph. We call
 the handful of functions we need from the libcublasLt that CuPy has already
 loaded. Enum values and the heuristic-result layout are from cublasLt.h (CUDA
 12.x/13.x; the ABI is unchanged since 11.0).
@@ -58,7 +59,9 @@ LT_TUNE_MARGIN = 0.02                   # another algorithm must be 2% faster to
 LT_WORKSPACE_BYTES = 32 << 20           # cuBLAS' recommendation for Hopper
 GEMMEX = "gemmex"                       # a plan's choice when plain gemmEx won the race
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
+_DESC_AUX_POINTER, _DESC_AUX_LD = 11, 12
 _EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
+_EPILOGUE_GELU_AUX, _EPILOGUE_GELU_AUX_BIAS, _EPILOGUE_DGELU = 160, 164, 192
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_MIN_ALIGNMENT = (5, 6, 7, 8)      # A, B, C, D
 _HEURISTIC_BYTES = 96                   # cublasLtMatmulHeuristicResult_t: algo[64] ws(8) state(4) waves(4) int[4]
@@ -275,10 +278,17 @@ class CublasLt:
             self.workspaces[dev] = runtime.cupy.empty(LT_WORKSPACE_BYTES, dtype=np.uint8)
         return dev, self.handles[dev], self.workspaces[dev]
 
-    def set_bias(self, plan, bias_ptr):
-        self._set(self.lib.cublasLtMatmulDescSetAttribute, plan.desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
+    def set_pointers(self, plan, bias_ptr, aux_ptr):
+        """The per-call epilogue pointers (a plan is shared by every call of its shape)."""
+        if bias_ptr:
+            self._set(self.lib.cublasLtMatmulDescSetAttribute, plan.desc, _DESC_BIAS_POINTER,
+                      ctypes.c_void_p(bias_ptr))
+        if aux_ptr:
+            self._set(self.lib.cublasLtMatmulDescSetAttribute, plan.desc, _DESC_AUX_POINTER,
+                      ctypes.c_void_p(aux_ptr))
 
-    def plan(self, key, handle, op_b, op_a, N, M, K, ldb, lda, tb, ta, tc, epilogue, bias_ptr, aligns):
+    def plan(self, key, handle, op_b, op_a, N, M, K, ldb, lda, tb, ta, tc, epilogue, bias_ptr, aligns,
+             aux_ptr=0):
         """The Plan for C^T = op(B)^T op(A)^T (+ epilogue), or None if Lt has no algorithm."""
         if key in self.plans:
             return self.plans[key]
@@ -287,8 +297,11 @@ class CublasLt:
         self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_TRANSA, ctypes.c_int32(op_b))
         self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_TRANSB, ctypes.c_int32(op_a))
         self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_EPILOGUE, ctypes.c_uint32(epilogue))
-        if epilogue != _EPILOGUE_DEFAULT:    # the heuristic reads the pointer's alignment
+        if bias_ptr:                          # the heuristic reads the pointers' alignment
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
+        if aux_ptr:   # the GELU input matrix: D's column-major shape (N, M), leading dimension N
+            self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_AUX_POINTER, ctypes.c_void_p(aux_ptr))
+            self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_AUX_LD, ctypes.c_int64(N))
         # Column-major layouts of the stored matrices: (rows, cols, ld) = (row length, row count, row length).
         lay_b = self._create(lib.cublasLtMatrixLayoutCreate, tb, *((N, K) if op_b == 0 else (K, N)), ldb)
         lay_a = self._create(lib.cublasLtMatrixLayoutCreate, ta, *((K, M) if op_a == 0 else (M, K)), lda)
@@ -377,13 +390,24 @@ def _alignment(ptr: int) -> int:
     return min(256, ptr & -ptr) if ptr else 256
 
 
-def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0, bias=None) -> bool:
+def _epilogue(bias, gelu) -> int:
+    if gelu == "forward":
+        return _EPILOGUE_GELU_AUX_BIAS if bias is not None else _EPILOGUE_GELU_AUX
+    if gelu == "backward":
+        return _EPILOGUE_DGELU
+    return _EPILOGUE_BIAS if bias is not None else _EPILOGUE_DEFAULT
+
+
+def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0, bias=None,
+            gelu=None, aux=None) -> bool:
     """Row-major out = alpha * op(a) @ op(b) + beta * out [+ bias over rows] by cublasLtMatmul.
 
-    bias (N,) must have out's dtype (Lt's bias has D's type). Returns False
-    (nothing launched) when cuBLASLt is off or unavailable, has no algorithm
-    for this case, or plain gemmEx won the timing race: the caller then runs
-    gemm_ex (with the bias some other way).
+    bias (N,) must have out's dtype (Lt's bias has D's type). gelu="forward": aux (M, N) receives
+    the sum above and out gets its GELU (tanh form; GELU_AUX(_BIAS)); gelu="backward": out =
+    (the product) * gelu'(aux) (DGELU; no bias). aux has out's dtype and layout. Returns False
+    (nothing launched) when cuBLASLt is off or unavailable, has no algorithm for this case, or
+    plain gemmEx won the timing race: the caller then runs gemm_ex (with the bias or the GELU
+    some other way).
     """
     lt = lt_binding()
     if lt is None:
@@ -391,19 +415,22 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
     dev, handle, ws = lt.device_state()
     op_a, op_b = int(transpose_a), int(transpose_b)          # CUBLAS_OP_N = 0, CUBLAS_OP_T = 1
     ta, tb, tc = cuda_type(a.dtype), cuda_type(b.dtype), cuda_type(out.dtype)
-    epilogue = _EPILOGUE_BIAS if bias is not None else _EPILOGUE_DEFAULT
+    epilogue = _epilogue(bias, gelu)
     bias_ptr = bias.data.ptr if bias is not None else 0
+    aux_ptr = aux.data.ptr if gelu is not None else 0
     aligns = tuple(_alignment(p) for p in (b.data.ptr, a.data.ptr, out.data.ptr, out.data.ptr))
     # The None stands where the bias-gradient epilogue's vector type was: the key (and so every
-    # tune-cache entry written before that epilogue was removed) stays the same.
+    # tune-cache entry written before that epilogue was removed) stays the same. The aux
+    # alignment is appended only for the GELU epilogues, for the same reason.
     key = (dev, op_a, op_b, M, N, K, a.shape[-1], b.shape[-1], ta, tb, tc, epilogue, None,
            _alignment(bias_ptr) if bias is not None else 0, aligns, beta != 0.0)
+    if gelu is not None:
+        key = key[:-1] + (_alignment(aux_ptr), key[-1])
     plan = lt.plan(key, handle, op_b, op_a, N, M, K, b.shape[-1], a.shape[-1], tb, ta, tc, epilogue, bias_ptr,
-                   aligns)
+                   aligns, aux_ptr)
     if plan is None:
         return False
-    if bias is not None:
-        lt.set_bias(plan, bias_ptr)
+    lt.set_pointers(plan, bias_ptr, aux_ptr)
     al, be = ctypes.c_float(alpha), ctypes.c_float(beta)
     stream = runtime.cupy.cuda.get_current_stream().ptr
     pa, pb = a.data.ptr, b.data.ptr
@@ -431,14 +458,14 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
     return True
 
 
-def plan_choice(M, N, K, transpose_a=False, transpose_b=False, bias=False, accumulate=False) -> str:
+def plan_choice(M, N, K, transpose_a=False, transpose_b=False, bias=False, accumulate=False, gelu=None) -> str:
     """Which algorithm lt_gemm runs for this GEMM (as the training path calls it): "lt#i/n" (the
     heuristic's i-th of n candidates), "gemmEx" (it won the race), "untuned", "-" (no cuBLASLt)
     or "?" (not planned yet). For benchmarks and notes."""
     lt = lt_binding()
     if lt is None:
         return "-"
-    epilogue = _EPILOGUE_BIAS if bias else _EPILOGUE_DEFAULT
+    epilogue = _epilogue(True if bias else None, gelu)
     for key, plan in lt.plans.items():
         # key = (dev, op_a, op_b, M, N, K, lda, ldb, ta, tb, tc, epilogue, None, bias alignment, aligns, beta != 0)
         if plan is None or key[1:6] != (int(transpose_a), int(transpose_b), M, N, K) or key[11] != epilogue \

@@ -31,8 +31,9 @@ class MemoryReport:
 
 
 def plan_run(model: str, B: int, T: int | None, dtype: str = "auto", master_weights: str = "fp32",
-             ranks: int = 1, zero: int = 0) -> tuple[object, int, object, MemoryReport]:
-    """(config, T, dtype, report without measurement) for a preset and batch."""
+             ranks: int = 1, zero: int = 0, keep_gelu: bool = False) -> tuple[object, int, object, MemoryReport]:
+    """(config, T, dtype, report without measurement) for a preset and batch; keep_gelu: the GELU
+    outputs stored per layer (model.resolve_keep_gelu decides it for a training run)."""
     from . import dtypes
     from .distributed.parallel import plan_for
     from .model import GPT2Config, activation_specs, grad_activation_specs, memory_plan
@@ -44,16 +45,17 @@ def plan_run(model: str, B: int, T: int | None, dtype: str = "auto", master_weig
     dt = dtypes.normalize("bfloat16" if dtype == "auto" else dtype)      # a plan for a GPU run
     if master_weights != "fp32" and dt != dtypes.bfloat16:
         raise ValueError(f"--master-weights {master_weights}: only bf16 models drop the fp32 master copy")
-    plan = memory_plan(cfg, B, T, dt, master_weights=master_weights)
+    plan = memory_plan(cfg, B, T, dt, master_weights=master_weights, keep_gelu=keep_gelu)
     if ranks > 1 or zero:
         plan = plan_for(plan, ranks, zero)
-    acts = [(s.name, s.nbytes) for s in TensorLayout(activation_specs(cfg, B, T, dt))]
+    acts = [(s.name, s.nbytes) for s in TensorLayout(activation_specs(cfg, B, T, dt, keep_gelu))]
     acts += [(s.name, s.nbytes) for s in TensorLayout(grad_activation_specs(cfg, B, T, dt))]
     acts.sort(key=lambda kv: -kv[1])
     return cfg, T, dt, MemoryReport(plan, acts)
 
 
-def measure_one_step(cfg, B: int, T: int, dtype, optimizer: str = "adamw", master_weights: str = "fp32") -> int:
+def measure_one_step(cfg, B: int, T: int, dtype, optimizer: str = "adamw", master_weights: str = "fp32",
+                     keep_gelu: bool = False) -> int:
     """Bytes the CuPy memory pool holds after building the model and training one step on random tokens."""
     from . import runtime
     from .model import GPT2
@@ -62,7 +64,7 @@ def measure_one_step(cfg, B: int, T: int, dtype, optimizer: str = "adamw", maste
     cp = runtime.cupy
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
-    model = GPT2(cfg, xp=cp, dtype=dtype, seed=1337)
+    model = GPT2(cfg, xp=cp, dtype=dtype, seed=1337, keep_gelu=keep_gelu)
     model.allocate_grads()
     model.allocate_activations(B, T)
     cls = ScheduleFreeAdamW if optimizer == "sfadamw" else AdamW

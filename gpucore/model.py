@@ -20,8 +20,10 @@ gradients and activations, fp32 layernorm statistics, attention log-sum-exp
 and losses (the fp32 master weights and AdamW state live in gpucore.optim).
 
 Memory (the reason for three choices below, as in llm.c):
-- the GELU output is not stored per layer: one (B, T, 4C) buffer is reused and
-  the backward pass recomputes gelu(fch[l]) into it ("recompute=1");
+- the GELU output is stored per layer only when it fits (keep_gelu, see
+  resolve_keep_gelu: L x B x T x 4C values, 4.8 GB at d12 B=64): then the
+  backward reads it; otherwise one (B, T, 4C) buffer is reused and the
+  backward pass recomputes gelu(fch[l]) into it (llm.c's "recompute=1");
 - the attention/MLP output projections write into one shared (B, T, C)
   scratch, because the fused residual+layernorm consumes them at once;
 - the LM head never materialises (B, T, Vp) logits in training: it runs in
@@ -41,7 +43,7 @@ from . import dtypes, runtime, settings
 from .ops.attention import attention_backward, attention_forward
 from .ops.classifier import fused_classifier
 from .ops.encoder import encoder_backward, encoder_backward_plan, encoder_forward
-from .ops.gelu import gelu, gelu_backward
+from .ops.gelu import gelu
 from .ops.layernorm import fused_residual_layernorm_forward, layernorm_backward, layernorm_forward
 from .ops.matmul import matmul_backward, matmul_forward
 from .ops.reduce import reduce_sum as _sum
@@ -50,6 +52,7 @@ from .tensors import TensorLayout
 GPT2_VOCAB = 50257
 VOCAB_MULTIPLE = 128               # pad the vocabulary to 50304 = 393 * 128 (tensor-core friendly)
 HEAD_CHUNK_BYTES = 1 << 30         # LM-head logits scratch budget (rows chosen to fit)
+KEEP_GELU_DEVICE_FRACTION = 1 / 3  # keep_gelu=None keeps the GELU outputs while the plan stays under this
 
 # name: (num_layers, num_heads, channels, max_seq_len, vocab_size, padded_vocab_size)
 PRESETS = {
@@ -157,8 +160,9 @@ def head_chunk_rows(cfg: GPT2Config, BT: int, dtype) -> int:
     return min(BT, 1 << (limit.bit_length() - 1))
 
 
-def activation_specs(cfg: GPT2Config, B: int, T: int, dtype):
-    """The forward activations kept for the backward pass (plus scratch), for a (B, T) batch."""
+def activation_specs(cfg: GPT2Config, B: int, T: int, dtype, keep_gelu: bool = False):
+    """The forward activations kept for the backward pass (plus scratch), for a (B, T) batch.
+    keep_gelu: fch_gelu is stored per layer (L, B, T, 4C) instead of one recomputed (B, T, 4C)."""
     L, C, NH, Vp = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size
     f32 = dtypes.float32
     return [
@@ -172,7 +176,8 @@ def activation_specs(cfg: GPT2Config, B: int, T: int, dtype):
         ("residual3", (L, B, T, C), dtype),        # residual2 + MLP branch: layer output
         ("lnf", (B, T, C), dtype), ("lnf_mean", (B, T), f32), ("lnf_rstd", (B, T), f32),
         ("losses", (B, T), f32),
-        ("fch_gelu", (B, T, 4 * C), dtype),        # scratch: gelu(fch[l]), recomputed in backward
+        ("fch_gelu", (L, B, T, 4 * C) if keep_gelu else (B, T, 4 * C), dtype),   # gelu(fch): kept, or
+                                                   # scratch recomputed by the backward
         ("proj", (B, T, C), dtype),                # scratch: attproj / fcproj matmul outputs
         ("logits", (head_chunk_rows(cfg, B * T, dtype), Vp), dtype),  # scratch: one LM-head chunk
     ]
@@ -188,7 +193,8 @@ def grad_activation_specs(cfg: GPT2Config, B: int, T: int, dtype):
     ]
 
 
-def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "fp32") -> dict[str, int]:
+def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "fp32",
+                keep_gelu: bool = False) -> dict[str, int]:
     """Bytes of each flat buffer a training run at (B, T) allocates (nothing is allocated).
 
     The fp32 master copy exists only when the parameters are not fp32 and master_weights is
@@ -204,12 +210,30 @@ def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "f
         "master": n * per["master"],
         "m": n * per["m"],
         "v": n * per["v"],
-        "activations": TensorLayout(activation_specs(cfg, B, T, dtype)).nbytes,
+        "activations": TensorLayout(activation_specs(cfg, B, T, dtype, keep_gelu)).nbytes,
         "grad scratch": TensorLayout(grad_activation_specs(cfg, B, T, dtype)).nbytes,
     }
     if per["kahan"]:
         plan["kahan"] = n * per["kahan"]
     return plan
+
+
+def resolve_keep_gelu(keep_gelu, cfg: GPT2Config, B: int, T: int, dtype, xp, master_weights: str = "fp32",
+                      device_bytes: int | None = None) -> bool:
+    """keep_gelu as given (True/False), or for None the default: on a GPU, keep the per-layer GELU
+    outputs (the backward then skips L recomputations, ~0.28 ms each at d12 B=64 on an H100) when
+    the whole plan with them stays within KEEP_GELU_DEVICE_FRACTION of the device's memory (d12
+    B=64: 23 GB, kept on an H100; d48 B=16: 65 GB, recomputed, as llm.c does); on the CPU, recompute.
+    The choice changes no arithmetic of the forward, and the backward reads the same values
+    either way up to the GELU epilogue's bf16 rounding (gpucore/ops/matmul.py)."""
+    if keep_gelu is not None:
+        return bool(keep_gelu)
+    if xp is np:
+        return False
+    if device_bytes is None:
+        device_bytes = runtime.cupy.cuda.Device().mem_info[1]
+    plan = memory_plan(cfg, B, T, dtype, master_weights=master_weights, keep_gelu=True)
+    return sum(plan.values()) <= KEEP_GELU_DEVICE_FRACTION * device_bytes
 
 
 def allocate(layout: TensorLayout, xp, zero: bool = True):
@@ -235,10 +259,11 @@ class _BatchViews:
 
     def __init__(self, tensors, B: int):
         for name, x in tensors:
-            if name == "logits" or x.shape[0 if name not in LAYER_ACTIVATIONS else 1] == B:
+            per_layer = name in LAYER_ACTIVATIONS or (name == "fch_gelu" and x.ndim == 4)   # kept GELU
+            if name == "logits" or x.shape[1 if per_layer else 0] == B:
                 v = x
             else:
-                v = x[:, :B] if name in LAYER_ACTIVATIONS else x[:B]
+                v = x[:, :B] if per_layer else x[:B]
             setattr(self, name, v)
 
 
@@ -250,9 +275,13 @@ class GPT2:
     model = GPT2(GPT2Config.from_preset("tiny"), xp=numpy, dtype="float32", seed=1337)
     loss = model.forward(tokens, targets, for_backward=True)   # 0-d fp32 array on xp
     model.backward()                                            # grads accumulate (+=) into model.grads
+
+    keep_gelu: store the GELU outputs per layer (True), recompute them in the backward (False), or
+    None: decided per batch shape by resolve_keep_gelu (see it); self.keep_gelu is the decision.
     """
 
-    def __init__(self, config: GPT2Config, *, xp=np, dtype="float32", seed: int | None = 1337):
+    def __init__(self, config: GPT2Config, *, xp=np, dtype="float32", seed: int | None = 1337,
+                 keep_gelu: bool | None = None):
         self.config = config
         self.xp = xp
         self.dtype = dtypes.normalize(dtype)
@@ -267,6 +296,8 @@ class GPT2:
         self._shape = None          # (B, T) the buffers were allocated for
         self._backward_ready = None  # tokens of the last forward(..., for_backward=True)
         self._encoder_plan = None    # its token sort for the encoder backward (GPU; made in forward)
+        self.keep_gelu_request = keep_gelu
+        self.keep_gelu = False       # decided in allocate_activations
         if seed is not None:
             self.init_weights(seed)
 
@@ -332,8 +363,9 @@ class GPT2:
         if self._shape is None or self._shape[1] != T or self._shape[0] < B:
             self.acts = self.grad_acts = self._acts_full = self._grad_full = None   # free first
             self._shape = self._backward_ready = None
-            self._acts_full = allocate(TensorLayout(activation_specs(self.config, B, T, self.dtype)),
-                                       self.xp, zero=False)
+            self.keep_gelu = resolve_keep_gelu(self.keep_gelu_request, self.config, B, T, self.dtype, self.xp)
+            self._acts_full = allocate(TensorLayout(activation_specs(self.config, B, T, self.dtype,
+                                                                     self.keep_gelu)), self.xp, zero=False)
             self._grad_full = allocate(TensorLayout(grad_activation_specs(self.config, B, T, self.dtype)),
                                        self.xp, zero=False)
             self._shape = (B, T)
@@ -343,7 +375,8 @@ class GPT2:
         return self.acts
 
     def memory_plan(self, B: int, T: int) -> dict[str, int]:
-        return memory_plan(self.config, B, T, self.dtype)
+        keep = resolve_keep_gelu(self.keep_gelu_request, self.config, B, T, self.dtype, self.xp)
+        return memory_plan(self.config, B, T, self.dtype, keep_gelu=keep)
 
     # -------------------------------------------------------------- forward
 
@@ -404,9 +437,9 @@ class GPT2:
             matmul_forward(_2d(a.atty[l]), p.attprojw[l], p.attprojb[l], out=_2d(a.proj))
             fused_residual_layernorm_forward(residual, a.proj, p.ln2w[l], p.ln2b[l], residual=a.residual2[l],
                                              out=a.ln2[l], mean=a.ln2_mean[l], rstd=a.ln2_rstd[l])
-            matmul_forward(_2d(a.ln2[l]), p.fcw[l], p.fcb[l], out=_2d(a.fch[l]))
-            gelu(a.fch[l], out=a.fch_gelu)
-            matmul_forward(_2d(a.fch_gelu), p.fcprojw[l], p.fcprojb[l], out=_2d(a.proj))
+            fch_gelu = a.fch_gelu[l] if self.keep_gelu else a.fch_gelu
+            matmul_forward(_2d(a.ln2[l]), p.fcw[l], p.fcb[l], out=_2d(a.fch[l]), gelu_out=_2d(fch_gelu))
+            matmul_forward(_2d(fch_gelu), p.fcprojw[l], p.fcprojb[l], out=_2d(a.proj))
             if l + 1 < L:   # the next layer's ln1, fused with this layer's second residual add
                 fused_residual_layernorm_forward(a.residual2[l], a.proj, p.ln1w[l + 1], p.ln1b[l + 1],
                                                  residual=a.residual3[l], out=a.ln1[l + 1],
@@ -485,10 +518,14 @@ class GPT2:
         for l in reversed(range(L)):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
             # MLP branch: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
-            gelu(a.fch[l], out=a.fch_gelu)                    # recompute (not stored per layer)
-            matmul_backward(_2d(dres), _2d(a.fch_gelu), p.fcprojw[l], dx=_2d(dfch),
-                            dweight=g.fcprojw[l], dbias=None if fuse else g.fcprojb[l], need_dbias=not fuse)
-            gelu_backward(dfch, a.fch[l], dx=dfch, dbias=g.fcb[l] if fuse else None)
+            if self.keep_gelu:
+                fch_gelu = a.fch_gelu[l]
+            else:
+                fch_gelu = gelu(a.fch[l], out=a.fch_gelu)     # recompute (not stored per layer)
+            # dfch = (dres @ fcprojw) * gelu'(fch): in the dx GEMM's epilogue where it can (bf16)
+            matmul_backward(_2d(dres), _2d(fch_gelu), p.fcprojw[l], dx=_2d(dfch),
+                            dweight=g.fcprojw[l], dbias=None if fuse else g.fcprojb[l], need_dbias=not fuse,
+                            gelu_input=_2d(a.fch[l]), dx_colsum=g.fcb[l] if fuse else None)
             matmul_backward(_2d(dfch), _2d(a.ln2[l]), p.fcw[l], dx=_2d(dsmall), dweight=g.fcw[l],
                             dbias=None if fuse else g.fcb[l], need_dbias=not fuse)
             layernorm_backward(dsmall, a.residual2[l], p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l],

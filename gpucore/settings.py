@@ -14,10 +14,10 @@ test or a probe changes a choice in one visible, scoped way:
 `using` nests and is per thread (a ContextVar), so a changed choice never
 leaks out of its `with` block, not even when the block raises.
 
-The defaults are the measured winners (tools/notes/). Two fields can also be
+The defaults are the measured winners (tools/notes/). Three fields can also be
 set from the environment, read once when the defaults are first needed (not
-at import): GPUCORE_CUBLASLT=0 and GPUCORE_LT_AUTOTUNE=0 (README, "Environment
-variables").
+at import): GPUCORE_CUBLASLT=0, GPUCORE_LT_AUTOTUNE=0 and GPUCORE_GELU_EPILOGUE=0
+(README, "Environment variables"); A/B runs of whole trainings use them.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ class Settings:
     lt_try_gemmex: bool = True            # gemmEx takes part in the race of epilogue-free GEMMs
     lt_autotune_min_flops: float = 2e9    # below: the heuristic's first choice (timing costs more than it saves)
     lt_tune_cache: str | None = None      # the winners' file; None: <kernel cache dir>/cublaslt_algos.json
+    gelu_epilogue: bool = True            # bf16 matmul_forward(gelu_out=) / backward(gelu_input=) in Lt's epilogue
     # ---- attention (gpucore/ops/attention.py)
     attention_v3_forward: bool = True     # version=None forward: v3 (Hopper wgmma) where it applies, else v2
     attention_v3_backward: bool = True    # version=None backward: likewise
@@ -58,7 +59,8 @@ def from_env(environ=None) -> Settings:
     """The defaults, with the documented environment variables applied."""
     env = os.environ if environ is None else environ
     return Settings(cublaslt=env.get("GPUCORE_CUBLASLT", "1") != "0",
-                    lt_autotune=env.get("GPUCORE_LT_AUTOTUNE", "1") != "0")
+                    lt_autotune=env.get("GPUCORE_LT_AUTOTUNE", "1") != "0",
+                    gelu_epilogue=env.get("GPUCORE_GELU_EPILOGUE", "1") != "0")
 
 
 _CURRENT: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("gpucore_settings", default=None)

@@ -101,6 +101,7 @@ class TrainArgs:
     metrics: str | None = None        # None: <out_dir>/metrics.jsonl
     optimizer: str = "adamw"          # adamw | sfadamw (schedule-free AdamW: no lr decay schedule)
     master_weights: str = "fp32"      # bf16 models: fp32 master copy, or none with "sr" (stochastic rounding) / "kahan"
+    keep_gelu: str = "auto"           # store the GELU outputs per layer (on), recompute them (off), or decide (auto)
     nproc: int = 0                    # start this many ranks on this machine (0: this process is the run)
     zero: int = 0                     # 1: ZeRO-1, optimizer state sharded across ranks
     dist_timeout: float = 900.0       # seconds without progress before a rank ends the job (data parallel)
@@ -159,6 +160,7 @@ class RunSetup:
     out_dir: Path
     metrics_path: Path
     plan: dict                        # bytes of each buffer the run allocates (model.memory_plan)
+    keep_gelu: bool = False           # the --keep-gelu decision (model.resolve_keep_gelu)
     start: int = 0                    # the step to continue from
     resume_arrays: dict | None = None
     resume_meta: dict | None = None
@@ -171,7 +173,7 @@ class RunSetup:
 def prepare(args: TrainArgs, echo, dp=None) -> RunSetup:
     """Read the checkpoint (when resuming), choose config/backend/dtype and check the batch geometry."""
     from . import dtypes
-    from .model import PRESETS, GPT2Config, memory_plan
+    from .model import PRESETS, GPT2Config, memory_plan, resolve_keep_gelu
     arrays = meta = ckpt = None
     device, why = choose_device(args.device)
     if args.device == "auto":
@@ -229,14 +231,18 @@ def prepare(args: TrainArgs, echo, dp=None) -> RunSetup:
     if args.zero and dp is None:
         echo("--zero 1 without several ranks: nothing to shard, training as usual")
     out_dir = Path(args.out_dir or f"out/{preset}")
-    plan = memory_plan(cfg, B, T, dtype, master_weights=args.master_weights)
+    if args.keep_gelu not in ("auto", "on", "off"):
+        raise TrainError(f"--keep-gelu {args.keep_gelu}: expected auto, on or off")
+    keep_gelu = resolve_keep_gelu({"auto": None, "on": True, "off": False}[args.keep_gelu], cfg, B, T, dtype, xp,
+                                  master_weights=args.master_weights)
+    plan = memory_plan(cfg, B, T, dtype, master_weights=args.master_weights, keep_gelu=keep_gelu)
     if dp is not None:
         from .distributed.parallel import plan_for
         plan = plan_for(plan, world, dp.zero)
     return RunSetup(preset=preset, cfg=cfg, device=device, xp=xp, dtype=dtype, B=B, T=T, total=total,
                     grad_accum=total // (B * T * world), out_dir=out_dir,
                     metrics_path=Path(args.metrics) if args.metrics else out_dir / "metrics.jsonl",
-                    plan=plan, start=int(meta["step"]) if meta else 0,
+                    plan=plan, keep_gelu=keep_gelu, start=int(meta["step"]) if meta else 0,
                     resume_arrays=arrays, resume_meta=meta, resume_path=ckpt, init_flat=init_flat,
                     init_source=init_source, dp=dp)
 
@@ -315,7 +321,7 @@ def build_model(args: TrainArgs, setup: RunSetup):
     resuming = setup.resume_arrays is not None
     initialised = setup.init_flat is not None
     model = GPT2(setup.cfg, xp=setup.xp, dtype=setup.dtype,
-                 seed=None if resuming or initialised else args.seed)
+                 seed=None if resuming or initialised else args.seed, keep_gelu=setup.keep_gelu)
     model.allocate_grads()
     model.allocate_activations(setup.B, setup.T)
     kw = dict(betas=(args.beta1, args.beta2), weight_decay=args.weight_decay, max_grad_norm=args.grad_clip or None)
@@ -373,7 +379,8 @@ def print_header(args, setup: RunSetup, model, train_loader, val_loader, echo) -
          + (f", val {val_loader.num_tokens:,} tokens ({val_loader.B} rows x {setup.T})" if val_loader else ""))
     if setup.dp is not None:
         echo(setup.dp.describe() + f" | {setup.B * setup.T:,} tokens per rank per micro-batch")
-    echo(format_plan(setup.plan) + (" (per rank)" if setup.dp is not None else ""))
+    echo(format_plan(setup.plan) + (" (per rank)" if setup.dp is not None else "")
+         + f" | GELU outputs {'kept per layer' if setup.keep_gelu else 'recomputed in the backward'}")
     if setup.device == "cpu" and n > 20_000_000:
         echo("note: the CPU (NumPy reference) backend is slow for this model; try --model tiny")
 

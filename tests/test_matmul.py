@@ -285,3 +285,122 @@ def test_gpu_matmul_runs_on_current_stream(rng, gemm_path):
     _check_close(res, mm.matmul_forward_reference(x, w, b, np.float64), BF16, "on a side stream")
 
 
+
+
+# --------------------------------------------------- GELU in the GEMM (the MLP) ----
+
+from gpucore.ops.gelu import gelu_backward_reference, gelu_reference   # noqa: E402
+
+
+def test_matmul_forward_gelu_out_reference(rng):
+    """gelu_out = gelu of the unrounded sum (what the bf16 epilogue computes); out as without it."""
+    x, w, b = _rand(rng, (6, 8), BF16), _rand(rng, (12, 8), BF16, 0.5), _rand(rng, (12,), BF16)
+    g = np.empty((6, 12), BF16)
+    out = gpucore.matmul_forward(x, w, b, gelu_out=g)
+    r = x.astype(np.float64) @ w.astype(np.float64).T + b.astype(np.float64)
+    np.testing.assert_array_equal(out, r.astype(BF16))
+    np.testing.assert_array_equal(g, gelu_reference(r).astype(BF16))
+    assert not np.array_equal(g.astype(np.float32), out.astype(np.float32))    # GELU applied
+
+
+def test_matmul_backward_gelu_input_reference_vs_numerical(rng):
+    """d/d(pre) of sum(dout * (gelu(pre) @ w^T)) is what matmul_backward(gelu_input=pre) returns as dx,
+    and dx_colsum adds dx's column sums (the fc bias gradient)."""
+    N, K, M = 5, 7, 4
+    pre, w, dout = (_rand(rng, s, np.float32) for s in ((N, K), (M, K), (N, M)))
+    x = gelu_reference(pre).astype(np.float32)
+    cs0 = _rand(rng, (K,), np.float32)
+    cs = cs0.copy()
+    dx, dw, _ = gpucore.matmul_backward(dout, x, w, gelu_input=pre, dx_colsum=cs, need_dbias=False)
+    num = numerical_grad(lambda p: gelu_reference(p) @ w.T, pre, dout)
+    assert_grad_close(dx, num, name="dx through gelu'")
+    np.testing.assert_allclose(cs, cs0.astype(np.float64) + dx.astype(np.float64).sum(axis=0), rtol=1e-6, atol=1e-6)
+    want = gelu_backward_reference(dout.astype(np.float64) @ w.astype(np.float64), pre)
+    np.testing.assert_array_equal(dx, want.astype(np.float32))
+
+
+def test_matmul_gelu_bad_input(rng):
+    x, w = _rand(rng, (4, 8), np.float32), _rand(rng, (6, 8), np.float32)
+    out = np.empty((4, 6), np.float32)
+    with pytest.raises(ValueError, match="gelu_out"):
+        gpucore.matmul_forward(x, w, out=out, gelu_out=np.empty((4, 5), np.float32))
+    with pytest.raises(TypeError, match="gelu_out"):
+        gpucore.matmul_forward(x, w, out=out, gelu_out=np.empty((4, 6), BF16))
+    dout = _rand(rng, (4, 6), np.float32)
+    with pytest.raises(ValueError, match="gelu_input"):
+        gpucore.matmul_backward(dout, x, w, gelu_input=np.empty((4, 7), np.float32))
+    with pytest.raises(ValueError, match="gelu_input"):
+        gpucore.matmul_backward(dout, x, w, need_dx=False, gelu_input=x)
+    with pytest.raises(ValueError, match="dx_colsum"):
+        gpucore.matmul_backward(dout, x, w, dx_colsum=np.zeros(6, np.float32))
+
+
+@pytest.fixture(params=["epilogue", "separate"])
+def gelu_path(request):
+    """The MLP's GELU through cuBLASLt's epilogues, and through the separate gelu kernels."""
+    with settings.using(gelu_epilogue=request.param == "epilogue"):
+        yield request.param
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K,M", [(7, 16, 24), (300, 96, 200), (1000, 768, 3072), (4096, 768, 3072)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gpu_matmul_forward_gelu(rng, gelu_path, dtype, N, K, M, with_bias):
+    cp = runtime.cupy
+    x, w = _rand(rng, (N, K), dtype), _rand(rng, (M, K), dtype, 0.05)
+    b = _rand(rng, (M,), dtype) if with_bias else None
+    out, g = poison((N, M), dtype), poison((N, M), dtype)
+    gpucore.matmul_forward(cp.asarray(x), cp.asarray(w), None if b is None else cp.asarray(b), out=out,
+                           gelu_out=g)
+    ref = mm.matmul_forward_reference(x, w, b, np.float64)
+    _check_close(out, ref, dtype, f"pre-activation ({gelu_path})")
+    _check_close(g, gelu_reference(ref), dtype, f"gelu_out ({gelu_path})")
+    if dtype == np.float32:
+        assert rel_err(to_cpu(g), gelu_reference(ref)) < 5e-6
+    # deterministic
+    g2 = poison((N, M), dtype)
+    gpucore.matmul_forward(cp.asarray(x), cp.asarray(w), None if b is None else cp.asarray(b), out=out.copy(),
+                           gelu_out=g2)
+    assert to_cpu(g).tobytes() == to_cpu(g2).tobytes()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K,M", [(7, 24, 16), (300, 200, 96), (1000, 3072, 768), (4096, 3072, 768)])
+def test_gpu_matmul_backward_gelu(rng, gelu_path, dtype, N, K, M):
+    """dx = (dout @ w) * gelu'(pre), dweight += dout^T @ gelu(pre), dx_colsum += dx's column sums."""
+    cp = runtime.cupy
+    pre, w, dout = _rand(rng, (N, K), dtype), _rand(rng, (M, K), dtype, 0.05), _rand(rng, (N, M), dtype)
+    x = gelu_reference(pre).astype(dtype)
+    dw0, cs0 = _rand(rng, (M, K), dtype), _rand(rng, (K,), np.float32)
+    dx, dw, cs = poison((N, K), dtype), cp.asarray(dw0), cp.asarray(cs0)
+    gpucore.matmul_backward(cp.asarray(dout), cp.asarray(x), cp.asarray(w), dx=dx, dweight=dw, need_dbias=False,
+                            gelu_input=cp.asarray(pre), dx_colsum=cs)
+    rdx, rdw, _ = mm.matmul_backward_reference(dout, x, w)
+    want_dx = gelu_backward_reference(rdx, pre)
+    _check_close(dx, want_dx, dtype, f"dx through gelu' ({gelu_path})")
+    _check_close(dw, dw0.astype(np.float64) + rdw, dtype, f"dweight ({gelu_path})")
+    # the column sums are of dx as stored: compare with the sums of the GPU's own dx (float32 tolerance)
+    _check_close(cs, cs0 + to_cpu(dx).astype(np.float64).sum(axis=0), np.float32, "dx_colsum", tol=1e-5)
+    dx2 = poison((N, K), dtype)
+    gpucore.matmul_backward(cp.asarray(dout), cp.asarray(x), cp.asarray(w), dx=dx2, need_dweight=False,
+                            need_dbias=False, gelu_input=cp.asarray(pre))
+    assert to_cpu(dx).tobytes() == to_cpu(dx2).tobytes(), "dx not deterministic"
+
+
+@pytest.mark.cuda
+def test_gpu_gelu_epilogue_is_used_for_bf16():
+    """The bf16 training shapes get an Lt plan with the GELU epilogues (not the fallback)."""
+    from gpucore import cublas
+    cp = runtime.cupy
+    rng = np.random.default_rng(3)
+    N, K, M = 2048, 768, 3072
+    x, w, b = (cp.asarray(_rand(rng, s, BF16)) for s in ((N, K), (M, K), (M,)))
+    out, g = cp.empty((N, M), BF16), cp.empty((N, M), BF16)
+    with settings.using(gelu_epilogue=True):
+        gpucore.matmul_forward(x, w, b, out=out, gelu_out=g)
+        gpucore.matmul_backward(g, x, w, dx=cp.empty((N, K), BF16), gelu_input=cp.asarray(_rand(rng, (N, K), BF16)),
+                                need_dweight=False, need_dbias=False)
+    assert cublas.plan_choice(N, M, K, transpose_b=True, bias=True, gelu="forward") not in ("-", "?")
+    assert cublas.plan_choice(N, K, M, gelu="backward") not in ("-", "?")

@@ -281,6 +281,46 @@ def test_fused_bias_grads_setting_numpy(rng):
             assert got.tobytes() == want.tobytes(), name
 
 
+def test_keep_gelu_numpy_matches_recompute(rng):
+    """Storing the GELU outputs per layer (keep_gelu=True) or recomputing them in the backward
+    gives the same loss bit for bit (the forward is the same) and the same gradients to float32
+    rounding (the kept output is GELU of the unrounded sum, the recomputed one of the stored fch)."""
+    cfg = GPT2Config.from_preset("micro")
+    x, y = _batch(rng, cfg, 2, 16)
+    res = {}
+    for keep in (True, False):
+        m = GPT2(cfg, dtype="float32", seed=5, keep_gelu=keep)
+        _randomize(m, np.random.default_rng(3), 0.1)
+        m.zero_grad()
+        loss = m.forward(x, y, for_backward=True)
+        m.backward()
+        assert m.keep_gelu is keep
+        assert m.acts.fch_gelu.shape == ((cfg.num_layers,) if keep else ()) + (2, 16, 4 * cfg.channels)
+        res[keep] = np.asarray(loss).tobytes(), m.grads.flat().astype(np.float64)
+    assert res[True][0] == res[False][0]
+    assert rel_err(res[True][1], res[False][1]) < 1e-6
+
+
+def test_keep_gelu_plan_and_auto_rule():
+    """memory_plan(keep_gelu=True) adds (L-1) x B x T x 4C values; None keeps them on a GPU while the
+    whole plan stays within a third of its memory, never on the CPU."""
+    from gpucore.model import KEEP_GELU_DEVICE_FRACTION, resolve_keep_gelu
+    cfg = GPT2Config.from_preset("d12")
+    off = memory_plan(cfg, 64, 1024, "bf16")
+    on = memory_plan(cfg, 64, 1024, "bf16", keep_gelu=True)
+    assert on["activations"] - off["activations"] == 11 * 64 * 1024 * 3072 * 2
+    assert {k for k in on if on[k] != off[k]} == {"activations"}
+    total = sum(on.values())
+    fake_gpu = object()      # any xp that is not NumPy counts as a device
+    assert resolve_keep_gelu(None, cfg, 64, 1024, "bf16", fake_gpu, device_bytes=80 * 2**30)       # 22.6 GiB
+    assert not resolve_keep_gelu(None, cfg, 64, 1024, "bf16", fake_gpu,
+                                 device_bytes=int(total / KEEP_GELU_DEVICE_FRACTION) - 1)
+    assert not resolve_keep_gelu(None, GPT2Config.from_preset("d48"), 16, 1024, "bf16", fake_gpu,
+                                 device_bytes=141 * 2**30)      # 65 GiB: recomputed, as llm.c does
+    assert not resolve_keep_gelu(None, cfg, 64, 1024, "bf16", np)
+    assert resolve_keep_gelu(True, cfg, 64, 1024, "bf16", np) and not resolve_keep_gelu(False, cfg, 1, 8, "bf16", 0)
+
+
 @pytest.mark.parametrize("preset", ["micro", "tiny"])
 def test_kv_cache_decoding_matches_full_forward(rng, preset):
     cfg = GPT2Config.from_preset(preset)
@@ -364,6 +404,33 @@ def test_gpu_fused_bias_grads_match_unfused(rng, dtype):
 
 
 @pytest.mark.cuda
+def test_gpu_gelu_epilogue_and_keep_gelu_match_the_separate_kernels(rng):
+    """bf16 model: the GELU in the fc / fcproj GEMMs' epilogues (settings.gelu_epilogue) against the
+    separate gelu kernels, with the GELU outputs kept or recomputed: the same loss and gradients up
+    to bf16 rounding; with the epilogue, keeping or recomputing gives the same loss bit for bit."""
+    cp = runtime.cupy
+    cfg = GPT2Config.from_preset("tiny")
+    x, y = _batch(rng, cfg, 4, 64, cp)
+    res = {}
+    for epi in (False, True):
+        for keep in (False, True):
+            with settings.using(gelu_epilogue=epi):
+                m = GPT2(cfg, xp=cp, dtype="bfloat16", seed=9, keep_gelu=keep)
+                _randomize(m, np.random.default_rng(1), 0.05)
+                m.zero_grad()
+                loss = m.forward(x, y, for_backward=True)
+                m.backward()
+            res[epi, keep] = to_cpu(loss).tobytes(), float(loss), to_cpu(m.grads.flat()).astype(np.float32)
+    base = res[False, False]
+    assert np.all(np.isfinite(base[2]))
+    for key, (bits, loss, g) in res.items():
+        assert np.isfinite(loss) and abs(loss - base[1]) < 2e-3 * base[1], key
+        assert rel_err(g, base[2]) < 3e-2, key
+    assert res[True, True][0] == res[True, False][0]
+    assert res[False, True][0] == res[False, False][0]
+
+
+@pytest.mark.cuda
 def test_gpu_bf16_close_to_numpy_fp32(rng):
     cfg = GPT2Config.from_preset("tiny")
     x, y = _batch(rng, cfg, 4, 64)
@@ -381,13 +448,14 @@ def test_gpu_bf16_close_to_numpy_fp32(rng):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_backward_is_deterministic(rng, dtype):
+@pytest.mark.parametrize("keep_gelu", [False, True])
+def test_gpu_backward_is_deterministic(rng, dtype, keep_gelu):
     cp = runtime.cupy
     cfg = GPT2Config.from_preset("tiny")
     x, y = _batch(rng, cfg, 4, 64, cp)
     out = []
     for _ in range(2):
-        m = GPT2(cfg, xp=cp, dtype=dtype, seed=9)
+        m = GPT2(cfg, xp=cp, dtype=dtype, seed=9, keep_gelu=keep_gelu)
         m.zero_grad()
         loss = m.forward(x, y, for_backward=True)
         m.backward()

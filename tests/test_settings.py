@@ -1,7 +1,8 @@
 """gpucore.settings: the one configuration surface, and the structure rules it makes checkable.
 
 - Settings are frozen; `using` overrides them for a block (nested, per thread, restored on errors).
-- The environment is read once for the defaults (GPUCORE_CUBLASLT, GPUCORE_LT_AUTOTUNE), never at import.
+- The environment is read once for the defaults (GPUCORE_CUBLASLT, GPUCORE_LT_AUTOTUNE,
+  GPUCORE_GELU_EPILOGUE), never at import.
 - Training never imports the ladders; no package module imports another module's _private names.
 """
 import ast
@@ -63,6 +64,7 @@ def test_from_env_reads_the_documented_variables():
     s = settings.from_env({"GPUCORE_CUBLASLT": "0", "GPUCORE_LT_AUTOTUNE": "0"})
     assert not s.cublaslt and not s.lt_autotune
     assert settings.from_env({"GPUCORE_CUBLASLT": "1"}).cublaslt
+    assert settings.from_env({}).gelu_epilogue and not settings.from_env({"GPUCORE_GELU_EPILOGUE": "0"}).gelu_epilogue
 
 
 def _run(code: str) -> str:

@@ -1,7 +1,8 @@
 """The training matmul: linear layers (x @ W^T + b) and numpy-like matmuls, on cuBLAS.
 
-    matmul_forward   out (N, M) = x (N, K) @ weight (M, K)^T + bias (M,)
-    matmul_backward  dx = dout @ weight [=], dweight += dout^T @ x [+=], dbias += dout.sum(0) [+=]
+    matmul_forward   out (N, M) = x (N, K) @ weight (M, K)^T + bias (M,)   [gelu_out = gelu(out)]
+    matmul_backward  dx = dout @ weight [* gelu'(gelu_input)] [=], dweight += dout^T @ x [+=],
+                     dbias += dout.sum(0) [+=]
     batched_matmul   (Bt, M, N) = alpha * op(a) @ op(b) + beta * out   (attention v1)
     matmul           numpy-like 2-D / 3-D a @ b
 
@@ -15,6 +16,16 @@ bf16 bias into a float32 out): a small kernel (kernels_cu/matmul.cu) writes
 the broadcast bias into `out`, then gemmEx runs with beta = 1 -- one
 pure-write pass over out, about +30% time at 65536 x 768 x 2304
 (tools/notes/matmul.md).
+
+GELU (the MLP's activation): matmul_forward(..., gelu_out=) also writes gelu(out)
+and matmul_backward(..., gelu_input=) multiplies dx by gelu'(gelu_input). With
+bfloat16 operands they run in the GEMM's epilogue (cuBLASLt GELU_AUX_BIAS: the
+sum is written once as `out`, its GELU as `gelu_out`; DGELU: dx times gelu' of
+the stored GELU input), which saves the separate GELU passes over the
+(N, 4C) activation (tools/notes/profile.md). The epilogue applies GELU to the
+float32 sum before rounding, so gelu_out can differ from gelu(out as stored)
+by bf16 rounding; the reference and float32 runs use the separate kernels
+(ops/gelu.py), which agree with the float64 reference to float32 rounding.
 
 Bias gradient in the backward: the deterministic column-sum kernel
 (gpucore/ops/colsum.py) reads dout once more, after the GEMMs. In the GPT-2
@@ -36,11 +47,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import dtypes, runtime
+from .. import dtypes, runtime, settings
 from .. import profiler
 from ..cublas import gemm_ex, lt_gemm
 from ._common import check_array, check_same_dtype, output
 from .colsum import colsum
+from .gelu import gelu as _gelu, gelu_backward as _gelu_backward, gelu_backward_reference, gelu_reference
 
 F32, BF16 = dtypes.float32, dtypes.bfloat16
 
@@ -110,6 +122,13 @@ def _scale_inplace(out, beta):
         out[...] = (out.astype(np.float32) * np.float32(beta)).astype(out.dtype)
 
 
+def _gelu_epilogue_ok(out, aux) -> bool:
+    """cuBLASLt's GELU epilogues here: bf16 only (float32 keeps the exact separate kernels), the
+    aux matrix 16-byte aligned with a row length (its leading dimension) divisible by 8."""
+    return (settings.current().gelu_epilogue and out.dtype == BF16 and aux.dtype == BF16
+            and out.shape[-1] % 8 == 0 and aux.data.ptr % 16 == 0 and out.data.ptr % 16 == 0)
+
+
 def _train_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, beta=0.0, bias=None):
     """The training path's GEMM: cuBLASLt (bias fused) when it can, else gemmEx (+ bias-fill kernel)."""
     # Lt's bias has D's type: a bf16 bias into a float32 out takes the fill.
@@ -137,12 +156,14 @@ def _bias_fill(out2d, bias):
 
 
 @profiler.profiled("matmul forward", flops=profiler.matmul_forward_flops)
-def matmul_forward(x, weight, bias=None, out=None):
+def matmul_forward(x, weight, bias=None, out=None, *, gelu_out=None):
     """out (N, M) = x (N, K) @ weight (M, K)^T + bias (M,).
 
     x may have leading dims (..., K): they are flattened to N rows and out has
     shape (..., M). x, weight (and bias) share a dtype; with bfloat16 inputs,
     out may be bfloat16 (default) or float32; bias has x's dtype or out's.
+    gelu_out (out's shape and dtype), optional: also gelu(out) (fused into the
+    GEMM's epilogue for bfloat16; see the module docstring).
     """
     _check("x", x)
     if x.ndim < 2:
@@ -158,8 +179,18 @@ def matmul_forward(x, weight, bias=None, out=None):
     if bias is not None:
         _check("bias", bias, dtypes_=tuple(dict.fromkeys((x.dtype, out.dtype))), shape=(M,))
         _device(xp, "bias", bias)
+    if gelu_out is not None:
+        _check("gelu_out", gelu_out, dtypes_=(out.dtype,), shape=out.shape)
+        _device(xp, "gelu_out", gelu_out)
+        if _overlap(xp, gelu_out, out):
+            raise ValueError("gelu_out: must not overlap out (both are outputs)")
     if xp is np:
-        out[...] = matmul_forward_reference(x, weight, bias, out.dtype)
+        r = _f64(x) @ _f64(weight).T
+        if bias is not None:
+            r = r + _f64(bias)
+        out[...] = r.astype(out.dtype)
+        if gelu_out is not None:
+            gelu_out[...] = gelu_reference(r).astype(gelu_out.dtype)
         return out
     N = x.size // K if K else int(np.prod(x.shape[:-1]))
     if N == 0 or M == 0:
@@ -170,14 +201,24 @@ def matmul_forward(x, weight, bias=None, out=None):
             out.fill(0)
         else:
             _bias_fill(out2d, bias)
+    elif gelu_out is not None and _gelu_epilogue_ok(out, gelu_out) and (bias is None or bias.dtype == out.dtype) \
+            and lt_gemm(x, weight, gelu_out.reshape(N, M), N, M, K, transpose_b=True, bias=bias,
+                        gelu="forward", aux=out2d):
         return out
-    _train_gemm(x, weight, out2d, N, M, K, transpose_b=True, bias=bias)
+    else:
+        _train_gemm(x, weight, out2d, N, M, K, transpose_b=True, bias=bias)
+    if gelu_out is not None:
+        _gelu(out, out=gelu_out)
     return out
+
+
+def _overlap(xp, a, b) -> bool:
+    return xp is not np and a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
 
 
 @profiler.profiled("matmul backward", flops=profiler.matmul_backward_flops)
 def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=True, *,
-                    need_dweight=True, need_dbias=True):
+                    need_dweight=True, need_dbias=True, gelu_input=None, dx_colsum=None):
     """Gradients of out = x @ weight^T + bias. Returns (dx, dweight, dbias).
 
     dout (..., M), x (..., K), weight (M, K), all one dtype.
@@ -189,6 +230,11 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
     returned): a layer without bias should pass need_dbias=False. dbias comes
     from the two-stage column-sum kernel (ops/colsum.py), after the GEMMs:
     it reads dout once more.
+    gelu_input (x's shape and dtype), optional: x was gelu(gelu_input), and dx is
+    returned already through the GELU, dx = (dout @ weight) * gelu'(gelu_input)
+    (fused into the dx GEMM's epilogue for bfloat16).
+    dx_colsum (K,), float32 or the inputs' dtype, optional: += the column sums of dx as
+    stored (the bias gradient of the layer that produced x's GELU input; GPT-2's fc bias).
     """
     _check("dout", dout)
     _check("x", x)
@@ -205,6 +251,19 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
         dx = _output("dx", dx, xp, x.shape, in_dt, in_dt)
     else:
         dx = None
+    if gelu_input is not None:
+        _check("gelu_input", gelu_input, dtypes_=(in_dt,), shape=x.shape)
+        _device(xp, "gelu_input", gelu_input)
+        if dx is None:
+            raise ValueError("gelu_input: only applies to dx, and need_dx is False")
+        if dx.dtype != in_dt:
+            raise TypeError(f"dx: with gelu_input, dx must have the inputs' dtype {dtypes.name(in_dt)}, "
+                            f"got {dtypes.name(dx.dtype)}")
+    if dx_colsum is not None:
+        if dx is None:
+            raise ValueError("dx_colsum: sums dx, and need_dx is False")
+        _check("dx_colsum", dx_colsum, dtypes_=tuple(dict.fromkeys((F32, dx.dtype))), shape=(K,))
+        _device(xp, "dx_colsum", dx_colsum)
     if need_dweight and dweight is not None:
         _check("dweight", dweight, dtypes_=out_dtypes(in_dt), shape=(M, K))
         _device(xp, "dweight", dweight)
@@ -224,7 +283,9 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
     if xp is np:
         rdx, rdw, rdb = matmul_backward_reference(dout, x, weight)
         if dx is not None:
-            dx[...] = rdx.astype(dx.dtype)
+            dx[...] = (rdx if gelu_input is None else gelu_backward_reference(rdx, gelu_input)).astype(dx.dtype)
+        if dx_colsum is not None:
+            dx_colsum[...] = (_f64(dx_colsum) + _f64(dx).reshape(-1, K).sum(axis=0)).astype(dx_colsum.dtype)
         if dweight is not None:
             dweight[...] = (_f64(dweight) + rdw).astype(dweight.dtype)
         if dbias is not None:
@@ -237,8 +298,16 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
     if dx is not None and N and K:
         if M == 0:
             dx.fill(0)
+        elif gelu_input is not None and _gelu_epilogue_ok(dx, gelu_input) \
+                and lt_gemm(dout2d, weight, dx.reshape(N, K), N, K, M, gelu="backward", aux=gelu_input):
+            if dx_colsum is not None:                                             # dx is through gelu'
+                colsum(dx_colsum, dx.reshape(N, K))
         else:
             _train_gemm(dout2d, weight, dx.reshape(N, K), N, K, M)               # (N,M) @ (M,K)
+            if gelu_input is not None:   # the separate pass, summing dx's columns on the way
+                _gelu_backward(dx, gelu_input, dx=dx, dbias=dx_colsum)
+            elif dx_colsum is not None:
+                colsum(dx_colsum, dx.reshape(N, K))
     if dweight is not None and M and K:
         if N == 0:
             if fresh_dw:

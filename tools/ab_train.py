@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""ab_train.py -- whole training runs of several variants, timed in alternation in one device call.
+
+Machines differ by 5-10%, so speed-ups are only measured side by side: this runs every variant
+once per round (round 1: a, b, c, ...; round 2: a, b, c, ...), then prints per variant the median
+step time (step 1 excluded: compiles, autotune), tokens/s, the ratio to the first variant, the
+CuPy pool's high-water mark, the last loss, and which variants' losses agree bit for bit
+(a variant with itself across rounds: determinism).
+
+A variant is NAME=TREE[:ENV=VALUE,...][:EXTRA TRAIN OPTIONS]:
+
+    git archive HEAD | (mkdir -p .old && tar -x -C .old)       # the dev machine; .old is ignored
+    tools/ab_train.py --model d12 -B 64 --steps 20 --rounds 2 \\
+        old=.old  new=.  "sep=.:GPUCORE_GELU_EPILOGUE=0:--keep-gelu off"  "recompute=.::--keep-gelu off"
+
+Every run: `gpucore train --dtype bf16 --device cuda` on Tiny Shakespeare (made with `gpucore
+prepro` when missing), lr 3e-4, no validation, sampling or checkpoints. Logs under $OUT/ab_train.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_variant(text: str):
+    name, _, rest = text.partition("=")
+    parts = rest.split(":", 2) + ["", ""]
+    tree, env_text, extra = parts[0], parts[1], parts[2]
+    if not name or not tree:
+        raise SystemExit(f"variant {text!r}: expected NAME=TREE[:ENV=VALUE,...][:OPTIONS]")
+    env = dict(kv.split("=", 1) for kv in env_text.split(",") if kv)
+    return name, (ROOT / tree).resolve(), env, shlex.split(extra)
+
+
+def run(variant, tag, args, log: Path) -> Path:
+    name, tree, env, extra = variant
+    metrics = log / f"{name}.{tag}.jsonl"
+    cmd = [sys.executable, "-m", "gpucore.cli", "train", "--model", args.model, "-B", str(args.B), "-T", "1024",
+           "--steps", str(args.steps), "--lr", "3e-4", "--dtype", "bf16", "--device", "cuda", "--val-every", "0",
+           "--sample-every", "0", "--no-checkpoint", "--data", str(ROOT / "data" / "tinyshakespeare"),
+           "--out-dir", str(log / f"{name}.{tag}"), "--metrics", str(metrics), *extra]
+    full_env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1", **env}
+    with open(log / f"{name}.{tag}.txt", "w") as out:
+        rc = subprocess.run(cmd, cwd=tree, env=full_env, stdout=out, stderr=subprocess.STDOUT).returncode
+    if rc:
+        tail = (log / f"{name}.{tag}.txt").read_text().splitlines()[-8:]
+        raise SystemExit(f"{name} run {tag} failed (exit {rc}):\n" + "\n".join(tail))
+    return metrics
+
+
+def read(metrics: Path):
+    recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r for r in recs if "loss" in r]
+    end = next((r for r in recs if r.get("event") == "end"), {})
+    return steps, end.get("peak_gpu_bytes")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("variants", nargs="+")
+    p.add_argument("--model", default="d12")
+    p.add_argument("-B", type=int, default=64)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    variants = [parse_variant(v) for v in args.variants]
+    log = Path(os.environ.get("OUT", ROOT / "out")) / "ab_train"
+    log.mkdir(parents=True, exist_ok=True)
+    if not (ROOT / "data" / "tinyshakespeare" / "tinyshakespeare_train.bin").exists():
+        subprocess.run([sys.executable, "-m", "gpucore.cli", "prepro"], cwd=ROOT, check=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
+    results = {v[0]: [] for v in variants}
+    for r in range(1, args.rounds + 1):
+        for v in variants:
+            results[v[0]].append(read(run(v, str(r), args, log)))
+            steps = results[v[0]][-1][0]
+            print(f"{v[0]} round {r}: median {statistics.median(x['ms'] for x in steps[1:]):.1f} ms/step", flush=True)
+
+    print(f"================ ab_train summary ({args.model} B={args.B} T=1024 bf16, {args.steps} steps, "
+          f"{args.rounds} rounds) ================")
+    first = None
+    for name, runs in results.items():
+        ms = statistics.median(statistics.median(x["ms"] for x in steps[1:]) for steps, _ in runs)
+        tps = statistics.median(statistics.median(x["tokens_per_s"] for x in steps[1:]) for steps, _ in runs)
+        first = first or ms
+        peak = max((pk or 0) for _, pk in runs)
+        losses = [[x["loss"] for x in steps] for steps, _ in runs]
+        det = "bitwise" if all(ls == losses[0] for ls in losses) else "DIFFER"
+        print(f"{name:<14} {ms:8.1f} ms/step {tps:>10,.0f} tok/s  x{first / ms:.3f} vs {variants[0][0]}  "
+              f"pool peak {peak / 1e9:6.2f} GB  loss@{runs[0][0][-1]['step']} {losses[0][-1]:.6f}  rounds {det}")
+    names = list(results)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            la = [x["loss"] for x in results[a][0][0]]
+            lb = [x["loss"] for x in results[b][0][0]]
+            worst = max(abs(x - y) / abs(x) for x, y in zip(la, lb))
+            print(f"losses {a} vs {b}: " + ("bitwise identical" if la == lb else f"max rel diff {worst:.2e}"))
+
+
+if __name__ == "__main__":
+    main()
