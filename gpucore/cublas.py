@@ -18,7 +18,7 @@ Precision: bf16 inputs multiply on tensor cores with float32 accumulation
 Why cuBLASLt, through ctypes: CuPy binds cuBLAS but not cuBLASLt, whose matmul
 takes fused epilogues (CUBLASLT_EPILOGUE_BIAS: the forward bias costs nothing;
 GELU_AUX(_BIAS): the MLP's GELU in the fc GEMM, its input kept as the "aux"
-matrix; DGELU: the GELU backward in the fcproj dx GEMM, reading that aux) and, unlike CuPy's cuBLAS wrappers, can be captured into a CUDA graph. We call
+matrix) and, unlike CuPy's cuBLAS wrappers, can be captured into a CUDA graph. We call
 the handful of functions we need from the libcublasLt that CuPy has already
 loaded. Enum values and the heuristic-result layout are from cublasLt.h (CUDA
 12.x/13.x; the ABI is unchanged since 11.0).
@@ -61,7 +61,7 @@ GEMMEX = "gemmex"                       # a plan's choice when plain gemmEx won 
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_AUX_POINTER, _DESC_AUX_LD = 11, 12
 _EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
-_EPILOGUE_GELU_AUX, _EPILOGUE_GELU_AUX_BIAS, _EPILOGUE_DGELU = 160, 164, 192
+_EPILOGUE_GELU_AUX, _EPILOGUE_GELU_AUX_BIAS = 160, 164
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_MIN_ALIGNMENT = (5, 6, 7, 8)      # A, B, C, D
 _HEURISTIC_BYTES = 96                   # cublasLtMatmulHeuristicResult_t: algo[64] ws(8) state(4) waves(4) int[4]
@@ -391,23 +391,20 @@ def _alignment(ptr: int) -> int:
 
 
 def _epilogue(bias, gelu) -> int:
-    if gelu == "forward":
+    if gelu:
         return _EPILOGUE_GELU_AUX_BIAS if bias is not None else _EPILOGUE_GELU_AUX
-    if gelu == "backward":
-        return _EPILOGUE_DGELU
     return _EPILOGUE_BIAS if bias is not None else _EPILOGUE_DEFAULT
 
 
 def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0, bias=None,
-            gelu=None, aux=None) -> bool:
+            gelu_aux=None) -> bool:
     """Row-major out = alpha * op(a) @ op(b) + beta * out [+ bias over rows] by cublasLtMatmul.
 
-    bias (N,) must have out's dtype (Lt's bias has D's type). gelu="forward": aux (M, N) receives
-    the sum above and out gets its GELU (tanh form; GELU_AUX(_BIAS)); gelu="backward": out =
-    (the product) * gelu'(aux) (DGELU; no bias). aux has out's dtype and layout. Returns False
-    (nothing launched) when cuBLASLt is off or unavailable, has no algorithm for this case, or
-    plain gemmEx won the timing race: the caller then runs gemm_ex (with the bias or the GELU
-    some other way).
+    bias (N,) must have out's dtype (Lt's bias has D's type). gelu_aux (M, N), out's dtype and
+    layout: it receives the sum above and out gets its GELU (tanh form; GELU_AUX(_BIAS)).
+    Returns False (nothing launched) when cuBLASLt is off or unavailable, has no algorithm for
+    this case, or plain gemmEx won the timing race: the caller then runs gemm_ex (with the bias
+    or the GELU some other way).
     """
     lt = lt_binding()
     if lt is None:
@@ -415,16 +412,17 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
     dev, handle, ws = lt.device_state()
     op_a, op_b = int(transpose_a), int(transpose_b)          # CUBLAS_OP_N = 0, CUBLAS_OP_T = 1
     ta, tb, tc = cuda_type(a.dtype), cuda_type(b.dtype), cuda_type(out.dtype)
+    gelu = gelu_aux is not None
     epilogue = _epilogue(bias, gelu)
     bias_ptr = bias.data.ptr if bias is not None else 0
-    aux_ptr = aux.data.ptr if gelu is not None else 0
+    aux_ptr = gelu_aux.data.ptr if gelu else 0
     aligns = tuple(_alignment(p) for p in (b.data.ptr, a.data.ptr, out.data.ptr, out.data.ptr))
     # The None stands where the bias-gradient epilogue's vector type was: the key (and so every
     # tune-cache entry written before that epilogue was removed) stays the same. The aux
     # alignment is appended only for the GELU epilogues, for the same reason.
     key = (dev, op_a, op_b, M, N, K, a.shape[-1], b.shape[-1], ta, tb, tc, epilogue, None,
            _alignment(bias_ptr) if bias is not None else 0, aligns, beta != 0.0)
-    if gelu is not None:
+    if gelu:
         key = key[:-1] + (_alignment(aux_ptr), key[-1])
     plan = lt.plan(key, handle, op_b, op_a, N, M, K, b.shape[-1], a.shape[-1], tb, ta, tc, epilogue, bias_ptr,
                    aligns, aux_ptr)
@@ -458,7 +456,7 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
     return True
 
 
-def plan_choice(M, N, K, transpose_a=False, transpose_b=False, bias=False, accumulate=False, gelu=None) -> str:
+def plan_choice(M, N, K, transpose_a=False, transpose_b=False, bias=False, accumulate=False, gelu=False) -> str:
     """Which algorithm lt_gemm runs for this GEMM (as the training path calls it): "lt#i/n" (the
     heuristic's i-th of n candidates), "gemmEx" (it won the race), "untuned", "-" (no cuBLASLt)
     or "?" (not planned yet). For benchmarks and notes."""

@@ -51,7 +51,6 @@ from .tensors import TensorLayout
 
 GPT2_VOCAB = 50257
 VOCAB_MULTIPLE = 128               # pad the vocabulary to 50304 = 393 * 128 (tensor-core friendly)
-HEAD_CHUNK_BYTES = 1 << 30         # LM-head logits scratch budget (rows chosen to fit)
 KEEP_GELU_DEVICE_FRACTION = 1 / 3  # keep_gelu=None keeps the GELU outputs while the plan stays under this
 
 # name: (num_layers, num_heads, channels, max_seq_len, vocab_size, padded_vocab_size)
@@ -155,8 +154,10 @@ def parameter_layout(cfg: GPT2Config, dtype) -> TensorLayout:
 
 
 def head_chunk_rows(cfg: GPT2Config, BT: int, dtype) -> int:
-    """Rows of LM-head logits computed at once: the largest power of two within HEAD_CHUNK_BYTES."""
-    limit = max(1, HEAD_CHUNK_BYTES // (cfg.padded_vocab_size * dtypes.normalize(dtype).itemsize))
+    """Rows of LM-head logits computed at once: the largest power of two within
+    settings.lm_head_chunk_bytes (1 GiB: 8192 rows of d12's bf16 logits)."""
+    budget = settings.current().lm_head_chunk_bytes
+    limit = max(1, budget // (cfg.padded_vocab_size * dtypes.normalize(dtype).itemsize))
     return min(BT, 1 << (limit.bit_length() - 1))
 
 

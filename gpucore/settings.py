@@ -14,10 +14,11 @@ test or a probe changes a choice in one visible, scoped way:
 `using` nests and is per thread (a ContextVar), so a changed choice never
 leaks out of its `with` block, not even when the block raises.
 
-The defaults are the measured winners (tools/notes/). Three fields can also be
-set from the environment, read once when the defaults are first needed (not
-at import): GPUCORE_CUBLASLT=0, GPUCORE_LT_AUTOTUNE=0 and GPUCORE_GELU_EPILOGUE=0
-(README, "Environment variables"); A/B runs of whole trainings use them.
+The defaults are the measured winners (tools/notes/). They can also be set
+from the environment, read once when the defaults are first needed (not at
+import): GPUCORE_CUBLASLT=0, GPUCORE_LT_AUTOTUNE=0, and any field through
+GPUCORE_SETTINGS="name=value,..." (README, "Environment variables"); A/B runs
+of whole trainings use the last.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class Settings:
     lt_try_gemmex: bool = True            # gemmEx takes part in the race of epilogue-free GEMMs
     lt_autotune_min_flops: float = 2e9    # below: the heuristic's first choice (timing costs more than it saves)
     lt_tune_cache: str | None = None      # the winners' file; None: <kernel cache dir>/cublaslt_algos.json
-    gelu_epilogue: bool = True            # bf16 matmul_forward(gelu_out=) / backward(gelu_input=) in Lt's epilogue
+    gelu_epilogue: bool = True            # bf16 matmul_forward(gelu_out=): GELU in Lt's epilogue (GELU_AUX_BIAS)
     # ---- attention (gpucore/ops/attention.py)
     attention_v3_forward: bool = True     # version=None forward: v3 (Hopper wgmma) where it applies, else v2
     attention_v3_backward: bool = True    # version=None backward: likewise
@@ -46,6 +47,7 @@ class Settings:
     encoder_dwpe_beside: bool = True      # backward v3/v4: dwpe on a side stream beside the sort and dwte
     # ---- model (gpucore/model.py)
     fused_bias_grads: bool = True         # fcproj/fc/attproj bias grads from the gelu / layernorm backward
+    lm_head_chunk_bytes: int = 1 << 30    # LM-head logits scratch: rows per chunk = largest power of 2 within
 
     def replace(self, **changes) -> "Settings":
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
@@ -56,11 +58,38 @@ class Settings:
 
 
 def from_env(environ=None) -> Settings:
-    """The defaults, with the documented environment variables applied."""
+    """The defaults, with the documented environment variables applied.
+
+    GPUCORE_SETTINGS="name=value,name=value" sets any field (for A/B runs of whole trainings,
+    tools/ab_train.py): values parse as the field's default type (bool: 0/1/true/false)."""
     env = os.environ if environ is None else environ
-    return Settings(cublaslt=env.get("GPUCORE_CUBLASLT", "1") != "0",
-                    lt_autotune=env.get("GPUCORE_LT_AUTOTUNE", "1") != "0",
-                    gelu_epilogue=env.get("GPUCORE_GELU_EPILOGUE", "1") != "0")
+    s = Settings(cublaslt=env.get("GPUCORE_CUBLASLT", "1") != "0",
+                 lt_autotune=env.get("GPUCORE_LT_AUTOTUNE", "1") != "0")
+    changes = {}
+    for item in filter(None, (t.strip() for t in env.get("GPUCORE_SETTINGS", "").split(","))):
+        name, sep, value = item.partition("=")
+        default = getattr(Settings, name.strip(), _MISSING)
+        if not sep or default is _MISSING:
+            raise ValueError(f"GPUCORE_SETTINGS: {item!r} is not name=value with a known setting; "
+                             f"known: {', '.join(f.name for f in dataclasses.fields(Settings))}")
+        changes[name.strip()] = _parse(value.strip(), default, item)
+    return s.replace(**changes)
+
+
+_MISSING = object()
+
+
+def _parse(value: str, default, item: str):
+    if isinstance(default, bool):
+        if value.lower() not in ("0", "1", "true", "false"):
+            raise ValueError(f"GPUCORE_SETTINGS: {item!r}: expected 0, 1, true or false")
+        return value.lower() in ("1", "true")
+    if default is None:
+        return value or None
+    try:
+        return type(default)(value)
+    except ValueError:
+        raise ValueError(f"GPUCORE_SETTINGS: {item!r}: expected a {type(default).__name__}") from None
 
 
 _CURRENT: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("gpucore_settings", default=None)

@@ -2,7 +2,7 @@
 
 - Settings are frozen; `using` overrides them for a block (nested, per thread, restored on errors).
 - The environment is read once for the defaults (GPUCORE_CUBLASLT, GPUCORE_LT_AUTOTUNE,
-  GPUCORE_GELU_EPILOGUE), never at import.
+  GPUCORE_SETTINGS), never at import.
 - Training never imports the ladders; no package module imports another module's _private names.
 """
 import ast
@@ -64,7 +64,13 @@ def test_from_env_reads_the_documented_variables():
     s = settings.from_env({"GPUCORE_CUBLASLT": "0", "GPUCORE_LT_AUTOTUNE": "0"})
     assert not s.cublaslt and not s.lt_autotune
     assert settings.from_env({"GPUCORE_CUBLASLT": "1"}).cublaslt
-    assert settings.from_env({}).gelu_epilogue and not settings.from_env({"GPUCORE_GELU_EPILOGUE": "0"}).gelu_epilogue
+    s = settings.from_env({"GPUCORE_SETTINGS": "gelu_epilogue=0, lm_head_chunk_bytes=4096,lt_tune_cache=/x.json"})
+    assert (s.gelu_epilogue, s.lm_head_chunk_bytes, s.lt_tune_cache) == (False, 4096, "/x.json")
+    assert settings.from_env({"GPUCORE_SETTINGS": "fused_bias_grads=false"}).fused_bias_grads is False
+    for bad, msg in (("nope=1", "known"), ("gelu_epilogue", "name=value"), ("gelu_epilogue=2", "0, 1"),
+                     ("lm_head_chunk_bytes=big", "int")):
+        with pytest.raises(ValueError, match=msg):
+            settings.from_env({"GPUCORE_SETTINGS": bad})
 
 
 def _run(code: str) -> str:

@@ -338,7 +338,6 @@ def check_update_arrays(params, grads, moment, v, *, params_lowp, kahan_comp, gr
     return mw, n, seed, index_offset, xp
 
 
-@profiler.profiled("adamw", nbytes=profiler.io_bytes)
 def check_update_scalars(n, grads, *, beta2, eps, weight_decay, grad_scale, max_grad_norm, decay_spans,
                          grad_norm):
     """The scalar checks every fused optimizer update shares, the decay boundary table, and the
@@ -359,6 +358,7 @@ def check_update_scalars(n, grads, *, beta2, eps, weight_decay, grad_scale, max_
     return beta2, eps, weight_decay, grad_scale, max_grad_norm, bounds, grad_norm
 
 
+@profiler.profiled("adamw", nbytes=profiler.io_bytes)
 def adamw_update(params, grads, m, v, *, lr, step, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
                  decay_spans=None, grad_norm=None, max_grad_norm=None, grad_scale=1.0, params_lowp=None,
                  master_weights="fp32", kahan_comp=None, seed=0, index_offset=0):

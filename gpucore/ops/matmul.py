@@ -17,15 +17,17 @@ the broadcast bias into `out`, then gemmEx runs with beta = 1 -- one
 pure-write pass over out, about +30% time at 65536 x 768 x 2304
 (tools/notes/matmul.md).
 
-GELU (the MLP's activation): matmul_forward(..., gelu_out=) also writes gelu(out)
-and matmul_backward(..., gelu_input=) multiplies dx by gelu'(gelu_input). With
-bfloat16 operands they run in the GEMM's epilogue (cuBLASLt GELU_AUX_BIAS: the
-sum is written once as `out`, its GELU as `gelu_out`; DGELU: dx times gelu' of
-the stored GELU input), which saves the separate GELU passes over the
-(N, 4C) activation (tools/notes/profile.md). The epilogue applies GELU to the
-float32 sum before rounding, so gelu_out can differ from gelu(out as stored)
-by bf16 rounding; the reference and float32 runs use the separate kernels
-(ops/gelu.py), which agree with the float64 reference to float32 rounding.
+GELU (the MLP's activation): matmul_forward(..., gelu_out=) also writes gelu(out).
+With bfloat16 operands it runs in the GEMM's epilogue (cuBLASLt GELU_AUX_BIAS:
+the sum is written once as `out`, its GELU as `gelu_out`), which saves the
+separate GELU pass over the (N, 4C) activation (tools/notes/profile.md). The
+epilogue applies GELU to the float32 sum before rounding, so gelu_out can
+differ from gelu(out as stored) by bf16 rounding; the reference and float32
+runs use the separate kernel (ops/gelu.py), which agrees with the float64
+reference to float32 rounding. matmul_backward(..., gelu_input=, dx_colsum=)
+takes dx through gelu' with gelu_backward's one pass (which also sums dx's
+columns for the fc bias); cuBLASLt's DGELU epilogue was measured no faster
+and removed (tools/notes/profile.md).
 
 Bias gradient in the backward: the deterministic column-sum kernel
 (gpucore/ops/colsum.py) reads dout once more, after the GEMMs. In the GPT-2
@@ -123,8 +125,9 @@ def _scale_inplace(out, beta):
 
 
 def _gelu_epilogue_ok(out, aux) -> bool:
-    """cuBLASLt's GELU epilogues here: bf16 only (float32 keeps the exact separate kernels), the
-    aux matrix 16-byte aligned with a row length (its leading dimension) divisible by 8."""
+    """cuBLASLt's GELU epilogue here: when settings.gelu_epilogue is on, bf16 only (float32 keeps
+    the exact separate kernel), the aux matrix 16-byte aligned with a row length (its leading
+    dimension) divisible by 8."""
     return (settings.current().gelu_epilogue and out.dtype == BF16 and aux.dtype == BF16
             and out.shape[-1] % 8 == 0 and aux.data.ptr % 16 == 0 and out.data.ptr % 16 == 0)
 
@@ -202,8 +205,7 @@ def matmul_forward(x, weight, bias=None, out=None, *, gelu_out=None):
         else:
             _bias_fill(out2d, bias)
     elif gelu_out is not None and _gelu_epilogue_ok(out, gelu_out) and (bias is None or bias.dtype == out.dtype) \
-            and lt_gemm(x, weight, gelu_out.reshape(N, M), N, M, K, transpose_b=True, bias=bias,
-                        gelu="forward", aux=out2d):
+            and lt_gemm(x, weight, gelu_out.reshape(N, M), N, M, K, transpose_b=True, bias=bias, gelu_aux=out2d):
         return out
     else:
         _train_gemm(x, weight, out2d, N, M, K, transpose_b=True, bias=bias)
@@ -232,7 +234,7 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
     it reads dout once more.
     gelu_input (x's shape and dtype), optional: x was gelu(gelu_input), and dx is
     returned already through the GELU, dx = (dout @ weight) * gelu'(gelu_input)
-    (fused into the dx GEMM's epilogue for bfloat16).
+    (gelu_backward's pass over dx after the GEMM).
     dx_colsum (K,), float32 or the inputs' dtype, optional: += the column sums of dx as
     stored (the bias gradient of the layer that produced x's GELU input; GPT-2's fc bias).
     """
@@ -298,10 +300,6 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
     if dx is not None and N and K:
         if M == 0:
             dx.fill(0)
-        elif gelu_input is not None and _gelu_epilogue_ok(dx, gelu_input) \
-                and lt_gemm(dout2d, weight, dx.reshape(N, K), N, K, M, gelu="backward", aux=gelu_input):
-            if dx_colsum is not None:                                             # dx is through gelu'
-                colsum(dx_colsum, dx.reshape(N, K))
         else:
             _train_gemm(dout2d, weight, dx.reshape(N, K), N, K, M)               # (N,M) @ (M,K)
             if gelu_input is not None:   # the separate pass, summing dx's columns on the way
