@@ -43,7 +43,7 @@ from . import dtypes, runtime, settings
 from .ops.attention import attention_backward, attention_forward
 from .ops.classifier import fused_classifier
 from .ops.encoder import encoder_backward, encoder_backward_plan, encoder_forward
-from .ops.gelu import gelu
+from .ops.gelu import gelu, gelu_backward
 from .ops.layernorm import fused_residual_layernorm_forward, layernorm_backward, layernorm_forward
 from .ops.matmul import matmul_backward, matmul_forward
 from .ops.reduce import reduce_sum as _sum
@@ -523,10 +523,9 @@ class GPT2:
                 fch_gelu = a.fch_gelu[l]
             else:
                 fch_gelu = gelu(a.fch[l], out=a.fch_gelu)     # recompute (not stored per layer)
-            # dfch = (dres @ fcprojw) * gelu'(fch): in the dx GEMM's epilogue where it can (bf16)
             matmul_backward(_2d(dres), _2d(fch_gelu), p.fcprojw[l], dx=_2d(dfch),
-                            dweight=g.fcprojw[l], dbias=None if fuse else g.fcprojb[l], need_dbias=not fuse,
-                            gelu_input=_2d(a.fch[l]), dx_colsum=g.fcb[l] if fuse else None)
+                            dweight=g.fcprojw[l], dbias=None if fuse else g.fcprojb[l], need_dbias=not fuse)
+            gelu_backward(dfch, a.fch[l], dx=dfch, dbias=g.fcb[l] if fuse else None)
             matmul_backward(_2d(dfch), _2d(a.ln2[l]), p.fcw[l], dx=_2d(dsmall), dweight=g.fcw[l],
                             dbias=None if fuse else g.fcb[l], need_dbias=not fuse)
             layernorm_backward(dsmall, a.residual2[l], p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l],

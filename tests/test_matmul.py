@@ -289,7 +289,7 @@ def test_gpu_matmul_runs_on_current_stream(rng, gemm_path):
 
 # --------------------------------------------------- GELU in the GEMM (the MLP) ----
 
-from gpucore.ops.gelu import gelu_backward_reference, gelu_reference   # noqa: E402
+from gpucore.ops.gelu import gelu_reference   # noqa: E402
 
 
 def test_matmul_forward_gelu_out_reference(rng):
@@ -303,22 +303,6 @@ def test_matmul_forward_gelu_out_reference(rng):
     assert not np.array_equal(g.astype(np.float32), out.astype(np.float32))    # GELU applied
 
 
-def test_matmul_backward_gelu_input_reference_vs_numerical(rng):
-    """d/d(pre) of sum(dout * (gelu(pre) @ w^T)) is what matmul_backward(gelu_input=pre) returns as dx,
-    and dx_colsum adds dx's column sums (the fc bias gradient)."""
-    N, K, M = 5, 7, 4
-    pre, w, dout = (_rand(rng, s, np.float32) for s in ((N, K), (M, K), (N, M)))
-    x = gelu_reference(pre).astype(np.float32)
-    cs0 = _rand(rng, (K,), np.float32)
-    cs = cs0.copy()
-    dx, dw, _ = gpucore.matmul_backward(dout, x, w, gelu_input=pre, dx_colsum=cs, need_dbias=False)
-    num = numerical_grad(lambda p: gelu_reference(p) @ w.T, pre, dout)
-    assert_grad_close(dx, num, name="dx through gelu'")
-    np.testing.assert_allclose(cs, cs0.astype(np.float64) + dx.astype(np.float64).sum(axis=0), rtol=1e-6, atol=1e-6)
-    want = gelu_backward_reference(dout.astype(np.float64) @ w.astype(np.float64), pre)
-    np.testing.assert_array_equal(dx, want.astype(np.float32))
-
-
 def test_matmul_gelu_bad_input(rng):
     x, w = _rand(rng, (4, 8), np.float32), _rand(rng, (6, 8), np.float32)
     out = np.empty((4, 6), np.float32)
@@ -326,13 +310,8 @@ def test_matmul_gelu_bad_input(rng):
         gpucore.matmul_forward(x, w, out=out, gelu_out=np.empty((4, 5), np.float32))
     with pytest.raises(TypeError, match="gelu_out"):
         gpucore.matmul_forward(x, w, out=out, gelu_out=np.empty((4, 6), BF16))
-    dout = _rand(rng, (4, 6), np.float32)
-    with pytest.raises(ValueError, match="gelu_input"):
-        gpucore.matmul_backward(dout, x, w, gelu_input=np.empty((4, 7), np.float32))
-    with pytest.raises(ValueError, match="gelu_input"):
-        gpucore.matmul_backward(dout, x, w, need_dx=False, gelu_input=x)
-    with pytest.raises(ValueError, match="dx_colsum"):
-        gpucore.matmul_backward(dout, x, w, dx_colsum=np.zeros(6, np.float32))
+    with pytest.raises(ValueError, match="overlap"):
+        gpucore.matmul_forward(x, w, out=out, gelu_out=out)
 
 
 @pytest.fixture(params=["epilogue", "separate"])
@@ -364,30 +343,6 @@ def test_gpu_matmul_forward_gelu(rng, gelu_path, dtype, N, K, M, with_bias):
     gpucore.matmul_forward(cp.asarray(x), cp.asarray(w), None if b is None else cp.asarray(b), out=out.copy(),
                            gelu_out=g2)
     assert to_cpu(g).tobytes() == to_cpu(g2).tobytes()
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("N,K,M", [(7, 24, 16), (300, 200, 96), (1000, 3072, 768), (4096, 3072, 768)])
-def test_gpu_matmul_backward_gelu(rng, gemm_path, dtype, N, K, M):
-    """dx = (dout @ w) * gelu'(pre), dweight += dout^T @ gelu(pre), dx_colsum += dx's column sums."""
-    cp = runtime.cupy
-    pre, w, dout = _rand(rng, (N, K), dtype), _rand(rng, (M, K), dtype, 0.05), _rand(rng, (N, M), dtype)
-    x = gelu_reference(pre).astype(dtype)
-    dw0, cs0 = _rand(rng, (M, K), dtype), _rand(rng, (K,), np.float32)
-    dx, dw, cs = poison((N, K), dtype), cp.asarray(dw0), cp.asarray(cs0)
-    gpucore.matmul_backward(cp.asarray(dout), cp.asarray(x), cp.asarray(w), dx=dx, dweight=dw, need_dbias=False,
-                            gelu_input=cp.asarray(pre), dx_colsum=cs)
-    rdx, rdw, _ = mm.matmul_backward_reference(dout, x, w)
-    want_dx = gelu_backward_reference(rdx, pre)
-    _check_close(dx, want_dx, dtype, f"dx through gelu' ({gemm_path})")
-    _check_close(dw, dw0.astype(np.float64) + rdw, dtype, f"dweight ({gemm_path})")
-    # the column sums are of dx as stored: compare with the sums of the GPU's own dx (float32 tolerance)
-    _check_close(cs, cs0 + to_cpu(dx).astype(np.float64).sum(axis=0), np.float32, "dx_colsum", tol=1e-5)
-    dx2 = poison((N, K), dtype)
-    gpucore.matmul_backward(cp.asarray(dout), cp.asarray(x), cp.asarray(w), dx=dx2, need_dweight=False,
-                            need_dbias=False, gelu_input=cp.asarray(pre))
-    assert to_cpu(dx).tobytes() == to_cpu(dx2).tobytes(), "dx not deterministic"
 
 
 @pytest.mark.cuda

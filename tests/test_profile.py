@@ -91,6 +91,7 @@ def _expected_calls(cfg, B, T):
             "attention forward": L, "attention backward": L,
             "gelu forward": L,                  # the recompute in backward (the forward's is inside
                                                 # matmul forward: the outermost op is timed)
+            "gelu backward": L,
             "layernorm forward": 1, "residual + layernorm forward": 2 * L,
             "layernorm backward": 2 * L + 1,
             "encoder forward": 1, "encoder backward": 1, "classifier (fused)": chunks,
