@@ -11,7 +11,7 @@ A variant is NAME=TREE[:ENV=VALUE,...][:EXTRA TRAIN OPTIONS]:
 
     git archive HEAD | (mkdir -p .old && tar -x -C .old)       # the dev machine; .old is ignored
     tools/ab_train.py --model d12 -B 64 --steps 20 --rounds 2 \\
-        old=.old  new=.  "sep=.:GPUCORE_GELU_EPILOGUE=0:--keep-gelu off"  "recompute=.::--keep-gelu off"
+        old=.old  new=.  "sep=.:GPUCORE_SETTINGS=gelu_epilogue=0:--keep-gelu off"  "recompute=.::--keep-gelu off"
 
 Every run: `gpucore train --dtype bf16 --device cuda` on Tiny Shakespeare (made with `gpucore
 prepro` when missing), lr 3e-4, no validation, sampling or checkpoints. Logs under $OUT/ab_train.

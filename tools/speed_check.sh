@@ -30,7 +30,7 @@ if [ "$TESTS" != none ]; then
 fi
 
 if [ -n "${VARIANTS+x}" ]; then read -r -a variants <<< "$VARIANTS"   # space-separated, no spaces inside
-else variants=("sep=.:GPUCORE_GELU_EPILOGUE=0:--keep-gelu=off" "recompute=.::--keep-gelu=off"); fi
+else variants=("sep=.:GPUCORE_SETTINGS=gelu_epilogue=0:--keep-gelu=off" "recompute=.::--keep-gelu=off"); fi
 for mb in $MODELS; do
   m=${mb%%:*}; b=${mb##*:}
   OUT=$LOG/$m $PY tools/ab_train.py --model "$m" -B "$b" --steps "$STEPS" --rounds "$ROUNDS" "old=$OLD" new=. \
