@@ -60,6 +60,9 @@ LT_WORKSPACE_BYTES = 32 << 20           # cuBLAS' recommendation for Hopper
 GEMMEX = "gemmex"                       # a plan's choice when plain gemmEx won the race
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_AUX_POINTER, _DESC_AUX_LD = 11, 12
+_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER, _DESC_FAST_ACCUM = 17, 18, 25
+_CUDA_R_8F_E4M3, _CUDA_R_8F_E5M2 = 28, 29     # cudaDataType_t of the FP8 formats
+FP8_TYPES = {"e4m3": _CUDA_R_8F_E4M3, "e5m2": _CUDA_R_8F_E5M2}
 _EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
 _EPILOGUE_GELU_AUX, _EPILOGUE_GELU_AUX_BIAS = 160, 164
 _PREF_MAX_WORKSPACE_BYTES = 1
@@ -278,8 +281,11 @@ class CublasLt:
             self.workspaces[dev] = runtime.cupy.empty(LT_WORKSPACE_BYTES, dtype=np.uint8)
         return dev, self.handles[dev], self.workspaces[dev]
 
-    def set_pointers(self, plan, bias_ptr, aux_ptr):
-        """The per-call epilogue pointers (a plan is shared by every call of its shape)."""
+    def set_pointers(self, plan, bias_ptr, aux_ptr, scale_ptrs=None):
+        """The per-call epilogue and scale pointers (a plan is shared by every call of its shape)."""
+        if scale_ptrs:
+            for attr, ptr in zip((_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER), scale_ptrs):
+                self._set(self.lib.cublasLtMatmulDescSetAttribute, plan.desc, attr, ctypes.c_void_p(ptr))
         if bias_ptr:
             self._set(self.lib.cublasLtMatmulDescSetAttribute, plan.desc, _DESC_BIAS_POINTER,
                       ctypes.c_void_p(bias_ptr))
@@ -288,8 +294,9 @@ class CublasLt:
                       ctypes.c_void_p(aux_ptr))
 
     def plan(self, key, handle, op_b, op_a, N, M, K, ldb, lda, tb, ta, tc, epilogue, bias_ptr, aligns,
-             aux_ptr=0):
-        """The Plan for C^T = op(B)^T op(A)^T (+ epilogue), or None if Lt has no algorithm."""
+             aux_ptr=0, scale_ptrs=None, fast_accum=False):
+        """The Plan for C^T = op(B)^T op(A)^T (+ epilogue), or None if Lt has no algorithm.
+        scale_ptrs: (Lt's A = our b, Lt's B = our a) device float32 scale pointers (FP8)."""
         if key in self.plans:
             return self.plans[key]
         lib = self.lib
@@ -299,6 +306,11 @@ class CublasLt:
         self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_EPILOGUE, ctypes.c_uint32(epilogue))
         if bias_ptr:                          # the heuristic reads the pointers' alignment
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
+        if scale_ptrs:
+            for attr, ptr in zip((_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER), scale_ptrs):
+                self._set(lib.cublasLtMatmulDescSetAttribute, desc, attr, ctypes.c_void_p(ptr))
+        if fast_accum:
+            self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_FAST_ACCUM, ctypes.c_int8(1))
         if aux_ptr:   # the GELU input matrix: D's column-major shape (N, M), leading dimension N
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_AUX_POINTER, ctypes.c_void_p(aux_ptr))
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_AUX_LD, ctypes.c_int64(N))
@@ -454,6 +466,48 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
         return False
     launch(choice, out.data.ptr)
     return True
+
+
+def lt_fp8_gemm(a8, b8, out, M, N, K, a_format, b_format, a_scale_inv, b_scale_inv, beta=0.0, bias=None,
+                fast_accum=False) -> None:
+    """Row-major out (M, N) = (a (M, K) @ b (N, K)^T) * a_scale_inv * b_scale_inv [+ bias] [+ beta * out].
+
+    a8, b8: uint8 arrays holding FP8 bytes (a_format / b_format "e4m3" or "e5m2"; not both e5m2),
+    K-contiguous as cuBLASLt's FP8 path requires ("TN"); the scales are (1,) float32 device arrays
+    (read by the GEMM, so they may change on the device between calls). out bf16, bias bf16 (N,).
+    fast_accum: Hopper's faster FP8 accumulation (partial sums in lower precision; Transformer
+    Engine uses it for the forward only). Raises RuntimeError when cuBLASLt cannot (no fallback:
+    callers check fp8_supported() first).
+    """
+    lt = lt_binding()
+    if lt is None:
+        raise RuntimeError("FP8 matmul needs cuBLASLt: " + lt_status())
+    dev, handle, ws = lt.device_state()
+    ta, tb, tc = FP8_TYPES[a_format], FP8_TYPES[b_format], cuda_type(out.dtype)
+    epilogue = _epilogue(bias, False)
+    bias_ptr = bias.data.ptr if bias is not None else 0
+    aligns = tuple(_alignment(p) for p in (b8.data.ptr, a8.data.ptr, out.data.ptr, out.data.ptr))
+    key = (dev, "fp8", M, N, K, ta, tb, tc, epilogue, _alignment(bias_ptr) if bias is not None else 0, aligns,
+           beta != 0.0, bool(fast_accum))
+    scales = (b_scale_inv.data.ptr, a_scale_inv.data.ptr)   # Lt's A is our b
+    plan = lt.plan(key, handle, 1, 0, N, M, K, K, K, tb, ta, tc, epilogue, bias_ptr, aligns,
+                   scale_ptrs=scales, fast_accum=fast_accum)
+    if plan is None:
+        raise RuntimeError(f"cuBLASLt has no FP8 algorithm for ({M} x {K}) @ ({N} x {K})^T "
+                           f"{a_format} x {b_format} (M, N, K must be multiples of 16)")
+    lt.set_pointers(plan, bias_ptr, 0, scales)
+    al, be = ctypes.c_float(1.0), ctypes.c_float(beta)
+    stream = runtime.cupy.cuda.get_current_stream().ptr
+
+    def launch(i, c_ptr):
+        lt._ok(lt.lib.cublasLtMatmul(handle, plan.desc, ctypes.addressof(al), b8.data.ptr, plan.lay_b, a8.data.ptr,
+                                     plan.lay_a, ctypes.addressof(be), c_ptr, plan.lay_c, c_ptr, plan.lay_c,
+                                     plan.algo_ptr(i), ws.data.ptr, LT_WORKSPACE_BYTES, stream),
+               "cublasLtMatmul (FP8)")
+
+    if settings.current().lt_autotune and plan.choice is None:
+        lt.choose(plan, key, launch, out, beta, 2.0 * M * N * K, None)
+    launch(plan.choice if plan.choice is not None else plan.candidates[0], out.data.ptr)
 
 
 def plan_choice(M, N, K, transpose_a=False, transpose_b=False, bias=False, accumulate=False, gelu=False) -> str:

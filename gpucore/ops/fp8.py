@@ -1,0 +1,293 @@
+"""FP8: scaled casts to E4M3 / E5M2, per-tensor scaling state, and the FP8 GEMM (kernels_cu/fp8.cu).
+
+    fp8_quantize(x, fmt, scale, out=, out_t=, amax=)   uint8 FP8 bytes of x * scale (and/or transposed)
+    fp8_amax(x, amax)                                    amax = max(amax, max |x|)
+    fp8_dequantize(q, fmt, scale_inv)                    float32 q * scale_inv (the reference's view)
+    fp8_matmul(a8, b8, a_fmt, b_fmt, a_si, b_si, ...)    bf16 (a @ b^T) * a_si * b_si [+ bias] [+=]
+    Fp8Scaling(n, formats, xp, ...)                      scale / scale_inv / amax / amax history of n tensors
+
+The recipe is Transformer Engine's: E4M3 (4 exponent bits, max 448) for weights and activations,
+E5M2 (max 57344, more range) for gradients; one fp32 scale per tensor maps its amax near the
+format's largest value; the GEMM multiplies by 1/scale (cuBLASLt's A/B scale pointers) and
+accumulates in fp32. FP8 data is held in uint8 arrays (CuPy has no float8 dtype); the format
+travels beside it as "e4m3" / "e5m2". On NumPy the reference is exact: clip(f32(x) * scale,
++-max) cast by ml_dtypes (round to nearest even), which the GPU cast matches bit for bit.
+
+Scaling (Fp8Scaling): "delayed" (the default) casts with the scale made from the amax of the
+last `history` steps (each cast records this step's amax on the way: no extra pass), "current"
+reads each tensor once more for its own amax just before the cast. A tensor's very first cast is
+always current (there is no history yet: an unscaled gradient of 1e-6 would flush to zero in E5M2).
+
+FP8 needs an Ada or Hopper GPU (sm_89+) and cuBLASLt: fp8_supported() says why not otherwise.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .. import cublas, dtypes, runtime
+from .. import profiler
+from ._common import check_array
+
+FORMATS = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
+TILE = 64                     # fp8_cast_kernel: 64 x 64 tiles, 256 threads
+U8 = np.dtype(np.uint8)
+F32 = np.dtype(np.float32)
+
+
+def _fmt(fmt: str):
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt: expected 'e4m3' or 'e5m2', got {fmt!r}")
+    return FORMATS[fmt]
+
+
+def fp8_supported() -> tuple[bool, str]:
+    """(True, "") on a GPU with FP8 tensor cores and cuBLASLt, else (False, why)."""
+    if not runtime.gpu_available():
+        return False, "FP8 needs an NVIDIA GPU (none found)"
+    cc = int(runtime.device_arch())
+    if cc < 89:
+        name = runtime.device_properties()["name"]
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        return False, (f"FP8 needs an Ada or Hopper GPU (compute capability 8.9+); this {name} is "
+                       f"{cc // 10}.{cc % 10}: use --dtype bf16")
+    if cublas.lt_binding() is None:
+        return False, f"FP8 matmuls need cuBLASLt ({cublas.lt_status()})"
+    return True, ""
+
+
+# --------------------------------------------------------------- references ----
+
+def fp8_quantize_reference(x, fmt: str, scale: float) -> np.ndarray:
+    """uint8 bytes of clip(f32(x) * f32(scale), -max, max) in `fmt`, round to nearest even."""
+    t, fmax = _fmt(fmt)
+    y = np.asarray(x, dtype=np.float32) * np.float32(scale)
+    with np.errstate(invalid="ignore"):
+        y = np.clip(y, np.float32(-fmax), np.float32(fmax))
+    return y.astype(t).view(np.uint8)
+
+
+def fp8_dequantize(q, fmt: str, scale_inv: float = 1.0) -> np.ndarray:
+    """float32 values of FP8 bytes q (a NumPy uint8 array) times scale_inv."""
+    t, _ = _fmt(fmt)
+    return np.asarray(q, dtype=np.uint8).view(t).astype(np.float32) * np.float32(scale_inv)
+
+
+def _host_scalar(a) -> float:
+    return float(a.get()[0] if runtime.is_gpu_array(a) else np.asarray(a).reshape(-1)[0])
+
+
+# -------------------------------------------------------------------- casts ----
+
+def _check_scalar(name, a, xp):
+    check_array(name, a, dtype=np.float32, shape=(1,))
+    if (xp is np) != isinstance(a, np.ndarray):
+        raise TypeError(f"{name}: must live on the same device as x")
+
+
+@profiler.profiled("fp8 cast", nbytes=profiler.io_bytes)
+def fp8_quantize(x, fmt: str, scale, *, out=None, out_t=None, amax=None):
+    """FP8 bytes of x * scale: x (R, C) bfloat16; scale (1,) float32 on x's device.
+
+    out (R, C) and/or out_t (C, R) uint8 receive the cast (row-major, transposed); at least one.
+    amax (1,) float32, optional: amax = max(amax, max |x|) (of x, before scaling). On the GPU R
+    and C must be multiples of 16 (the FP8 GEMM's rule) and the GPU sm_89+.
+    Returns (out, out_t).
+    """
+    _fmt(fmt)
+    check_array("x", x, dtype=dtypes.bfloat16, ndim=2)
+    xp = runtime.array_module(x, scale, out, out_t, amax)
+    _check_scalar("scale", scale, xp)
+    if amax is not None:
+        _check_scalar("amax", amax, xp)
+    if out is None and out_t is None:
+        raise ValueError("out, out_t: give at least one output")
+    R, C = x.shape
+    for name, o, shape in (("out", out, (R, C)), ("out_t", out_t, (C, R))):
+        if o is not None:
+            check_array(name, o, dtype=np.uint8, shape=shape)
+            if (xp is np) != isinstance(o, np.ndarray):
+                raise TypeError(f"{name}: must live on the same device as x")
+    if xp is np:
+        q = fp8_quantize_reference(x, fmt, _host_scalar(scale))
+        if out is not None:
+            out[...] = q
+        if out_t is not None:
+            out_t[...] = q.T
+        if amax is not None and x.size:
+            m = np.abs(np.asarray(x, dtype=np.float32)).max()
+            amax[...] = m if np.isnan(m) else max(float(amax[0]), float(m))
+        return out, out_t
+    if R % 16 or C % 16:
+        raise ValueError(f"x: FP8 casts on the GPU need rows and columns that are multiples of 16, got {R} x {C}")
+    for name, a in (("x", x), ("out", out), ("out_t", out_t)):
+        if a is not None and a.data.ptr % 16:
+            raise ValueError(f"{name}: must be 16-byte aligned")
+    if x.size == 0:
+        return out, out_t
+    kernel = runtime.get_kernel("fp8", f"fp8_cast_kernel_{fmt}")
+    null = np.uint64(0)
+    runtime.launch(kernel, (-(-C // TILE), -(-R // TILE)), 256,
+                   (null if out is None else out, null if out_t is None else out_t, null if amax is None else amax,
+                    x, scale, np.int32(R), np.int32(C)))
+    return out, out_t
+
+
+@profiler.profiled("fp8 amax", nbytes=profiler.io_bytes)
+def fp8_amax(x, amax):
+    """amax (1,) float32 = max(amax, max |x|), x bfloat16 (size a multiple of 8 on the GPU)."""
+    check_array("x", x, dtype=dtypes.bfloat16)
+    xp = runtime.array_module(x, amax)
+    _check_scalar("amax", amax, xp)
+    if xp is np:
+        if x.size:
+            m = np.abs(np.asarray(x, dtype=np.float32)).max()
+            amax[...] = m if np.isnan(m) else max(float(amax[0]), float(m))
+        return amax
+    if x.size % 8 or x.data.ptr % 16:
+        raise ValueError("x: the GPU amax needs a 16-byte aligned array of a multiple of 8 elements")
+    if x.size:
+        blocks = max(1, min(-(-x.size // (256 * 8)), runtime.sm_count() * 8))
+        runtime.launch(runtime.get_kernel("fp8", "fp8_amax_kernel"), blocks, 256, (amax, x, np.int64(x.size)))
+    return amax
+
+
+# ------------------------------------------------------------------ scaling ----
+
+class Fp8Scaling:
+    """Per-tensor FP8 scales of n tensors, one format each ("e4m3"/"e5m2"), on xp.
+
+    scale[i] multiplies tensor i before its cast, scale_inv[i] = 1/scale[i] goes to the GEMM,
+    amax[i] collects this step's max |x| from the casts; end_step() turns them into the next
+    step's scales (delayed) and clears amax. `mode` "delayed" or "current" (module docstring);
+    margin: scales are 2^-margin below the largest value (headroom for growth between steps).
+    """
+
+    def __init__(self, n: int, formats, xp, *, mode: str = "delayed", history: int = 16, margin: int = 0):
+        if mode not in ("delayed", "current"):
+            raise ValueError(f"mode: expected 'delayed' or 'current', got {mode!r}")
+        if len(formats) != n:
+            raise ValueError(f"formats: expected {n}, got {len(formats)}")
+        if history < 1:
+            raise ValueError(f"history: must be >= 1, got {history}")
+        self.n, self.xp, self.mode, self.history_len = n, xp, mode, history
+        self.formats = list(formats)
+        self.margin_scale = float(2.0 ** -margin)
+        fmax = np.array([_fmt(f)[1] for f in formats], np.float32)
+        self.fmax = xp.asarray(fmax)
+        self.scale = xp.ones(n, np.float32)
+        self.scale_inv = xp.ones(n, np.float32)
+        self.amax = xp.zeros(n, np.float32)
+        self.history = xp.zeros((history, n), np.float32)
+        self.started = np.zeros(n, bool)     # host: has tensor i been cast before (delayed mode)
+        self.step_index = 0
+
+    def tensor(self, i: int):
+        """(scale, scale_inv, amax) (1,) views of tensor i."""
+        return self.scale[i:i + 1], self.scale_inv[i:i + 1], self.amax[i:i + 1]
+
+    def prepare(self, i: int, x):
+        """Before tensor i's cast: in current mode (and at its first cast in delayed mode) measure
+        x's amax now and set the scale from it."""
+        if self.mode == "delayed" and self.started[i]:
+            return
+        self.started[i] = True
+        tmp = self.xp.zeros(1, np.float32)
+        fp8_amax(x, tmp)
+        self._set_scale(i, tmp)
+
+    def _set_scale(self, i, amax1):
+        xp = self.xp
+        if xp is np:
+            m = float(amax1[0])
+            if np.isfinite(m) and m > 0:
+                self.scale[i] = np.float32(self.fmax[i] / np.float32(m) * np.float32(self.margin_scale))
+                self.scale_inv[i] = np.float32(1.0) / self.scale[i]
+            return
+        # one-tensor update: a history of one row, its own slot
+        hist = xp.zeros((1, 1), np.float32)
+        runtime.launch(runtime.get_kernel("fp8", "fp8_update_scale_kernel"), 1, 32,
+                       (self.scale[i:i + 1], self.scale_inv[i:i + 1], amax1, hist, self.fmax[i:i + 1],
+                        np.int32(1), np.int32(1), np.int32(0), np.float32(self.margin_scale)))
+
+    def end_step(self):
+        """This step's amax into the history; the scales of the next step from the history's max."""
+        slot = self.step_index % self.history_len
+        self.step_index += 1
+        xp = self.xp
+        if xp is np:
+            self.history[slot] = self.amax
+            self.amax[...] = 0
+            m = self.history.max(axis=0)
+            ok = np.isfinite(self.history).all(axis=0) & (m > 0)
+            new = (self.fmax / np.where(ok, m, 1) * np.float32(self.margin_scale)).astype(np.float32)
+            self.scale[ok] = new[ok]
+            self.scale_inv[ok] = (np.float32(1.0) / new[ok]).astype(np.float32)
+            return
+        runtime.launch(runtime.get_kernel("fp8", "fp8_update_scale_kernel"), -(-self.n // 128), 128,
+                       (self.scale, self.scale_inv, self.amax, self.history, self.fmax, np.int32(self.n),
+                        np.int32(self.history_len), np.int32(slot), np.float32(self.margin_scale)))
+
+    def state(self) -> dict:
+        """Host arrays for a checkpoint."""
+        get = (lambda a: a.get()) if self.xp is not np else np.array
+        return {"scale": get(self.scale), "history": get(self.history), "started": self.started.copy(),
+                "step_index": self.step_index}
+
+    def load_state(self, st: dict):
+        self.scale[...] = self.xp.asarray(st["scale"])
+        self.scale_inv[...] = self.xp.asarray((np.float32(1.0) / np.asarray(st["scale"])).astype(np.float32))
+        self.history[...] = self.xp.asarray(st["history"])
+        self.started[...] = st["started"]
+        self.step_index = int(st["step_index"])
+
+
+# ------------------------------------------------------------------- matmul ----
+
+def fp8_matmul_reference(a8, b8, a_fmt, b_fmt, a_scale_inv, b_scale_inv, bias=None):
+    """float64 (dequantized a) @ (dequantized b)^T [+ bias]."""
+    a = fp8_dequantize(a8, a_fmt, a_scale_inv).astype(np.float64)
+    b = fp8_dequantize(b8, b_fmt, b_scale_inv).astype(np.float64)
+    r = a @ b.T
+    return r if bias is None else r + np.asarray(bias, dtype=np.float64)
+
+
+@profiler.profiled("fp8 matmul", flops=lambda r, args, kw: 2.0 * args[0].shape[0] * args[1].shape[0] * args[0].shape[1])
+def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=None, bias=None,
+               accumulate=False, fast_accum=False):
+    """out (M, N) bfloat16 = (a (M, K) @ b (N, K)^T) * a_scale_inv * b_scale_inv [+ bias (N,)] [+ out].
+
+    a8, b8: uint8 FP8 bytes (not both "e5m2"); scales (1,) float32 on the same device.
+    accumulate: out += the product (out must be given). fast_accum: Hopper's fast FP8 accumulation.
+    """
+    _fmt(a_fmt), _fmt(b_fmt)
+    if a_fmt == b_fmt == "e5m2":
+        raise ValueError("a_fmt, b_fmt: E5M2 x E5M2 has no FP8 GEMM; one operand must be E4M3")
+    check_array("a8", a8, dtype=np.uint8, ndim=2, max_elements=None)
+    check_array("b8", b8, dtype=np.uint8, ndim=2, max_elements=None)
+    M, K = a8.shape
+    N = b8.shape[0]
+    if b8.shape[1] != K:
+        raise ValueError(f"b8: expected (N, {K}) to match a8's K, got {tuple(b8.shape)}")
+    xp = runtime.array_module(a8, b8, a_scale_inv, b_scale_inv, out, bias)
+    _check_scalar("a_scale_inv", a_scale_inv, xp)
+    _check_scalar("b_scale_inv", b_scale_inv, xp)
+    if accumulate and out is None:
+        raise ValueError("out: accumulate=True adds into out, so out must be given")
+    if out is None:
+        out = xp.empty((M, N), dtype=dtypes.bfloat16)
+    check_array("out", out, dtype=dtypes.bfloat16, shape=(M, N), max_elements=None)
+    if bias is not None:
+        check_array("bias", bias, dtype=dtypes.bfloat16, shape=(N,))
+    if xp is np:
+        r = fp8_matmul_reference(a8, b8, a_fmt, b_fmt, _host_scalar(a_scale_inv), _host_scalar(b_scale_inv), bias)
+        out[...] = (r + (out.astype(np.float64) if accumulate else 0)).astype(out.dtype)
+        return out
+    if M % 16 or N % 16 or K % 16:
+        raise ValueError(f"a8, b8: the FP8 GEMM needs M, N, K multiples of 16, got {M}, {N}, {K}")
+    ok, why = fp8_supported()
+    if not ok:
+        raise RuntimeError(why)
+    cublas.lt_fp8_gemm(a8, b8, out, M, N, K, a_fmt, b_fmt, a_scale_inv, b_scale_inv,
+                       beta=1.0 if accumulate else 0.0, bias=bias, fast_accum=fast_accum)
+    return out

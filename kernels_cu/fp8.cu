@@ -1,0 +1,164 @@
+/*
+ * fp8.cu -- FP8 quantization for the FP8 GEMMs (Ada/Hopper, sm_89+): scaled, saturating casts of
+ * a bf16 matrix to E4M3 (weights, activations) or E5M2 (gradients), row-major and/or transposed,
+ * with the input's amax on the way; and the per-tensor scale update.
+ *
+ * Math: q = satfinite(round_to_nearest_even(float(x) * scale)) in the target format: |x * scale|
+ *   beyond the largest finite value becomes +-max (E4M3 448, E5M2 57344), NaN stays NaN. The
+ *   GEMM multiplies by scale_inv = 1 / scale to undo it. One fp32 product, one hardware rounding
+ *   (cvt.rn.satfinite.{e4m3,e5m2}x2.f32): bit-exact with
+ *   clip(f32(x) * f32(scale), -max, max).astype(ml_dtypes.float8_*) (ops/fp8.py's reference).
+ * amax: max |x| of the input (before scaling), taken as the unsigned max of the bf16 bits with
+ *   the sign cleared (non-negative floats order as their bits; NaN's bits are above +inf's, so a
+ *   NaN wins and stays visible), folded into *amax with atomicMax: the same result in any
+ *   order, so runs stay deterministic. A NaN amax makes the scale update keep the old scale;
+ *   the caller's finite checks report the NaN.
+ * Shapes: in (R, C) bf16 row-major, R and C multiples of 16 (the FP8 GEMM needs that anyway);
+ *   out (R, C) fp8 and/or out_t (C, R) fp8 (either may be null). Grid: (C/64, R/64) tiles of
+ *   64 x 64, 256 threads; each thread loads two 16-byte packs (8 columns of rows r and r + 32),
+ *   writes 8 fp8 bytes of `out` per pack, and (transposed) one 16-byte pack of 16 rows of `out_t`
+ *   gathered from the tile in shared memory.
+ * Scale update (fp8_update_scale_kernel, one thread per tensor): history[h][k] = amax[k] for the
+ *   step slot h, amax[k] = 0; m = max over the history of tensor k; when m is finite and > 0,
+ *   scale[k] = fmax / m * 2^-margin and scale_inv[k] = 1 / scale[k]; otherwise both stay.
+ *   "Delayed scaling" (Transformer Engine's recipe): this step's casts use the scale made from
+ *   the last steps' amax.
+ */
+#include "common.cuh"
+
+typedef unsigned char u8;
+
+#define E4M3 0
+#define E5M2 1
+#define TILE 64
+
+// Two floats -> two fp8 bytes (lo = first element, as memory order wants), round to nearest even,
+// saturating to the largest finite value. sm_89+: older targets compile to a trap (the Python side
+// refuses those GPUs with one clear line first).
+template <int FMT>
+__device__ __forceinline__ unsigned short cvt_fp8x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short r;
+    if (FMT == E4M3)
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    else
+        asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    __trap();
+    return 0;
+#endif
+}
+
+// 8 bf16 (one 16-byte pack as raw uint4) -> 8 fp8 bytes (uint2), scaled; |x| bits folded into the
+// two 16-bit halves of mbits (unsigned max per half).
+template <int FMT>
+__device__ __forceinline__ uint2 quantize8(uint4 p, float scale, u32& mbits) {
+    const u32 w[4] = {p.x, p.y, p.z, p.w};
+    u32 o[2];
+    #pragma unroll
+    for (int i = 0; i < 4; i += 2) {
+        mbits = __vmaxu2(__vmaxu2(mbits, w[i] & 0x7fff7fffu), w[i + 1] & 0x7fff7fffu);
+        const float a = __uint_as_float(w[i] << 16), b = __uint_as_float(w[i] & 0xffff0000u);
+        const float c = __uint_as_float(w[i + 1] << 16), d = __uint_as_float(w[i + 1] & 0xffff0000u);
+        o[i / 2] = (u32)cvt_fp8x2<FMT>(a * scale, b * scale) | ((u32)cvt_fp8x2<FMT>(c * scale, d * scale) << 16);
+    }
+    return make_uint2(o[0], o[1]);
+}
+
+// The block's max |x| (as float bits) into *amax. All threads of the block call it.
+__device__ __forceinline__ void block_amax(float* amax, u32 mbits) {
+    __shared__ u32 warp_max[32];
+    u32 m = max(mbits >> 16, mbits & 0xffffu) << 16;       // the larger half, as fp32 bits
+    m = __reduce_max_sync(0xffffffffu, m);
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++) m = max(m, warp_max[w]);
+        atomicMax(reinterpret_cast<u32*>(amax), m);
+    }
+}
+
+template <int FMT>
+__device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __restrict__ amax,
+                         const bf16* __restrict__ in, const float* __restrict__ scale, int R, int C) {
+    __shared__ __align__(16) u8 tile[TILE][TILE + 16];   // +16: rows start on different banks
+    const int t = threadIdx.x;
+    const int r0 = blockIdx.y * TILE, c0 = blockIdx.x * TILE;
+    const float s = *scale;
+    const int col = (t & 7) * 8;               // 8 columns per pack
+    u32 m = 0;
+    #pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int row = (t >> 3) + 32 * h;
+        const long long r = r0 + row;
+        if (r < R && c0 + col < C) {           // C % 16 == 0: a pack is all in or all out
+            const uint4 p = __ldcs(reinterpret_cast<const uint4*>(in + r * C + c0 + col));
+            const uint2 q = quantize8<FMT>(p, s, m);
+            *reinterpret_cast<uint2*>(&tile[row][col]) = q;
+            if (out) *reinterpret_cast<uint2*>(out + r * C + c0 + col) = q;
+        }
+    }
+    if (out_t) {
+        __syncthreads();
+        const int c = t >> 2, rr = (t & 3) * 16;   // out_t row c0 + c, 16 rows of `in` from rr
+        if (c0 + c < C && r0 + rr < R) {           // R % 16 == 0: all 16 in or all out
+            u32 v[4];
+            #pragma unroll
+            for (int k = 0; k < 4; k++)
+                v[k] = (u32)tile[rr + 4 * k][c] | ((u32)tile[rr + 4 * k + 1][c] << 8) |
+                       ((u32)tile[rr + 4 * k + 2][c] << 16) | ((u32)tile[rr + 4 * k + 3][c] << 24);
+            *reinterpret_cast<uint4*>(out_t + (long long)(c0 + c) * R + r0 + rr) = make_uint4(v[0], v[1], v[2], v[3]);
+        }
+    }
+    if (amax) block_amax(amax, m);
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp8_cast_kernel_e4m3(
+        u8* out, u8* out_t, float* amax,      // (R, C) | null, (C, R) | null, (1,) | null
+        const bf16* in, const float* scale,   // (R, C), (1,)
+        int R, int C) {
+    fp8_cast<E4M3>(out, out_t, amax, in, scale, R, C);
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp8_cast_kernel_e5m2(
+        u8* out, u8* out_t, float* amax,      // (R, C) | null, (C, R) | null, (1,) | null
+        const bf16* in, const float* scale,   // (R, C), (1,)
+        int R, int C) {
+    fp8_cast<E5M2>(out, out_t, amax, in, scale, R, C);
+}
+
+// amax only (current scaling: the scale of this very tensor before its cast). Grid-stride over
+// 16-byte packs; n % 8 == 0.
+extern "C" __global__ void __launch_bounds__(256) fp8_amax_kernel(
+        float* amax, const bf16* in, long long n) {   // (1,), (n,)
+    u32 m = 0;
+    for (long long i = (long long)(blockIdx.x * blockDim.x + threadIdx.x) * 8; i < n;
+         i += (long long)gridDim.x * blockDim.x * 8) {
+        const uint4 p = __ldcs(reinterpret_cast<const uint4*>(in + i));
+        m = __vmaxu2(__vmaxu2(m, p.x & 0x7fff7fffu), p.y & 0x7fff7fffu);
+        m = __vmaxu2(__vmaxu2(m, p.z & 0x7fff7fffu), p.w & 0x7fff7fffu);
+    }
+    block_amax(amax, m);
+}
+
+extern "C" __global__ void fp8_update_scale_kernel(
+        float* scale, float* scale_inv, float* amax, float* history,   // (K,) (K,) (K,) (H, K)
+        const float* fmax, int K, int H, int slot, float margin_scale) {  // (K,): each tensor's format max
+    const int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= K) return;
+    history[(long long)slot * K + k] = amax[k];
+    amax[k] = 0.0f;
+    float m = 0.0f;
+    bool bad = false;
+    for (int h = 0; h < H; h++) {
+        const float a = history[(long long)h * K + k];
+        bad |= !(a <= 3.0e38f);              // NaN or inf
+        m = fmaxf(m, a);
+    }
+    if (!bad && m > 0.0f) {
+        const float s = fmax[k] / m * margin_scale;
+        scale[k] = s;
+        scale_inv[k] = 1.0f / s;
+    }
+}

@@ -1,0 +1,216 @@
+"""gpucore fp8 family: scaled E4M3/E5M2 casts, amax, the scaling state, the FP8 GEMM.
+
+CPU: the reference's rounding and saturation against ml_dtypes element by element (every
+finite bf16 value in a range, ties, the largest values, NaN), the transposed output, amax,
+the delayed / current scaling rules, the GEMM reference against a float64 matmul.
+GPU (pytest -m cuda, sm_89+): the casts bit for bit against the reference on fresh random
+inputs of several shapes (poisoned outputs), amax exact, the FP8 GEMM against the reference
+of the same FP8 bytes (fp32 accumulation: ~1e-6 relative before the bf16 rounding of out).
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from gpucore import runtime
+from gpucore.dtypes import bfloat16
+from gpucore.ops.fp8 import (FORMATS, Fp8Scaling, fp8_amax, fp8_dequantize, fp8_matmul, fp8_quantize,
+                             fp8_quantize_reference)
+from conftest import rel_err, to_cpu
+
+F32 = np.float32
+
+
+def _bf16(rng, shape, scale=1.0):
+    return (scale * rng.standard_normal(shape)).astype(bfloat16)
+
+
+# ------------------------------------------------------------------ CPU ----
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_reference_rounds_to_nearest_even_and_saturates(fmt):
+    t, fmax = FORMATS[fmt]
+    # every positive finite value of the format, the midpoints between neighbours (ties), a bit above
+    grid = np.arange(256, dtype=np.uint8).view(t).astype(np.float64)
+    grid = np.unique(grid[np.isfinite(grid) & (grid >= 0)])
+    mids = (grid[:-1] + grid[1:]) / 2
+    x = np.concatenate([grid, mids, mids * (1 + 1e-3), -mids, [fmax * 1.01, fmax * 100, -fmax * 3, 1e30]])
+    q = fp8_quantize_reference(x.astype(F32), fmt, 1.0)
+    back = fp8_dequantize(q, fmt)
+    assert np.array_equal(back[: len(grid)], grid.astype(F32))                 # exact values stay
+    # ties go to the neighbour with an even mantissa (its last bit 0)
+    tie_bits = q[len(grid): len(grid) + len(mids)]
+    assert np.all(tie_bits % 2 == 0)
+    assert np.all(np.abs(back[len(grid) + len(mids): len(grid) + 2 * len(mids)]) >= mids)   # just above: up
+    assert np.array_equal(back[-4:], np.array([fmax, fmax, -fmax, fmax], F32))          # saturated
+    assert np.isnan(fp8_dequantize(fp8_quantize_reference(np.array([np.nan], F32), fmt, 1.0), fmt)).all()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_reference_scale_applies_in_float32(rng, fmt):
+    x = _bf16(rng, (32, 48), 1e-3)
+    s = 1234.5
+    want = np.clip(x.astype(F32) * F32(s), -FORMATS[fmt][1], FORMATS[fmt][1]).astype(FORMATS[fmt][0])
+    assert np.array_equal(fp8_quantize_reference(x, fmt, s), want.view(np.uint8))
+
+
+def test_quantize_numpy_outputs_and_amax(rng):
+    x = _bf16(rng, (16, 32), 3.0)
+    out, out_t = np.zeros((16, 32), np.uint8), np.zeros((32, 16), np.uint8)
+    amax = np.array([0.5], F32)
+    fp8_quantize(x, "e4m3", np.array([2.0], F32), out=out, out_t=out_t, amax=amax)
+    assert np.array_equal(out, fp8_quantize_reference(x, "e4m3", 2.0))
+    assert np.array_equal(out_t, out.T)
+    assert amax[0] == np.abs(x.astype(F32)).max()
+    fp8_amax(x * 0, amax)                       # max with what is there
+    assert amax[0] == np.abs(x.astype(F32)).max()
+
+
+def test_bad_input(rng):
+    x = _bf16(rng, (16, 32))
+    s = np.ones(1, F32)
+    with pytest.raises(ValueError, match="fmt"):
+        fp8_quantize(x, "e3m4", s, out=np.zeros((16, 32), np.uint8))
+    with pytest.raises(TypeError, match="x: dtype"):
+        fp8_quantize(x.astype(F32), "e4m3", s, out=np.zeros((16, 32), np.uint8))
+    with pytest.raises(ValueError, match="out, out_t"):
+        fp8_quantize(x, "e4m3", s)
+    with pytest.raises(ValueError, match="out_t"):
+        fp8_quantize(x, "e4m3", s, out_t=np.zeros((16, 32), np.uint8))
+    with pytest.raises(ValueError, match="scale"):
+        fp8_quantize(x, "e4m3", np.ones(2, F32), out=np.zeros((16, 32), np.uint8))
+    a8 = np.zeros((16, 32), np.uint8)
+    with pytest.raises(ValueError, match="E5M2 x E5M2"):
+        fp8_matmul(a8, a8, "e5m2", "e5m2", s, s)
+    with pytest.raises(ValueError, match="b8"):
+        fp8_matmul(a8, np.zeros((16, 16), np.uint8), "e4m3", "e4m3", s, s)
+    with pytest.raises(ValueError, match="accumulate"):
+        fp8_matmul(a8, a8, "e4m3", "e4m3", s, s, accumulate=True)
+
+
+def test_matmul_reference(rng):
+    a, b = _bf16(rng, (16, 32)), _bf16(rng, (48, 32))
+    sa, sb = 64.0, 16.0
+    a8, b8 = fp8_quantize_reference(a, "e4m3", sa), fp8_quantize_reference(b, "e5m2", sb)
+    bias = _bf16(rng, (48,))
+    out = fp8_matmul(a8, b8, "e4m3", "e5m2", np.array([1 / sa], F32), np.array([1 / sb], F32), bias=bias)
+    ref = (fp8_dequantize(a8, "e4m3", 1 / sa).astype(np.float64) @ fp8_dequantize(b8, "e5m2", 1 / sb).T
+           + bias.astype(np.float64))
+    assert out.dtype == bfloat16 and np.array_equal(out, ref.astype(bfloat16))
+    # FP8 of well-scaled data is within a few % of the bf16 product
+    assert rel_err(out.astype(F32), a.astype(np.float64) @ b.astype(np.float64).T + bias.astype(np.float64)) < 0.1
+    out2 = out.copy()
+    fp8_matmul(a8, b8, "e4m3", "e5m2", np.array([1 / sa], F32), np.array([1 / sb], F32), out=out2, accumulate=True)
+    assert rel_err(out2.astype(F32), 2 * out.astype(F32) - bias.astype(F32)) < 1e-2
+
+
+def test_scaling_delayed_and_current(rng):
+    x = _bf16(rng, (16, 16), 10.0)
+    s = Fp8Scaling(2, ["e4m3", "e5m2"], np, history=2)
+    s.prepare(0, x)                                  # first cast: current, from x's own amax
+    m = float(np.abs(x.astype(F32)).max())
+    assert np.isclose(s.scale[0], 448.0 / m) and np.isclose(s.scale_inv[0] * s.scale[0], 1.0)
+    s.amax[0] = 2.0
+    s.prepare(0, x * 100)                            # later casts: delayed, no change now
+    assert np.isclose(s.scale[0], 448.0 / m)
+    s.end_step()
+    assert np.isclose(s.scale[0], 448.0 / 2.0) and s.amax[0] == 0 and s.scale[1] == 1.0   # no amax: keeps
+    s.amax[0] = 8.0
+    s.end_step()
+    assert np.isclose(s.scale[0], 448.0 / 8.0)       # max over the history of 2
+    s.amax[0] = 1.0
+    s.end_step()
+    assert np.isclose(s.scale[0], 448.0 / 8.0)       # slot of 2.0 replaced, 8.0 still there
+    s.amax[0] = 1.0
+    s.end_step()
+    assert np.isclose(s.scale[0], 448.0)
+    s.amax[0] = np.nan
+    s.end_step()
+    assert np.isclose(s.scale[0], 448.0)             # a NaN amax keeps the scale
+    cur = Fp8Scaling(1, ["e5m2"], np, mode="current", margin=1)
+    cur.prepare(0, x)
+    cur.prepare(0, x * 2)                            # current: every cast measures
+    assert np.isclose(cur.scale[0], 57344.0 / (2 * m) / 2)
+    st = s.state()
+    s2 = Fp8Scaling(2, ["e4m3", "e5m2"], np, history=2)
+    s2.load_state(st)
+    assert np.array_equal(s2.scale, s.scale) and s2.step_index == s.step_index
+
+
+# ------------------------------------------------------------------ GPU ----
+
+def _need_fp8():
+    from gpucore.ops.fp8 import fp8_supported
+    ok, why = fp8_supported()
+    if not ok:
+        pytest.fail(why)      # the cuda marker says there is a GPU; our test GPUs are Hopper
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("R,C", [(16, 16), (48, 80), (64, 64), (1040, 784), (4096, 3072)])
+def test_gpu_quantize_bitwise(rng, fmt, R, C):
+    _need_fp8()
+    cp = runtime.cupy
+    x = _bf16(rng, (R, C), 2.0)
+    x[0, :3] = np.array([1e4, -1e6, 3e-8]).astype(bfloat16)        # saturation and flush to zero
+    scale = F32(37.25)
+    out, out_t = cp.full((R, C), 0xAB, np.uint8), cp.full((C, R), 0xAB, np.uint8)
+    amax = cp.zeros(1, F32)
+    fp8_quantize(cp.asarray(x), fmt, cp.asarray([scale]), out=out, out_t=out_t, amax=amax)
+    want = fp8_quantize_reference(x, fmt, scale)
+    got = to_cpu(out)
+    bad = np.argwhere(got != want)
+    assert len(bad) == 0, f"{len(bad)} wrong, first {tuple(bad[0])}: {got[tuple(bad[0])]:#x} want {want[tuple(bad[0])]:#x}"
+    assert np.array_equal(to_cpu(out_t), want.T)
+    assert float(to_cpu(amax)[0]) == float(np.abs(x.astype(F32)).max())
+    # only the transposed output, and only the plain one
+    out_t2 = cp.zeros((C, R), np.uint8)
+    fp8_quantize(cp.asarray(x), fmt, cp.asarray([scale]), out_t=out_t2)
+    assert np.array_equal(to_cpu(out_t2), want.T)
+
+
+@pytest.mark.cuda
+def test_gpu_amax_and_nan(rng):
+    _need_fp8()
+    cp = runtime.cupy
+    x = _bf16(rng, (1000, 24))
+    a = cp.zeros(1, F32)
+    fp8_amax(cp.asarray(x), a)
+    assert float(a.get()[0]) == float(np.abs(x.astype(F32)).max())
+    x[500, 7] = np.nan
+    fp8_amax(cp.asarray(x), a)
+    assert np.isnan(a.get()[0])
+    s = Fp8Scaling(1, ["e4m3"], cp)
+    s.prepare(0, cp.asarray(x[:400]))
+    m = float(np.abs(x[:400].astype(F32)).max())
+    assert np.isclose(float(s.scale.get()[0]), 448.0 / m, rtol=1e-6)
+    s.amax[...] = cp.asarray([np.nan], F32)
+    before = s.scale.get().copy()
+    s.end_step()
+    assert np.array_equal(s.scale.get(), before)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fa,fb", [("e4m3", "e4m3"), ("e5m2", "e4m3"), ("e4m3", "e5m2")])
+@pytest.mark.parametrize("M,N,K", [(16, 16, 16), (64, 48, 96), (1024, 768, 768), (4096, 3072, 768), (2048, 768, 3072)])
+@pytest.mark.parametrize("fast", [False, True])
+def test_gpu_matmul(rng, fa, fb, M, N, K, fast):
+    _need_fp8()
+    cp = runtime.cupy
+    a, b, bias = _bf16(rng, (M, K)), _bf16(rng, (N, K), 0.05), _bf16(rng, (N,))
+    sa, sb = 100.0, 2000.0
+    a8, b8 = fp8_quantize_reference(a, fa, sa), fp8_quantize_reference(b, fb, sb)
+    sia, sib = cp.asarray([1 / sa], F32), cp.asarray([1 / sb], F32)
+    out = cp.full((M, N), np.nan, F32).astype(bfloat16)
+    fp8_matmul(cp.asarray(a8), cp.asarray(b8), fa, fb, sia, sib, out=out, bias=cp.asarray(bias), fast_accum=fast)
+    ref = (fp8_dequantize(a8, fa, 1 / sa).astype(np.float64) @ fp8_dequantize(b8, fb, 1 / sb).T.astype(np.float64)
+           + bias.astype(np.float64))
+    got = to_cpu(out).astype(np.float64)
+    assert not np.isnan(got).any()
+    assert rel_err(got, ref) < (2e-2 if fast else 1e-2)          # bf16 output rounding
+    acc = out.copy()
+    fp8_matmul(cp.asarray(a8), cp.asarray(b8), fa, fb, sia, sib, out=acc, accumulate=True, fast_accum=fast)
+    assert rel_err(to_cpu(acc).astype(np.float64), 2 * ref - bias.astype(np.float64)) < 2e-2
+    again = cp.empty_like(out)
+    fp8_matmul(cp.asarray(a8), cp.asarray(b8), fa, fb, sia, sib, out=again, bias=cp.asarray(bias), fast_accum=fast)
+    assert to_cpu(again).tobytes() == to_cpu(out).tobytes()      # deterministic
