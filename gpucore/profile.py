@@ -110,6 +110,7 @@ def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int
         rows.append(row)
     ops_ms = sum(r["ms"] for r in rows)
     return {"model": model, "B": B, "T": T, "steps": steps, "device": device, "dtype": dtypes.name(dt),
+            "keep_gelu": net.keep_gelu,
             "step_ms": step_ms, "recorded_step_ms": recorded_ms, "ops_ms": ops_ms,
             "host_gap_ms": step_ms - ops_ms, "host_gap_share": (step_ms - ops_ms) / step_ms,
             "peak_tflops": peak / 1e12 if peak else None, "copy_gbps": copy_gbps, "rows": rows}
@@ -117,7 +118,8 @@ def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int
 
 def format_table(report: dict) -> str:
     r = report
-    lines = [f"{r['model']} B={r['B']} T={r['T']} {r['dtype']} on {r['device']}: step {r['step_ms']:.2f} ms "
+    gelu = {True: ", GELU outputs kept", False: ", GELU outputs recomputed"}.get(r.get("keep_gelu"), "")
+    lines = [f"{r['model']} B={r['B']} T={r['T']} {r['dtype']} on {r['device']}{gelu}: step {r['step_ms']:.2f} ms "
              f"(mean of {r['steps']}; {r['recorded_step_ms']:.2f} ms while recording)",
              "rate: TFLOP/s for matmul/attention; GB/s for the rest, bytes = arrays in + out (approximate); "
              "% peak: of the bf16 peak / of the measured device-to-device copy"]
