@@ -22,6 +22,7 @@ from .ops.softmax import softmax, softmax_backward
 from .ops.encoder import encoder_backward, encoder_backward_plan, encoder_forward
 from .ops.gelu import gelu, gelu_backward
 from .ops.layernorm import fused_residual_layernorm_forward, layernorm, layernorm_backward, layernorm_forward
+from .ops.fp8 import Fp8Scaling, fp8_amax, fp8_dequantize, fp8_matmul, fp8_quantize, fp8_supported
 from .runtime import KernelCompileError, gpu_available
 
 from . import settings
@@ -46,6 +47,7 @@ __all__ = [
     "stochastic_round", "sfadamw_update", "sfadamw_average",
     "encoder_forward", "encoder_backward", "encoder_backward_plan", "gelu", "gelu_backward",
     "layernorm", "layernorm_forward", "layernorm_backward", "fused_residual_layernorm_forward",
+    "fp8_quantize", "fp8_amax", "fp8_dequantize", "fp8_matmul", "fp8_supported", "Fp8Scaling",
 ]
 
 
