@@ -430,6 +430,12 @@ def save_training_checkpoint(path, model, optimizer, *, step, preset, train_load
             "dtype": dtypes.name(model.dtype), "step": int(step), "optimizer": optimizer.state_meta(),
             "data": data_state, "rng": rng_state,
             "args": asdict(args) if is_dataclass(args) else args}
+    fp8 = getattr(model, "fp8", None)
+    if fp8 is not None:           # the FP8 scales, so that a resumed run casts as the run would have
+        st = fp8.scaling.state()
+        arrays["fp8_scale"], arrays["fp8_history"] = st["scale"], st["history"]
+        meta["fp8"] = {"mode": fp8.scaling.mode, "started": [bool(b) for b in st["started"]],
+                       "step_index": st["step_index"]}
     return save_checkpoint(path, arrays, meta)
 
 

@@ -230,8 +230,14 @@ _TRAIN_OPTIONS = [
                       "make Tiny Shakespeare's with `gpucore prepro`"),
     click.option("--device", type=_CHOICES_DEVICE, default=_D.device, show_default=True,
                  help="cuda (CuPy kernels) or cpu (NumPy references); auto: cuda if a GPU is found"),
-    click.option("--dtype", type=click.Choice(["auto", "bf16", "bfloat16", "fp32", "float32"]), default=_D.dtype,
-                 show_default=True, help="bf16 mixed precision or fp32; auto: bf16 on cuda, fp32 on cpu"),
+    click.option("--dtype", type=click.Choice(["auto", "bf16", "bfloat16", "fp32", "float32", "fp8"]),
+                 default=_D.dtype, show_default=True,
+                 help="bf16 mixed precision or fp32; fp8: bf16 with the linear layers' GEMMs in FP8 "
+                      "(E4M3 x/W, E5M2 gradients; sm_89+); auto: bf16 on cuda, fp32 on cpu"),
+    click.option("--fp8-scaling", type=click.Choice(["delayed", "current"]), default=_D.fp8_scaling,
+                 show_default=True,
+                 help="--dtype fp8: scales from the last 16 steps' amax (delayed) or each tensor's own "
+                      "amax, one more read (current)"),
     click.option("--val-every", type=click.IntRange(min=0), default=_D.val_every, show_default=True,
                  help="validation loss every N steps and at the end (0: off)"),
     click.option("--val-steps", type=click.IntRange(min=1), default=_D.val_steps, show_default=True,
@@ -275,7 +281,7 @@ _TRAIN_OPTIONS = [
 ]
 
 # Settings a resumed run takes from its checkpoint, so the resume command leaves them out.
-_FROM_CHECKPOINT = {"model", "dtype", "resume", "init_from"}
+_FROM_CHECKPOINT = {"model", "dtype", "fp8_scaling", "resume", "init_from"}
 
 
 def train_options(fn):

@@ -469,14 +469,15 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
 
 
 def lt_fp8_gemm(a8, b8, out, M, N, K, a_format, b_format, a_scale_inv, b_scale_inv, beta=0.0, bias=None,
-                fast_accum=False) -> None:
+                fast_accum=False, gelu_aux=None) -> None:
     """Row-major out (M, N) = (a (M, K) @ b (N, K)^T) * a_scale_inv * b_scale_inv [+ bias] [+ beta * out].
 
     a8, b8: uint8 arrays holding FP8 bytes (a_format / b_format "e4m3" or "e5m2"; not both e5m2),
     K-contiguous as cuBLASLt's FP8 path requires ("TN"); the scales are (1,) float32 device arrays
     (read by the GEMM, so they may change on the device between calls). out bf16, bias bf16 (N,).
     fast_accum: Hopper's faster FP8 accumulation (partial sums in lower precision; Transformer
-    Engine uses it for the forward only). Raises RuntimeError when cuBLASLt cannot (no fallback:
+    Engine uses it for the forward only). gelu_aux (M, N) bf16: it receives the sum and out its
+    GELU (GELU_AUX(_BIAS), as lt_gemm). Raises RuntimeError when cuBLASLt cannot (no fallback:
     callers check fp8_supported() first).
     """
     lt = lt_binding()
@@ -484,18 +485,19 @@ def lt_fp8_gemm(a8, b8, out, M, N, K, a_format, b_format, a_scale_inv, b_scale_i
         raise RuntimeError("FP8 matmul needs cuBLASLt: " + lt_status())
     dev, handle, ws = lt.device_state()
     ta, tb, tc = FP8_TYPES[a_format], FP8_TYPES[b_format], cuda_type(out.dtype)
-    epilogue = _epilogue(bias, False)
+    epilogue = _epilogue(bias, gelu_aux is not None)
     bias_ptr = bias.data.ptr if bias is not None else 0
+    aux_ptr = gelu_aux.data.ptr if gelu_aux is not None else 0
     aligns = tuple(_alignment(p) for p in (b8.data.ptr, a8.data.ptr, out.data.ptr, out.data.ptr))
     key = (dev, "fp8", M, N, K, ta, tb, tc, epilogue, _alignment(bias_ptr) if bias is not None else 0, aligns,
-           beta != 0.0, bool(fast_accum))
+           _alignment(aux_ptr) if aux_ptr else 0, beta != 0.0, bool(fast_accum))
     scales = (b_scale_inv.data.ptr, a_scale_inv.data.ptr)   # Lt's A is our b
     plan = lt.plan(key, handle, 1, 0, N, M, K, K, K, tb, ta, tc, epilogue, bias_ptr, aligns,
-                   scale_ptrs=scales, fast_accum=fast_accum)
+                   aux_ptr=aux_ptr, scale_ptrs=scales, fast_accum=fast_accum)
     if plan is None:
         raise RuntimeError(f"cuBLASLt has no FP8 algorithm for ({M} x {K}) @ ({N} x {K})^T "
                            f"{a_format} x {b_format} (M, N, K must be multiples of 16)")
-    lt.set_pointers(plan, bias_ptr, 0, scales)
+    lt.set_pointers(plan, bias_ptr, aux_ptr, scales)
     al, be = ctypes.c_float(1.0), ctypes.c_float(beta)
     stream = runtime.cupy.cuda.get_current_stream().ptr
 

@@ -47,6 +47,7 @@ from .ops.gelu import gelu, gelu_backward
 from .ops.layernorm import fused_residual_layernorm_forward, layernorm_backward, layernorm_forward
 from .ops.matmul import matmul_backward, matmul_forward
 from .ops.reduce import reduce_sum as _sum
+from .fp8_linear import ATTPROJ, FC, FCPROJ, QKV
 from .tensors import TensorLayout
 
 GPT2_VOCAB = 50257
@@ -195,7 +196,7 @@ def grad_activation_specs(cfg: GPT2Config, B: int, T: int, dtype):
 
 
 def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "fp32",
-                keep_gelu: bool = False) -> dict[str, int]:
+                keep_gelu: bool = False, fp8: bool = False) -> dict[str, int]:
     """Bytes of each flat buffer a training run at (B, T) allocates (nothing is allocated).
 
     The fp32 master copy exists only when the parameters are not fp32 and master_weights is
@@ -216,6 +217,9 @@ def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "f
     }
     if per["kahan"]:
         plan["kahan"] = n * per["kahan"]
+    if fp8:
+        from .fp8_linear import scratch_bytes
+        plan["fp8 scratch"] = scratch_bytes(cfg, B, T)
     return plan
 
 
@@ -279,10 +283,12 @@ class GPT2:
 
     keep_gelu: store the GELU outputs per layer (True), recompute them in the backward (False), or
     None: decided per batch shape by resolve_keep_gelu (see it); self.keep_gelu is the decision.
+    fp8: None, or "delayed" / "current": the four linears of every layer multiply in FP8 with that
+    scaling (gpucore/fp8_linear.py; bfloat16 models only); the rest stays bf16.
     """
 
     def __init__(self, config: GPT2Config, *, xp=np, dtype="float32", seed: int | None = 1337,
-                 keep_gelu: bool | None = None):
+                 keep_gelu: bool | None = None, fp8: str | None = None):
         self.config = config
         self.xp = xp
         self.dtype = dtypes.normalize(dtype)
@@ -299,6 +305,12 @@ class GPT2:
         self._encoder_plan = None    # its token sort for the encoder backward (GPU; made in forward)
         self.keep_gelu_request = keep_gelu
         self.keep_gelu = False       # decided in allocate_activations
+        self.fp8 = None
+        if fp8 is not None:
+            if self.dtype != dtypes.bfloat16:
+                raise ValueError(f"fp8: FP8 linears need a bfloat16 model, this one is {dtypes.name(self.dtype)}")
+            from .fp8_linear import Fp8Linears
+            self.fp8 = Fp8Linears(config, xp, mode=fp8)
         if seed is not None:
             self.init_weights(seed)
 
@@ -427,20 +439,23 @@ class GPT2:
         a = self.allocate_activations(B, T)
         self._backward_ready = None
 
+        lin = self._linear_forward
+        if self.fp8 is not None and (B * T) % 16:
+            raise ValueError(f"tokens: FP8 linears need B*T to be a multiple of 16, got {B}*{T}")
         encoder_forward(tokens, p.wte, p.wpe, out=a.encoded, check_tokens=False)   # checked just above
         self._encoder_plan = (_encoder_plan_beside(tokens, p.wte.shape[0])   # dwte's (padded) rows
                               if for_backward and xp is not np else None)
         layernorm_forward(a.encoded, p.ln1w[0], p.ln1b[0], out=a.ln1[0], mean=a.ln1_mean[0], rstd=a.ln1_rstd[0])
         for l in range(L):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
-            matmul_forward(_2d(a.ln1[l]), p.qkvw[l], p.qkvb[l], out=_2d(a.qkv[l]))
+            lin(l, QKV, _2d(a.ln1[l]), p.qkvw[l], p.qkvb[l], _2d(a.qkv[l]))
             attention_forward(a.qkv[l], NH, out=a.atty[l], lse=a.att_lse[l])
-            matmul_forward(_2d(a.atty[l]), p.attprojw[l], p.attprojb[l], out=_2d(a.proj))
+            lin(l, ATTPROJ, _2d(a.atty[l]), p.attprojw[l], p.attprojb[l], _2d(a.proj))
             fused_residual_layernorm_forward(residual, a.proj, p.ln2w[l], p.ln2b[l], residual=a.residual2[l],
                                              out=a.ln2[l], mean=a.ln2_mean[l], rstd=a.ln2_rstd[l])
             fch_gelu = a.fch_gelu[l] if self.keep_gelu else a.fch_gelu
-            matmul_forward(_2d(a.ln2[l]), p.fcw[l], p.fcb[l], out=_2d(a.fch[l]), gelu_out=_2d(fch_gelu))
-            matmul_forward(_2d(fch_gelu), p.fcprojw[l], p.fcprojb[l], out=_2d(a.proj))
+            lin(l, FC, _2d(a.ln2[l]), p.fcw[l], p.fcb[l], _2d(a.fch[l]), _2d(fch_gelu))
+            lin(l, FCPROJ, _2d(fch_gelu), p.fcprojw[l], p.fcprojb[l], _2d(a.proj))
             if l + 1 < L:   # the next layer's ln1, fused with this layer's second residual add
                 fused_residual_layernorm_forward(a.residual2[l], a.proj, p.ln1w[l + 1], p.ln1b[l + 1],
                                                  residual=a.residual3[l], out=a.ln1[l + 1],
@@ -485,6 +500,24 @@ class GPT2:
             loss = (_sum(a.losses) / xp.maximum(count, 1)).astype(np.float32)
         return (loss, logits) if return_logits else loss
 
+    def _linear_forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None):
+        """Linear j (QKV, ATTPROJ, FC, FCPROJ) of layer l: out2d = x2d @ weight^T + bias [gelu_out2d = GELU]."""
+        if self.fp8 is not None:
+            return self.fp8.forward(l, j, x2d, weight, bias, out2d, gelu_out2d)
+        return matmul_forward(x2d, weight, bias, out=out2d, gelu_out=gelu_out2d)
+
+    def _linear_backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias):
+        """Its backward: dx2d = [, dweight +=, dbias += (when not None)]."""
+        if self.fp8 is not None:
+            return self.fp8.backward(l, j, dout2d, x2d, weight, dx2d, dweight, dbias)
+        return matmul_backward(dout2d, x2d, weight, dx=dx2d, dweight=dweight, dbias=dbias,
+                               need_dbias=dbias is not None)
+
+    def end_step(self):
+        """After each optimizer step (the training loop calls it): FP8 scales for the next step."""
+        if self.fp8 is not None:
+            self.fp8.end_step()
+
     # ------------------------------------------------------------- backward
 
     def backward(self, on_layer_done=None):
@@ -514,6 +547,7 @@ class GPT2:
         # that updates dres last, the gelu backward), so matmul_backward never reads dout a
         # second time for them.
         fuse = settings.current().fused_bias_grads
+        lin_bwd = self._linear_backward
         layernorm_backward(dsmall, a.residual3[L - 1], p.lnfw, a.lnf_mean, a.lnf_rstd,
                            dx=dres, dweight=g.lnfw, dbias=g.lnfb, dx_colsum=g.fcprojb[L - 1] if fuse else None)
         for l in reversed(range(L)):
@@ -523,19 +557,18 @@ class GPT2:
                 fch_gelu = a.fch_gelu[l]
             else:
                 fch_gelu = gelu(a.fch[l], out=a.fch_gelu)     # recompute (not stored per layer)
-            matmul_backward(_2d(dres), _2d(fch_gelu), p.fcprojw[l], dx=_2d(dfch),
-                            dweight=g.fcprojw[l], dbias=None if fuse else g.fcprojb[l], need_dbias=not fuse)
+            lin_bwd(l, FCPROJ, _2d(dres), _2d(fch_gelu), p.fcprojw[l], _2d(dfch), g.fcprojw[l],
+                    None if fuse else g.fcprojb[l])
             gelu_backward(dfch, a.fch[l], dx=dfch, dbias=g.fcb[l] if fuse else None)
-            matmul_backward(_2d(dfch), _2d(a.ln2[l]), p.fcw[l], dx=_2d(dsmall), dweight=g.fcw[l],
-                            dbias=None if fuse else g.fcb[l], need_dbias=not fuse)
+            lin_bwd(l, FC, _2d(dfch), _2d(a.ln2[l]), p.fcw[l], _2d(dsmall), g.fcw[l], None if fuse else g.fcb[l])
             layernorm_backward(dsmall, a.residual2[l], p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l],
                                dx=dres, dweight=g.ln2w[l], dbias=g.ln2b[l],
                                dx_colsum=g.attprojb[l] if fuse else None)
             # attention branch: residual2 = residual + attproj(attention(qkv(ln1(residual))))
-            matmul_backward(_2d(dres), _2d(a.atty[l]), p.attprojw[l], dx=_2d(dsmall),
-                            dweight=g.attprojw[l], dbias=None if fuse else g.attprojb[l], need_dbias=not fuse)
+            lin_bwd(l, ATTPROJ, _2d(dres), _2d(a.atty[l]), p.attprojw[l], _2d(dsmall), g.attprojw[l],
+                    None if fuse else g.attprojb[l])
             attention_backward(dsmall, a.qkv[l], a.atty[l], a.att_lse[l], NH, dqkv=dqkv)
-            matmul_backward(_2d(dqkv), _2d(a.ln1[l]), p.qkvw[l], dx=_2d(dsmall), dweight=g.qkvw[l], dbias=g.qkvb[l])
+            lin_bwd(l, QKV, _2d(dqkv), _2d(a.ln1[l]), p.qkvw[l], _2d(dsmall), g.qkvw[l], g.qkvb[l])
             layernorm_backward(dsmall, residual, p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l],
                                dx=dres, dweight=g.ln1w[l], dbias=g.ln1b[l],
                                dx_colsum=g.fcprojb[l - 1] if fuse and l > 0 else None)

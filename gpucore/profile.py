@@ -64,9 +64,10 @@ def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int
     T = T or min(1024, cfg.max_seq_len)
     if T > cfg.max_seq_len:
         raise ValueError(f"-T {T}: longer than the model's max_seq_len {cfg.max_seq_len}")
-    device, xp, dt = resolve_backend(device, dtype)
+    fp8 = "delayed" if dtype == "fp8" else None
+    device, xp, dt = resolve_backend(device, "bfloat16" if fp8 else dtype)
     from . import dtypes
-    net = GPT2(cfg, xp=xp, dtype=dt, seed=1337)
+    net = GPT2(cfg, xp=xp, dtype=dt, seed=1337, fp8=fp8)
     net.allocate_grads()
     net.allocate_activations(B, T)
     opt = AdamW(net, weight_decay=0.1, max_grad_norm=1.0)
@@ -109,7 +110,8 @@ def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int
             row["peak_share"] = row["gbps"] / copy_gbps if copy_gbps else None
         rows.append(row)
     ops_ms = sum(r["ms"] for r in rows)
-    return {"model": model, "B": B, "T": T, "steps": steps, "device": device, "dtype": dtypes.name(dt),
+    return {"model": model, "B": B, "T": T, "steps": steps, "device": device,
+            "dtype": dtypes.name(dt) + (" + FP8 linears" if fp8 else ""),
             "keep_gelu": net.keep_gelu,
             "step_ms": step_ms, "recorded_step_ms": recorded_ms, "ops_ms": ops_ms,
             "host_gap_ms": step_ms - ops_ms, "host_gap_share": (step_ms - ops_ms) / step_ms,
@@ -166,8 +168,8 @@ def write_plot(report: dict, out) -> None:
 @click.option("-T", "--seq-len", type=click.IntRange(min=1), default=None, help="[default: min(1024, maxT)]")
 @click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="steps timed (after one warm-up)")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(["auto", "bf16", "bfloat16", "fp32", "float32"]), default="auto",
-              show_default=True, help="auto: bf16 on the GPU, fp32 on the CPU")
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "bfloat16", "fp32", "float32", "fp8"]), default="auto",
+              show_default=True, help="auto: bf16 on the GPU, fp32 on the CPU; fp8: bf16 + FP8 linears")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="write the report as JSON here")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,

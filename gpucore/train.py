@@ -102,6 +102,7 @@ class TrainArgs:
     optimizer: str = "adamw"          # adamw | sfadamw (schedule-free AdamW: no lr decay schedule)
     master_weights: str = "fp32"      # bf16 models: fp32 master copy, or none with "sr" (stochastic rounding) / "kahan"
     keep_gelu: str = "auto"           # store the GELU outputs per layer (on), recompute them (off), or decide (auto)
+    fp8_scaling: str = "delayed"      # --dtype fp8: delayed (amax history) or current (one more read) scaling
     nproc: int = 0                    # start this many ranks on this machine (0: this process is the run)
     zero: int = 0                     # 1: ZeRO-1, optimizer state sharded across ranks
     dist_timeout: float = 900.0       # seconds without progress before a rank ends the job (data parallel)
@@ -129,6 +130,7 @@ def train_step(model, optimizer, next_batch, grad_accum: int, lr: float, reducer
     if reducer is not None:
         reducer.finish()
     norm = optimizer.step(lr)
+    model.end_step()
     return total / grad_accum, norm
 
 
@@ -161,6 +163,7 @@ class RunSetup:
     metrics_path: Path
     plan: dict                        # bytes of each buffer the run allocates (model.memory_plan)
     keep_gelu: bool = False           # the --keep-gelu decision (model.resolve_keep_gelu)
+    fp8: str | None = None            # --dtype fp8: the scaling mode of the FP8 linears, else None
     start: int = 0                    # the step to continue from
     resume_arrays: dict | None = None
     resume_meta: dict | None = None
@@ -189,8 +192,11 @@ def prepare(args: TrainArgs, echo, dp=None) -> RunSetup:
         if args.model is not None and args.model != preset:
             raise TrainError(f"--model {args.model}: the checkpoint {ckpt} is a {preset!r} model")
         dtype = dtypes.normalize(meta["dtype"])
-        if args.dtype != "auto" and dtypes.normalize(args.dtype) != dtype:
-            raise TrainError(f"--dtype {args.dtype}: the checkpoint {ckpt} was trained in {dtypes.name(dtype)}")
+        fp8 = (meta.get("fp8") or {}).get("mode")
+        trained = "fp8" if fp8 else dtypes.name(dtype)
+        if args.dtype != "auto" and (args.dtype == "fp8") != bool(fp8) or \
+                args.dtype not in ("auto", "fp8") and dtypes.normalize(args.dtype) != dtype:
+            raise TrainError(f"--dtype {args.dtype}: the checkpoint {ckpt} was trained in {trained}")
         device, xp, _ = resolve_backend(device)
     elif args.init_from:
         from .weights import WeightsError, read_weights
@@ -208,19 +214,25 @@ def prepare(args: TrainArgs, echo, dp=None) -> RunSetup:
                 raise TrainError(f"--model {args.model} ({wanted.describe()}) does not match the weights of "
                                  f"--init-from {args.init_from} ({cfg.describe()})")
             preset = args.model
-        device, xp, dtype = resolve_backend(device, args.dtype)
+        device, xp, dtype = resolve_backend(device, "bfloat16" if args.dtype == "fp8" else args.dtype)
     else:
         preset = args.model or "d12"
         try:
             cfg = GPT2Config.from_preset(preset)
         except ValueError as e:
             raise TrainError(str(e)) from None
-        device, xp, dtype = resolve_backend(device, args.dtype)
+        device, xp, dtype = resolve_backend(device, "bfloat16" if args.dtype == "fp8" else args.dtype)
+    if not args.resume:
+        fp8 = args.fp8_scaling if args.dtype == "fp8" else None
+    if fp8:
+        check_fp8(device, dp)
 
     B = args.batch_size
     T = args.seq_len or min(1024, cfg.max_seq_len)
     if T > cfg.max_seq_len:
         raise TrainError(f"-T {T}: longer than the model's max_seq_len {cfg.max_seq_len}")
+    if fp8 and (B * T) % 16:
+        raise TrainError(f"--dtype fp8: B*T = {B}*{T} must be a multiple of 16 (the FP8 GEMM's rule)")
     world = dp.world_size if dp is not None else 1
     total = args.total_batch_size or B * T * world
     if total % (B * T * world):
@@ -235,16 +247,28 @@ def prepare(args: TrainArgs, echo, dp=None) -> RunSetup:
         raise TrainError(f"--keep-gelu {args.keep_gelu}: expected auto, on or off")
     keep_gelu = resolve_keep_gelu({"auto": None, "on": True, "off": False}[args.keep_gelu], cfg, B, T, dtype, xp,
                                   master_weights=args.master_weights)
-    plan = memory_plan(cfg, B, T, dtype, master_weights=args.master_weights, keep_gelu=keep_gelu)
+    plan = memory_plan(cfg, B, T, dtype, master_weights=args.master_weights, keep_gelu=keep_gelu, fp8=bool(fp8))
     if dp is not None:
         from .distributed.parallel import plan_for
         plan = plan_for(plan, world, dp.zero)
     return RunSetup(preset=preset, cfg=cfg, device=device, xp=xp, dtype=dtype, B=B, T=T, total=total,
                     grad_accum=total // (B * T * world), out_dir=out_dir,
                     metrics_path=Path(args.metrics) if args.metrics else out_dir / "metrics.jsonl",
-                    plan=plan, keep_gelu=keep_gelu, start=int(meta["step"]) if meta else 0,
+                    plan=plan, keep_gelu=keep_gelu, fp8=fp8, start=int(meta["step"]) if meta else 0,
                     resume_arrays=arrays, resume_meta=meta, resume_path=ckpt, init_flat=init_flat,
                     init_source=init_source, dp=dp)
+
+
+def check_fp8(device: str, dp) -> None:
+    """--dtype fp8 where it cannot run, as one line."""
+    if dp is not None:
+        raise TrainError("--dtype fp8 with several ranks: not supported yet (each rank would scale its own "
+                         "gradients); train on one GPU or use --dtype bf16")
+    if device == "cuda":
+        from .ops.fp8 import fp8_supported
+        ok, why = fp8_supported()
+        if not ok:
+            raise TrainError(f"--dtype fp8: {why}")
 
 
 def check_optimizer_choice(args: TrainArgs, dtype, dp) -> None:
@@ -321,7 +345,7 @@ def build_model(args: TrainArgs, setup: RunSetup):
     resuming = setup.resume_arrays is not None
     initialised = setup.init_flat is not None
     model = GPT2(setup.cfg, xp=setup.xp, dtype=setup.dtype,
-                 seed=None if resuming or initialised else args.seed, keep_gelu=setup.keep_gelu)
+                 seed=None if resuming or initialised else args.seed, keep_gelu=setup.keep_gelu, fp8=setup.fp8)
     model.allocate_grads()
     model.allocate_activations(setup.B, setup.T)
     kw = dict(betas=(args.beta1, args.beta2), weight_decay=args.weight_decay, max_grad_norm=args.grad_clip or None)
@@ -341,6 +365,9 @@ def build_model(args: TrainArgs, setup: RunSetup):
         model.load_flat(arrays["params"])
         try:
             opt.load_state(arrays, meta["optimizer"])
+            if model.fp8 is not None:
+                model.fp8.scaling.load_state({**meta["fp8"], "scale": arrays["fp8_scale"],
+                                              "history": arrays["fp8_history"]})
             if meta.get("rng") is not None:
                 rng.bit_generator.state = meta["rng"]
         except (KeyError, ValueError, TypeError) as e:
@@ -365,7 +392,7 @@ def print_header(args, setup: RunSetup, model, train_loader, val_loader, echo) -
     cfg, n = setup.cfg, model.num_parameters
     echo(f"gpucore train | model {setup.preset}: {cfg.describe()} | {n:,} parameters")
     echo(f"device {setup.device}{' (' + gpu_name() + ')' if setup.device == 'cuda' else ''} | "
-         f"dtype {dtypes.name(setup.dtype)} | B={setup.B} T={setup.T} | {setup.total:,} tokens/step "
+         f"dtype {dtypes.name(setup.dtype)}{f' + FP8 linears ({setup.fp8} scaling)' if setup.fp8 else ''} | B={setup.B} T={setup.T} | {setup.total:,} tokens/step "
          f"(grad accum {setup.grad_accum}) | steps {args.steps}"
          + (f" | resumed at step {setup.start} from {setup.resume_path}" if setup.resume_path else ""))
     if setup.init_source:

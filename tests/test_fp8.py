@@ -214,3 +214,116 @@ def test_gpu_matmul(rng, fa, fb, M, N, K, fast):
     again = cp.empty_like(out)
     fp8_matmul(cp.asarray(a8), cp.asarray(b8), fa, fb, sia, sib, out=again, bias=cp.asarray(bias), fast_accum=fast)
     assert to_cpu(again).tobytes() == to_cpu(out).tobytes()      # deterministic
+
+
+# -------------------------------------------------- the model's FP8 linears ----
+
+from gpucore.model import GPT2, GPT2Config                      # noqa: E402
+
+
+def _model_grads(cfg, xp, x, y, fp8):
+    m = GPT2(cfg, xp=xp, dtype="bfloat16", seed=9, fp8=fp8)
+    m.zero_grad()
+    loss = m.forward(xp.asarray(x), xp.asarray(y), for_backward=True)
+    m.backward()
+    m.end_step()
+    return float(loss), to_cpu(m.grads.flat()).astype(np.float64), m
+
+
+def _tokens(cfg, B, T, seed=0):
+    r = np.random.default_rng(seed)
+    return (r.integers(0, cfg.vocab_size, (B, T), dtype=np.int32),
+            r.integers(0, cfg.vocab_size, (B, T), dtype=np.int32))
+
+
+def test_model_fp8_numpy_close_to_bf16():
+    """The FP8 linears (NumPy references) give the bf16 model's loss to 1% and its gradients to the
+    precision of E5M2 gradients (2 mantissa bits); the scaling state advances at end_step."""
+    cfg = GPT2Config.from_preset("micro")
+    x, y = _tokens(cfg, 2, 16)
+    l16, g16, _ = _model_grads(cfg, np, x, y, None)
+    l8, g8, m = _model_grads(cfg, np, x, y, "delayed")
+    assert abs(l8 - l16) < 1e-2 * l16
+    assert np.isfinite(g8).all() and rel_err(g8, g16) < 0.15
+    s = m.fp8.scaling
+    assert s.step_index == 1 and s.started.all() and np.all(s.amax == 0) and np.all(s.history[0] > 0)
+    # the gradient slots are E5M2, scaled far above 1 (gradients are small)
+    assert np.all(s.scale[2::3] > 1)
+
+
+def test_model_fp8_bad_input():
+    cfg = GPT2Config.from_preset("micro")
+    with pytest.raises(ValueError, match="bfloat16"):
+        GPT2(cfg, dtype="float32", fp8="delayed")
+    with pytest.raises(ValueError, match="mode"):
+        GPT2(cfg, dtype="bfloat16", fp8="sometimes")
+    m = GPT2(cfg, dtype="bfloat16", fp8="delayed")
+    x, y = _tokens(cfg, 1, 15)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        m.forward(x, y)
+
+
+def test_fp8_supported_names_the_gpu(monkeypatch):
+    from gpucore.ops import fp8 as fp8mod
+    monkeypatch.setattr(fp8mod.runtime, "gpu_available", lambda: True)
+    monkeypatch.setattr(fp8mod.runtime, "device_arch", lambda: "80")
+    monkeypatch.setattr(fp8mod.runtime, "device_properties", lambda: {"name": b"NVIDIA A100-SXM4-80GB"})
+    ok, why = fp8mod.fp8_supported()
+    assert not ok and "A100" in why and "8.0" in why and "--dtype bf16" in why
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    from gpucore import data
+    out = tmp_path_factory.mktemp("tinyshakespeare")
+    data.prepro(None, out)
+    return out
+
+
+def _train_args(shards, out, **kw):
+    from gpucore.train import TrainArgs
+    base = dict(model="tiny", device="cpu", batch_size=1, seq_len=16, steps=4, lr=1e-3, val_every=0,
+                sample_every=0, data=str(shards), out_dir=str(out), dtype="fp8")
+    return TrainArgs(**(base | kw))
+
+
+def test_train_fp8_cpu_resumes_bit_identically(shards, tmp_path):
+    """--dtype fp8 on the NumPy backend: the scales travel in the checkpoint, so a resumed run
+    continues exactly as the straight one."""
+    from gpucore.checkpoint import load_checkpoint
+    from gpucore.train import run
+    lines = []
+    straight = run(_train_args(shards, tmp_path / "a", ckpt_every=2), echo=lines.append)
+    assert any("FP8 linears (delayed scaling)" in s for s in lines)
+    assert all(np.isfinite(straight["losses"]))
+    resumed = run(_train_args(shards, tmp_path / "b", resume=str(tmp_path / "a" / "ckpt_000002.ckpt"),
+                              dtype="auto"), echo=lambda s: None)
+    assert resumed["losses"] == straight["losses"][2:]
+    a, meta = load_checkpoint(tmp_path / "a" / "ckpt_000004.ckpt")
+    assert meta["fp8"]["mode"] == "delayed" and meta["fp8"]["step_index"] == 4 and "fp8_scale" in a
+
+
+def test_train_fp8_errors_are_one_line(shards, tmp_path):
+    from gpucore.train import TrainError, run
+    with pytest.raises(TrainError, match="multiple of 16"):
+        run(_train_args(shards, tmp_path / "c", seq_len=15), echo=lambda s: None)
+    run(_train_args(shards, tmp_path / "d", steps=2, dtype="bf16"), echo=lambda s: None)
+    with pytest.raises(TrainError, match="trained in bfloat16"):
+        run(_train_args(shards, tmp_path / "e", resume=str(tmp_path / "d"), dtype="fp8"), echo=lambda s: None)
+
+
+@pytest.mark.cuda
+def test_gpu_model_fp8_close_to_bf16_and_deterministic():
+    _need_fp8()
+    cp = runtime.cupy
+    cfg = GPT2Config.from_preset("tiny")
+    x, y = _tokens(cfg, 4, 64)
+    l16, g16, _ = _model_grads(cfg, cp, x, y, None)
+    l8, g8, _ = _model_grads(cfg, cp, x, y, "delayed")
+    l8b, g8b, _ = _model_grads(cfg, cp, x, y, "delayed")
+    assert abs(l8 - l16) < 1e-2 * l16
+    assert np.isfinite(g8).all() and rel_err(g8, g16) < 0.15
+    assert l8 == l8b and g8.tobytes() == g8b.tobytes()
+    # the NumPy references agree with the GPU's FP8 path (the same casts; GEMM rounding apart)
+    l8n, g8n, _ = _model_grads(cfg, np, x, y, "delayed")
+    assert abs(l8 - l8n) < 2e-3 * l8n and rel_err(g8, g8n) < 5e-2

@@ -28,6 +28,7 @@ import numpy as np
 from .. import cublas, dtypes, runtime
 from .. import profiler
 from ._common import check_array
+from .gelu import gelu, gelu_reference
 
 FORMATS = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
 TILE = 64                     # fp8_cast_kernel: 64 x 64 tiles, 256 threads
@@ -254,11 +255,13 @@ def fp8_matmul_reference(a8, b8, a_fmt, b_fmt, a_scale_inv, b_scale_inv, bias=No
 
 @profiler.profiled("fp8 matmul", flops=lambda r, args, kw: 2.0 * args[0].shape[0] * args[1].shape[0] * args[0].shape[1])
 def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=None, bias=None,
-               accumulate=False, fast_accum=False):
+               accumulate=False, fast_accum=False, gelu_out=None):
     """out (M, N) bfloat16 = (a (M, K) @ b (N, K)^T) * a_scale_inv * b_scale_inv [+ bias (N,)] [+ out].
 
     a8, b8: uint8 FP8 bytes (not both "e5m2"); scales (1,) float32 on the same device.
     accumulate: out += the product (out must be given). fast_accum: Hopper's fast FP8 accumulation.
+    gelu_out (M, N) bfloat16, optional: also gelu(out) (of the fp32 sum: cuBLASLt's GELU_AUX
+    epilogue; when Lt has no such FP8 algorithm, the gelu kernel after the GEMM).
     """
     _fmt(a_fmt), _fmt(b_fmt)
     if a_fmt == b_fmt == "e5m2":
@@ -279,15 +282,31 @@ def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=
     check_array("out", out, dtype=dtypes.bfloat16, shape=(M, N), max_elements=None)
     if bias is not None:
         check_array("bias", bias, dtype=dtypes.bfloat16, shape=(N,))
+    if gelu_out is not None:
+        check_array("gelu_out", gelu_out, dtype=dtypes.bfloat16, shape=(M, N), max_elements=None)
+        if accumulate:
+            raise ValueError("gelu_out: not with accumulate=True")
     if xp is np:
         r = fp8_matmul_reference(a8, b8, a_fmt, b_fmt, _host_scalar(a_scale_inv), _host_scalar(b_scale_inv), bias)
-        out[...] = (r + (out.astype(np.float64) if accumulate else 0)).astype(out.dtype)
+        r = r + (out.astype(np.float64) if accumulate else 0)
+        out[...] = r.astype(out.dtype)
+        if gelu_out is not None:
+            gelu_out[...] = gelu_reference(r).astype(gelu_out.dtype)
         return out
     if M % 16 or N % 16 or K % 16:
         raise ValueError(f"a8, b8: the FP8 GEMM needs M, N, K multiples of 16, got {M}, {N}, {K}")
     ok, why = fp8_supported()
     if not ok:
         raise RuntimeError(why)
+    if gelu_out is not None:
+        try:
+            cublas.lt_fp8_gemm(a8, b8, gelu_out, M, N, K, a_fmt, b_fmt, a_scale_inv, b_scale_inv, bias=bias,
+                               fast_accum=fast_accum, gelu_aux=out)
+            return out
+        except RuntimeError:
+            pass          # no FP8 algorithm with the GELU epilogue here: the GEMM, then the gelu kernel
     cublas.lt_fp8_gemm(a8, b8, out, M, N, K, a_fmt, b_fmt, a_scale_inv, b_scale_inv,
                        beta=1.0 if accumulate else 0.0, bias=bias, fast_accum=fast_accum)
+    if gelu_out is not None:
+        gelu(out, out=gelu_out)
     return out
