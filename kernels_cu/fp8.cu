@@ -18,7 +18,8 @@
  *   64 x 64, 256 threads; each thread loads two 16-byte packs (8 columns of rows r and r + 32),
  *   writes 8 fp8 bytes of `out` per pack, and (transposed) one 16-byte pack of 16 rows of `out_t`
  *   gathered from the tile in shared memory.
- * Scale update (fp8_update_scale_kernel, one thread per tensor): history[h][k] = amax[k] for the
+ * Scale update (fp8_update_scale_kernel, one thread per tensor; tensor k's scale, scale_inv and amax
+ *   at k * stride, one 16-byte slot each: cuBLASLt wants aligned scale pointers): history[h][k] = amax[k] for the
  *   step slot h, amax[k] = 0; m = max over the history of tensor k; when m is finite and > 0,
  *   scale[k] = fmax / m * 2^-margin and scale_inv[k] = 1 / scale[k]; otherwise both stay.
  *   "Delayed scaling" (Transformer Engine's recipe): this step's casts use the scale made from
@@ -143,12 +144,16 @@ extern "C" __global__ void __launch_bounds__(256) fp8_amax_kernel(
 }
 
 extern "C" __global__ void fp8_update_scale_kernel(
-        float* scale, float* scale_inv, float* amax, float* history,   // (K,) (K,) (K,) (H, K)
-        const float* fmax, int K, int H, int slot, float margin_scale) {  // (K,): each tensor's format max
+        float* scale, float* scale_inv, float* amax, float* history,   // (K, stride) x 3, (H, K)
+        const float* fmax, int K, int H, int slot, float margin_scale,  // (K,): each tensor's format max
+        int stride) {                                                    // floats between two tensors' values
     const int k = blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= K) return;
-    history[(long long)slot * K + k] = amax[k];
-    amax[k] = 0.0f;
+    scale += (long long)k * stride;
+    scale_inv += (long long)k * stride;
+    amax += (long long)k * stride;
+    history[(long long)slot * K + k] = *amax;
+    *amax = 0.0f;
     float m = 0.0f;
     bool bad = false;
     for (int h = 0; h < H; h++) {
@@ -158,7 +163,7 @@ extern "C" __global__ void fp8_update_scale_kernel(
     }
     if (!bad && m > 0.0f) {
         const float s = fmax[k] / m * margin_scale;
-        scale[k] = s;
-        scale_inv[k] = 1.0f / s;
+        *scale = s;
+        *scale_inv = 1.0f / s;
     }
 }

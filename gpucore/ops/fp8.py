@@ -32,6 +32,7 @@ from .gelu import gelu, gelu_reference
 
 FORMATS = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
 TILE = 64                     # fp8_cast_kernel: 64 x 64 tiles, 256 threads
+SLOT = 4                      # floats per tensor in Fp8Scaling's arrays (16 bytes: aligned scale pointers)
 U8 = np.dtype(np.uint8)
 F32 = np.dtype(np.float32)
 
@@ -176,16 +177,19 @@ class Fp8Scaling:
         self.margin_scale = float(2.0 ** -margin)
         fmax = np.array([_fmt(f)[1] for f in formats], np.float32)
         self.fmax = xp.asarray(fmax)
-        self.scale = xp.ones(n, np.float32)
-        self.scale_inv = xp.ones(n, np.float32)
-        self.amax = xp.zeros(n, np.float32)
+        # One 16-byte slot per tensor: cuBLASLt wants its scale pointers 16-byte aligned (a scale at
+        # a 4-byte offset fails with CUBLAS_STATUS_NOT_SUPPORTED). scale / scale_inv / amax are
+        # strided (n,) views of column 0.
+        self._slots = xp.zeros((3, n, SLOT), np.float32)
+        self._slots[:2, :, 0] = 1.0
+        self.scale, self.scale_inv, self.amax = (self._slots[k, :, 0] for k in range(3))
         self.history = xp.zeros((history, n), np.float32)
         self.started = np.zeros(n, bool)     # host: has tensor i been cast before (delayed mode)
         self.step_index = 0
 
     def tensor(self, i: int):
         """(scale, scale_inv, amax) (1,) views of tensor i."""
-        return self.scale[i:i + 1], self.scale_inv[i:i + 1], self.amax[i:i + 1]
+        return tuple(self._slots[k, i, :1] for k in range(3))
 
     def prepare(self, i: int, x):
         """Before tensor i's cast: in current mode (and at its first cast in delayed mode) measure
@@ -207,9 +211,10 @@ class Fp8Scaling:
             return
         # one-tensor update: a history of one row, its own slot
         hist = xp.zeros((1, 1), np.float32)
+        scale, scale_inv, _ = self.tensor(i)
         runtime.launch(runtime.get_kernel("fp8", "fp8_update_scale_kernel"), 1, 32,
-                       (self.scale[i:i + 1], self.scale_inv[i:i + 1], amax1, hist, self.fmax[i:i + 1],
-                        np.int32(1), np.int32(1), np.int32(0), np.float32(self.margin_scale)))
+                       (scale, scale_inv, amax1, hist, self.fmax[i:i + 1],
+                        np.int32(1), np.int32(1), np.int32(0), np.float32(self.margin_scale), np.int32(1)))
 
     def end_step(self):
         """This step's amax into the history; the scales of the next step from the history's max."""
@@ -226,8 +231,8 @@ class Fp8Scaling:
             self.scale_inv[ok] = (np.float32(1.0) / new[ok]).astype(np.float32)
             return
         runtime.launch(runtime.get_kernel("fp8", "fp8_update_scale_kernel"), -(-self.n // 128), 128,
-                       (self.scale, self.scale_inv, self.amax, self.history, self.fmax, np.int32(self.n),
-                        np.int32(self.history_len), np.int32(slot), np.float32(self.margin_scale)))
+                       (self._slots[0], self._slots[1], self._slots[2], self.history, self.fmax, np.int32(self.n),
+                        np.int32(self.history_len), np.int32(slot), np.float32(self.margin_scale), np.int32(SLOT)))
 
     def state(self) -> dict:
         """Host arrays for a checkpoint."""
