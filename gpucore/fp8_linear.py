@@ -42,10 +42,15 @@ class Fp8Linears:
     matmul_backward for them. `end_step()` after each optimizer step turns this step's amax into
     the next step's scales."""
 
-    def __init__(self, cfg, xp, *, mode: str = "delayed", history: int = 16):
+    def __init__(self, cfg, xp, *, mode: str = "delayed", history: int | None = None, margin: int | None = None):
+        from . import settings
+        s = settings.current()
         self.cfg, self.xp = cfg, xp
         L = cfg.num_layers
-        self.scaling = Fp8Scaling(12 * L, ["e4m3", "e4m3", "e5m2"] * (4 * L), xp, mode=mode, history=history)
+        self.scaling = Fp8Scaling(12 * L, ["e4m3", "e4m3", "e5m2"] * (4 * L), xp, mode=mode,
+                                  history=s.fp8_history if history is None else history,
+                                  margin=s.fp8_margin if margin is None else margin)
+        self.weights_current = s.fp8_weights_current
         self._scratch = None
         self._n = None
 
@@ -65,8 +70,8 @@ class Fp8Linears:
 
     def _quantize(self, l, j, t, x2d, *, out=None, out_t=None, record=True):
         i = self._slot(l, j, t)
-        if record:
-            self.scaling.prepare(i, x2d)
+        if record:   # weights: their own amax each step (small tensors: a cheap pass), unless told otherwise
+            self.scaling.prepare(i, x2d, current=t == _W and self.weights_current)
         scale, _, amax = self.scaling.tensor(i)
         fmt = "e5m2" if t == _G else "e4m3"
         fp8_quantize(x2d, fmt, scale, out=out, out_t=out_t, amax=amax if record else None)

@@ -191,10 +191,10 @@ class Fp8Scaling:
         """(scale, scale_inv, amax) (1,) views of tensor i."""
         return tuple(self._slots[k, i, :1] for k in range(3))
 
-    def prepare(self, i: int, x):
-        """Before tensor i's cast: in current mode (and at its first cast in delayed mode) measure
-        x's amax now and set the scale from it."""
-        if self.mode == "delayed" and self.started[i]:
+    def prepare(self, i: int, x, current: bool = False):
+        """Before tensor i's cast: in current mode (and at its first cast in delayed mode, or when
+        `current` asks for it) measure x's amax now and set the scale from it."""
+        if self.mode == "delayed" and self.started[i] and not current:
             return
         self.started[i] = True
         tmp = self.xp.zeros(1, np.float32)
