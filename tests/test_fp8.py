@@ -293,14 +293,21 @@ def test_train_fp8_cpu_resumes_bit_identically(shards, tmp_path):
     from gpucore.checkpoint import load_checkpoint
     from gpucore.train import run
     lines = []
-    straight = run(_train_args(shards, tmp_path / "a", ckpt_every=2), echo=lines.append)
+    straight = run(_train_args(shards, tmp_path / "a", ckpt_every=2, fp8_scaling="delayed"), echo=lines.append)
     assert any("FP8 linears (delayed scaling)" in s for s in lines)
     assert all(np.isfinite(straight["losses"]))
     resumed = run(_train_args(shards, tmp_path / "b", resume=str(tmp_path / "a" / "ckpt_000002.ckpt"),
-                              dtype="auto"), echo=lambda s: None)
+                              dtype="auto"), echo=lambda s: None)     # the mode comes from the checkpoint
     assert resumed["losses"] == straight["losses"][2:]
     a, meta = load_checkpoint(tmp_path / "a" / "ckpt_000004.ckpt")
     assert meta["fp8"]["mode"] == "delayed" and meta["fp8"]["step_index"] == 4 and "fp8_scale" in a
+
+
+def test_train_fp8_current_is_the_default(shards, tmp_path):
+    from gpucore.train import run
+    lines = []
+    res = run(_train_args(shards, tmp_path / "f", steps=2), echo=lines.append)
+    assert any("FP8 linears (current scaling)" in s for s in lines) and all(np.isfinite(res["losses"]))
 
 
 def test_train_fp8_errors_are_one_line(shards, tmp_path):

@@ -180,7 +180,7 @@ class Fp8Scaling:
         # One 16-byte slot per tensor: cuBLASLt wants its scale pointers 16-byte aligned (a scale at
         # a 4-byte offset fails with CUBLAS_STATUS_NOT_SUPPORTED). scale / scale_inv / amax are
         # strided (n,) views of column 0.
-        self._slots = xp.zeros((3, n, SLOT), np.float32)
+        self._slots = xp.zeros((5, n, SLOT), np.float32)     # scale, scale_inv, amax, current-scaling scratch x2
         self._slots[:2, :, 0] = 1.0
         self.scale, self.scale_inv, self.amax = (self._slots[k, :, 0] for k in range(3))
         self.history = xp.zeros((history, n), np.float32)
@@ -197,7 +197,7 @@ class Fp8Scaling:
         if self.mode == "delayed" and self.started[i] and not current:
             return
         self.started[i] = True
-        tmp = self.xp.zeros(1, np.float32)
+        tmp = self._slots[3, i, :1]          # zero here: the update below reads it and zeroes it again
         fp8_amax(x, tmp)
         self._set_scale(i, tmp)
 
@@ -205,12 +205,13 @@ class Fp8Scaling:
         xp = self.xp
         if xp is np:
             m = float(amax1[0])
+            amax1[...] = 0
             if np.isfinite(m) and m > 0:
                 self.scale[i] = np.float32(self.fmax[i] / np.float32(m) * np.float32(self.margin_scale))
                 self.scale_inv[i] = np.float32(1.0) / self.scale[i]
             return
-        # one-tensor update: a history of one row, its own slot
-        hist = xp.zeros((1, 1), np.float32)
+        # one-tensor update: a history of one row (written before it is read), its own slot
+        hist = self._slots[4, i, :1]
         scale, scale_inv, _ = self.tensor(i)
         runtime.launch(runtime.get_kernel("fp8", "fp8_update_scale_kernel"), 1, 32,
                        (scale, scale_inv, amax1, hist, self.fmax[i:i + 1],
