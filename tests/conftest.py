@@ -23,6 +23,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def shards(tmp_path_factory):
+    """Tiny Shakespeare as llm.c shards, <dir>/tinyshakespeare_{train,val}.bin, made once per session
+    (tests only read them)."""
+    from gpucore import data
+    out = tmp_path_factory.mktemp("tinyshakespeare")
+    data.prepro(None, out)
+    return out
+
+
 @pytest.fixture
 def rng(request):
     """A fresh generator per test, seeded from the test's node id (CRC-32 of e.g.

@@ -34,13 +34,6 @@ HAVE_MPI = shutil.which("mpiexec") is not None and subprocess.run(
     [sys.executable, "-c", "import mpi4py"], capture_output=True).returncode == 0
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tinyshakespeare")
-    datamod.prepro(None, out)
-    return out
-
-
 def _env():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUCORE_RANK", "GPUCORE_WORLD", "PMI_",
                                                                       "OMPI_", "SLURM_"))}

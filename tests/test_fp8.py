@@ -272,14 +272,6 @@ def test_fp8_supported_names_the_gpu(monkeypatch):
     assert not ok and "A100" in why and "8.0" in why and "--dtype bf16" in why
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    from gpucore import data
-    out = tmp_path_factory.mktemp("tinyshakespeare")
-    data.prepro(None, out)
-    return out
-
-
 def _train_args(shards, out, **kw):
     from gpucore.train import TrainArgs
     base = dict(model="tiny", device="cpu", batch_size=1, seq_len=16, steps=4, lr=1e-3, val_every=0,

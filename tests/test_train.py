@@ -27,15 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
-def shards(tmp_path_factory):
-    """Tiny Shakespeare as llm.c shards: <dir>/tinyshakespeare_{train,val}.bin."""
-    from gpucore import data
-    out = tmp_path_factory.mktemp("tinyshakespeare")
-    data.prepro(None, out)
-    return out
-
-
-@pytest.fixture(scope="session")
 def trained(shards, tmp_path_factory):
     """A directory with one checkpoint of a tiny model trained 2 steps (ckpt_000002.ckpt)."""
     out = tmp_path_factory.mktemp("trained")

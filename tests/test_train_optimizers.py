@@ -16,14 +16,6 @@ from gpucore.startup import TrainError
 from gpucore.train import TrainArgs, run
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    from gpucore import data
-    out = tmp_path_factory.mktemp("tinyshakespeare")
-    data.prepro(None, out)
-    return out
-
-
 def _args(shards, out, **kw):
     base = dict(model="tiny", device="cpu", batch_size=2, seq_len=32, steps=8, lr=1e-3, warmup=2, val_every=0,
                 sample_every=0, data=str(shards), out_dir=str(out), optimizer="sfadamw")

@@ -22,14 +22,6 @@ from gpucore.cli import main
 from gpucore.train import TrainArgs, TrainInterrupted, run
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    from gpucore import data
-    out = tmp_path_factory.mktemp("tinyshakespeare")
-    data.prepro(None, out)
-    return out
-
-
 def _argv(shards, out, steps=6, *extra):
     return ["--model", "tiny", "--device", "cpu", "-B", "1", "-T", "16", "--steps", str(steps), "--lr", "1e-3",
             "--val-every", "0", "--sample-every", "0", "--data", str(shards), "--out-dir", str(out), *map(str, extra)]

@@ -14,14 +14,6 @@ from gpucore import train as train_mod
 from gpucore.cli import main
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    from gpucore import data
-    out = tmp_path_factory.mktemp("tinyshakespeare")
-    data.prepro(None, out)
-    return out
-
-
 def _cli(*args):
     return CliRunner().invoke(main, ["train", *map(str, args)])
 

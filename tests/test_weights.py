@@ -392,14 +392,6 @@ def test_write_hf_over_existing_dir_keeps_other_files(tmp_path, tiny_flat):
 
 # ------------------------------------------------------- train --init-from ----
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    from gpucore import data
-    out = tmp_path_factory.mktemp("tinyshakespeare")
-    data.prepro(None, out)
-    return out
-
-
 @pytest.mark.parametrize("fmt", ["hf", "llmc"])
 def test_train_init_from_starts_from_the_weights(shards, tmp_path, tiny_flat, fmt):
     from gpucore.data import DataLoader
