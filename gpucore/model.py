@@ -47,7 +47,7 @@ from .ops.gelu import gelu, gelu_backward
 from .ops.layernorm import fused_residual_layernorm_forward, layernorm_backward, layernorm_forward
 from .ops.matmul import matmul_backward, matmul_forward
 from .ops.reduce import reduce_sum as _sum
-from .fp8_linear import ATTPROJ, FC, FCPROJ, QKV
+from .fp8_linear import ATTPROJ, FC, FCPROJ, QKV, Fp8Linears
 from .tensors import TensorLayout
 
 GPT2_VOCAB = 50257
@@ -224,7 +224,7 @@ def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "f
 
 
 def resolve_keep_gelu(keep_gelu, cfg: GPT2Config, B: int, T: int, dtype, xp, master_weights: str = "fp32",
-                      device_bytes: int | None = None) -> bool:
+                      device_bytes: int | None = None, fp8: bool = False) -> bool:
     """keep_gelu as given (True/False), or for None the default: on a GPU, keep the per-layer GELU
     outputs (the backward then skips L recomputations, ~0.28 ms each at d12 B=64 on an H100) when
     the whole plan with them stays within KEEP_GELU_DEVICE_FRACTION of the device's memory (d12
@@ -237,7 +237,7 @@ def resolve_keep_gelu(keep_gelu, cfg: GPT2Config, B: int, T: int, dtype, xp, mas
         return False
     if device_bytes is None:
         device_bytes = runtime.cupy.cuda.Device().mem_info[1]
-    plan = memory_plan(cfg, B, T, dtype, master_weights=master_weights, keep_gelu=True)
+    plan = memory_plan(cfg, B, T, dtype, master_weights=master_weights, keep_gelu=True, fp8=fp8)
     return sum(plan.values()) <= KEEP_GELU_DEVICE_FRACTION * device_bytes
 
 
@@ -309,7 +309,6 @@ class GPT2:
         if fp8 is not None:
             if self.dtype != dtypes.bfloat16:
                 raise ValueError(f"fp8: FP8 linears need a bfloat16 model, this one is {dtypes.name(self.dtype)}")
-            from .fp8_linear import Fp8Linears
             self.fp8 = Fp8Linears(config, xp, mode=fp8)
         if seed is not None:
             self.init_weights(seed)
@@ -376,7 +375,8 @@ class GPT2:
         if self._shape is None or self._shape[1] != T or self._shape[0] < B:
             self.acts = self.grad_acts = self._acts_full = self._grad_full = None   # free first
             self._shape = self._backward_ready = None
-            self.keep_gelu = resolve_keep_gelu(self.keep_gelu_request, self.config, B, T, self.dtype, self.xp)
+            self.keep_gelu = resolve_keep_gelu(self.keep_gelu_request, self.config, B, T, self.dtype, self.xp,
+                                               fp8=self.fp8 is not None)
             self._acts_full = allocate(TensorLayout(activation_specs(self.config, B, T, self.dtype,
                                                                      self.keep_gelu)), self.xp, zero=False)
             self._grad_full = allocate(TensorLayout(grad_activation_specs(self.config, B, T, self.dtype)),
@@ -388,8 +388,9 @@ class GPT2:
         return self.acts
 
     def memory_plan(self, B: int, T: int) -> dict[str, int]:
-        keep = resolve_keep_gelu(self.keep_gelu_request, self.config, B, T, self.dtype, self.xp)
-        return memory_plan(self.config, B, T, self.dtype, keep_gelu=keep)
+        keep = resolve_keep_gelu(self.keep_gelu_request, self.config, B, T, self.dtype, self.xp,
+                                 fp8=self.fp8 is not None)
+        return memory_plan(self.config, B, T, self.dtype, keep_gelu=keep, fp8=self.fp8 is not None)
 
     # -------------------------------------------------------------- forward
 

@@ -246,7 +246,7 @@ def prepare(args: TrainArgs, echo, dp=None) -> RunSetup:
     if args.keep_gelu not in ("auto", "on", "off"):
         raise TrainError(f"--keep-gelu {args.keep_gelu}: expected auto, on or off")
     keep_gelu = resolve_keep_gelu({"auto": None, "on": True, "off": False}[args.keep_gelu], cfg, B, T, dtype, xp,
-                                  master_weights=args.master_weights)
+                                  master_weights=args.master_weights, fp8=bool(fp8))
     plan = memory_plan(cfg, B, T, dtype, master_weights=args.master_weights, keep_gelu=keep_gelu, fp8=bool(fp8))
     if dp is not None:
         from .distributed.parallel import plan_for
