@@ -31,10 +31,20 @@ def linear_shapes(cfg):
     return [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C)]
 
 
+def _scratch_sizes(cfg, N: int):
+    """Bytes of x8, x8T, g8, g8T (the widest tensor, N x 4C) and W8, W8T (the largest weight)."""
+    C = cfg.channels
+    return [N * 4 * C] * 4 + [4 * C * C] * 2
+
+
 def scratch_bytes(cfg, B: int, T: int) -> int:
-    """Bytes of FP8 scratch: x8 / x8T and g8 / g8T of the widest tensor, W8 / W8T of the largest weight."""
-    N, C = B * T, cfg.channels
-    return 2 * N * 4 * C + 2 * N * 4 * C + 2 * 4 * C * C
+    """Bytes of FP8 scratch the model must allocate: none when it fits in the LM head's logits
+    chunk, which is idle while the layers run (their forward finishes before the LM head starts,
+    and the layers' backward starts after it), else all of it."""
+    from .model import head_chunk_rows
+    need = sum(_scratch_sizes(cfg, B * T))
+    logits = head_chunk_rows(cfg, B * T, "bfloat16") * cfg.padded_vocab_size * 2
+    return 0 if need <= logits else need
 
 
 class Fp8Linears:
@@ -53,15 +63,25 @@ class Fp8Linears:
         self.weights_current = s.fp8_weights_current
         self._scratch = None
         self._n = None
+        self._arena = None
+
+    def bind_arena(self, arena):
+        """Carve the FP8 scratch out of `arena` (a flat uint8 view of the LM-head logits chunk) when
+        it is large enough; the next _buffers() call re-carves."""
+        self._arena = arena
+        self._n = None
 
     def _buffers(self, N):
-        """uint8 views (allocated once per row count N): x8, x8T, g8, g8T, w8, w8T as flat buffers."""
+        """uint8 views x8, x8T, g8, g8T, w8, w8T (flat): slices of the arena when it holds them all,
+        else allocated (once per row count N). Every size is a multiple of 16 bytes (N % 16 == 0,
+        C % 8 == 0), so every slice starts 16-byte aligned."""
         if self._n != N:
-            C = self.cfg.channels
-            big = N * 4 * C
-            xp = self.xp
-            self._scratch = [xp.empty(big, np.uint8) for _ in range(4)] + [xp.empty(4 * C * C, np.uint8)
-                                                                          for _ in range(2)]
+            sizes = _scratch_sizes(self.cfg, N)
+            if self._arena is not None and self._arena.size >= sum(sizes):
+                offs = np.cumsum([0] + sizes)
+                self._scratch = [self._arena[o:o + n] for o, n in zip(offs, sizes)]
+            else:
+                self._scratch = [self.xp.empty(n, np.uint8) for n in sizes]
             self._n = N
         return self._scratch
 

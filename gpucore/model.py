@@ -219,7 +219,8 @@ def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "f
         plan["kahan"] = n * per["kahan"]
     if fp8:
         from .fp8_linear import scratch_bytes
-        plan["fp8 scratch"] = scratch_bytes(cfg, B, T)
+        if scratch_bytes(cfg, B, T):           # 0 when it fits in the idle LM-head logits chunk
+            plan["fp8 scratch"] = scratch_bytes(cfg, B, T)
     return plan
 
 
@@ -385,6 +386,8 @@ class GPT2:
         if self.acts is None or self.acts.encoded.shape[0] != B:
             self.acts = _BatchViews(self._acts_full, B)
             self.grad_acts = _BatchViews(self._grad_full, B)
+            if self.fp8 is not None:    # the FP8 scratch lives in the logits chunk when it fits
+                self.fp8.bind_arena(self.acts.logits.reshape(-1).view(np.uint8))
         return self.acts
 
     def memory_plan(self, B: int, T: int) -> dict[str, int]:

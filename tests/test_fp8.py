@@ -251,6 +251,33 @@ def test_model_fp8_numpy_close_to_bf16():
     assert np.all(s.scale[2::3] > 1)
 
 
+def test_model_fp8_scratch_lives_in_the_logits_chunk():
+    """The FP8 scratch is carved out of the LM head's logits chunk (idle while the layers run) when
+    it fits, so --dtype fp8 plans no more memory than bf16; the results are the same bits as with
+    separately allocated scratch."""
+    from gpucore.model import memory_plan
+    cfg = GPT2Config.from_preset("tiny")
+    x, y = _tokens(cfg, 2, 16)
+    out = []
+    for arena in (True, False):
+        m = GPT2(cfg, dtype="bfloat16", seed=3, fp8="current")
+        m.allocate_activations(2, 16)
+        if not arena:
+            m.fp8.bind_arena(None)
+        m.zero_grad()
+        loss = m.forward(x, y, for_backward=True)
+        m.backward()
+        shares = any(np.shares_memory(b, m.acts.logits) for b in m.fp8._scratch)
+        assert shares == arena
+        out.append((np.asarray(loss).tobytes(), m.grads.flat().tobytes()))
+    assert out[0] == out[1]
+    assert memory_plan(cfg, 2, 16, "bf16", fp8=True) == memory_plan(cfg, 2, 16, "bf16")
+    d12 = GPT2Config.from_preset("d12")
+    assert memory_plan(d12, 64, 1024, "bf16", fp8=True) == memory_plan(d12, 64, 1024, "bf16")
+    micro = GPT2Config.from_preset("micro")      # a 64-token vocabulary: too small a chunk
+    assert memory_plan(micro, 2, 16, "bf16", fp8=True)["fp8 scratch"] > 0
+
+
 def test_model_fp8_bad_input():
     cfg = GPT2Config.from_preset("micro")
     with pytest.raises(ValueError, match="bfloat16"):
