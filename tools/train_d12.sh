@@ -7,6 +7,8 @@
 #
 #   tools/train_d12.sh                     # B=64, 30 steps
 #   B=32 STEPS=50 tools/train_d12.sh       # other settings
+#   MODEL=d48 B=16 STEPS=20 tools/train_d12.sh     # the d48 variant (the d12 loss targets are not checked)
+#   DTYPE=fp8 tools/train_d12.sh           # --dtype fp8 (or any --dtype)
 #
 # Logs and metrics go to $OUT/train_d12 (default out/train_d12). Runs from the source tree.
 set -euo pipefail
@@ -16,6 +18,8 @@ PY=${PYTHON:-python3}
 LOG=${OUT:-out}/train_d12
 B=${B:-64}
 STEPS=${STEPS:-30}
+MODEL=${MODEL:-d12}
+DTYPE=${DTYPE:-bf16}
 mkdir -p "$LOG"
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1 || true
@@ -23,23 +27,23 @@ if [ ! -f data/tinyshakespeare/tinyshakespeare_train.bin ]; then
   $PY -m gpucore.cli prepro
 fi
 
-$PY -m gpucore.cli train --model d12 -B "$B" -T 1024 --steps "$STEPS" --lr 3e-4 --dtype bf16 --device cuda \
+$PY -m gpucore.cli train --model "$MODEL" -B "$B" -T 1024 --steps "$STEPS" --lr 3e-4 --dtype "$DTYPE" --device cuda \
   --val-every 10 --val-steps 4 --sample-every "$STEPS" --sample-tokens 32 --no-checkpoint \
   --out-dir "$LOG" --metrics "$LOG/metrics.jsonl" 2>&1 | tee "$LOG/train.txt"
 
 if [ -n "${DETERMINISM:-}" ]; then
   for r in 1 2; do
-    $PY -m gpucore.cli train --model d12 -B "$B" -T 1024 --steps 5 --lr 3e-4 --dtype bf16 --device cuda \
+    $PY -m gpucore.cli train --model "$MODEL" -B "$B" -T 1024 --steps 5 --lr 3e-4 --dtype "$DTYPE" --device cuda \
       --val-every 0 --sample-every 0 --no-checkpoint --out-dir "$LOG/det$r" --metrics "$LOG/det$r.jsonl" > /dev/null
   done
 fi
 
 echo
-echo "================ train_d12 summary ================"
-$PY - "$LOG" "$STEPS" <<'PY'
+echo "================ train_d12 summary ($MODEL B=$B $DTYPE) ================"
+$PY - "$LOG" "$STEPS" "$MODEL" <<'PY'
 import json, statistics, sys
 from pathlib import Path
-log, steps = Path(sys.argv[1]), int(sys.argv[2])
+log, steps, model = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 recs = [json.loads(l) for l in (log / "metrics.jsonl").read_text().splitlines()]
 train = [r for r in recs if "loss" in r]
 end = next((r for r in recs if r.get("event") == "end"), {})
@@ -50,12 +54,12 @@ ms = statistics.median(r["ms"] for r in train[1:]) if len(train) > 1 else first[
 mfu = [r["mfu"] for r in train[1:] if r.get("mfu") is not None]
 peak = end.get("peak_gpu_bytes")
 print(f"loss step 1: {first['loss']:.4f} (expect ~10.9); step {last['step']}: {last['loss']:.4f}")
-if at30 is not None:
+if at30 is not None and model == "d12":
     print(f"loss at step 30: {at30:.4f}  target <= 6.1: {'PASS' if at30 <= 6.1 else 'FAIL'}")
 print(f"median step {ms:.1f} ms, {tps:,.0f} tokens/s" + (f", MFU {100 * statistics.median(mfu):.1f}%" if mfu else ""))
 if peak:
-    print(f"peak GPU memory (CuPy pool high-water mark): {peak / 1e9:.2f} GB  target <= 30 GB: "
-          f"{'PASS' if peak <= 30e9 else 'FAIL'}")
+    print(f"peak GPU memory (CuPy pool high-water mark): {peak / 1e9:.2f} GB"
+          + (f"  target <= 30 GB: {'PASS' if peak <= 30e9 else 'FAIL'}" if model == "d12" else ""))
 vals = [r for r in recs if "val_loss" in r]
 if vals:
     print("val loss: " + ", ".join(f"step {r['step']}: {r['val_loss']:.4f}" for r in vals))
