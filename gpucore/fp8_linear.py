@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import settings
 from .ops.colsum import colsum
 from .ops.fp8 import Fp8Scaling, fp8_matmul, fp8_quantize
 
@@ -53,7 +54,6 @@ class Fp8Linears:
     the next step's scales."""
 
     def __init__(self, cfg, xp, *, mode: str = "delayed", history: int | None = None, margin: int | None = None):
-        from . import settings
         s = settings.current()
         self.cfg, self.xp = cfg, xp
         L = cfg.num_layers

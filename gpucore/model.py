@@ -219,8 +219,9 @@ def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "f
         plan["kahan"] = n * per["kahan"]
     if fp8:
         from .fp8_linear import scratch_bytes
-        if scratch_bytes(cfg, B, T):           # 0 when it fits in the idle LM-head logits chunk
-            plan["fp8 scratch"] = scratch_bytes(cfg, B, T)
+        extra = scratch_bytes(cfg, B, T)       # 0 when it fits in the idle LM-head logits chunk
+        if extra:
+            plan["fp8 scratch"] = extra
     return plan
 
 

@@ -194,8 +194,8 @@ def prepare(args: TrainArgs, echo, dp=None) -> RunSetup:
         dtype = dtypes.normalize(meta["dtype"])
         fp8 = (meta.get("fp8") or {}).get("mode")
         trained = "fp8" if fp8 else dtypes.name(dtype)
-        if args.dtype != "auto" and (args.dtype == "fp8") != bool(fp8) or \
-                args.dtype not in ("auto", "fp8") and dtypes.normalize(args.dtype) != dtype:
+        wanted = args.dtype if args.dtype in ("auto", "fp8") else dtypes.name(dtypes.normalize(args.dtype))
+        if wanted not in ("auto", trained):
             raise TrainError(f"--dtype {args.dtype}: the checkpoint {ckpt} was trained in {trained}")
         device, xp, _ = resolve_backend(device)
     elif args.init_from:
