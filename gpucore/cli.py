@@ -234,11 +234,11 @@ _TRAIN_OPTIONS = [
                  default=_D.dtype, show_default=True,
                  help="bf16 mixed precision or fp32; fp8: bf16 with the linear layers' GEMMs in FP8 "
                       "(E4M3 x/W, E5M2 gradients; sm_89+); auto: bf16 on cuda, fp32 on cpu"),
-    click.option("--fp8-scaling", type=click.Choice(["current", "delayed"]), default=_D.fp8_scaling,
+    click.option("--fp8-scaling", type=click.Choice(["adaptive", "current", "delayed"]), default=_D.fp8_scaling,
                  show_default=True,
-                 help="--dtype fp8: each tensor's scale from its own amax, one more read (current), or "
-                      "from the last 16 steps' amax (delayed: faster, but it spiked without lr warmup; "
-                      "tools/notes/fp8.md)"),
+                 help="--dtype fp8: the last step's scale, re-cast on the GPU when a tensor's own amax "
+                      "says it is off (adaptive); each tensor's own amax, one more read (current); the "
+                      "last 16 steps' amax (delayed: it spiked without lr warmup; tools/notes/fp8.md)"),
     click.option("--val-every", type=click.IntRange(min=0), default=_D.val_every, show_default=True,
                  help="validation loss every N steps and at the end (0: off)"),
     click.option("--val-steps", type=click.IntRange(min=1), default=_D.val_steps, show_default=True,

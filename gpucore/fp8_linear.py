@@ -5,10 +5,17 @@ weight W in E4M3, its output gradient in E5M2 (Fp8Scaling slots 12 l + 3 j + {0,
 else -- parameters, activations, attention, layernorm, the LM head, the loss, master weights, AdamW
 -- stays as in the bf16 mode.
 
-    forward   x8 = q(x), W8 = q(W);            out = x8 @ W8^T (+ bias) [GELU epilogue for fc]
-    backward  g8, g8T = q(dout), W8T = q(W)^T, x8T = q(x)^T   (the FP8 GEMM wants K-contiguous operands)
+    forward   x8, x8T = q(x), W8 = q(W);       out = x8 @ W8^T (+ bias) [GELU epilogue for fc]
+    backward  g8, g8T = q(dout), W8T = q(W)^T     (the FP8 GEMM wants K-contiguous operands)
               dx = g8 @ W8T^T                  (N, K)
               dW += g8T @ x8T^T                (M, K)
+
+x8T is written by the forward's cast of x (one pass writes both orientations) and kept per layer
+in the model's activations ("x8t", 1 byte per value), so the backward never reads x again. In
+exchange the model keeps no bf16 copy of the layernorm outputs (they exist only as one scratch)
+and no bf16 GELU outputs: FP8 training plans less activation memory than bf16. When the GELU
+outputs would not be kept in bf16 (resolve_keep_gelu), fcproj's x8T is not kept either: the
+backward recomputes the GELU and casts it, as the bf16 path recomputes it.
 
 The casts are standalone passes (gpucore/ops/fp8.py); tools/notes/fp8.md measures what they cost
 and which producer kernels should write the FP8 bytes instead. The forward GEMMs use Hopper's fast
@@ -20,7 +27,7 @@ import numpy as np
 
 from . import settings
 from .ops.colsum import colsum
-from .ops.fp8 import Fp8Scaling, fp8_matmul, fp8_quantize
+from .ops.fp8 import Fp8Scaling, fp8_matmul
 
 QKV, ATTPROJ, FC, FCPROJ = range(4)
 _X, _W, _G = range(3)
@@ -32,8 +39,24 @@ def linear_shapes(cfg):
     return [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C)]
 
 
+# linear j's transposed FP8 input inside a layer's kept x8t bytes: (offset, rows) in units of C x N
+_X8T_PLACE = {QKV: (0, 1), ATTPROJ: (1, 1), FC: (2, 1), FCPROJ: (3, 4)}
+
+
+def kept_x8t_per_token(cfg, keep_fcproj: bool) -> int:
+    """Bytes per token of one layer's kept x8T: qkv, attproj, fc inputs (C each) [+ fcproj's 4C]."""
+    return cfg.channels * (7 if keep_fcproj else 3)
+
+
+def kept_x8t(layer_bytes, j: int, N: int, C: int):
+    """(K, N) uint8 view of linear j's kept x8T in one layer's flat x8t bytes (N tokens)."""
+    off, rows = _X8T_PLACE[j]
+    return layer_bytes[off * C * N:(off + rows) * C * N].reshape(rows * C, N)
+
+
 def _scratch_sizes(cfg, N: int):
-    """Bytes of x8, x8T, g8, g8T (the widest tensor, N x 4C) and W8, W8T (the largest weight)."""
+    """Bytes of x8, x8T (a not-kept x8T), g8, g8T (the widest tensor, N x 4C) and W8, W8T (the
+    largest weight)."""
     C = cfg.channels
     return [N * 4 * C] * 4 + [4 * C * C] * 2
 
@@ -59,7 +82,7 @@ class Fp8Linears:
         L = cfg.num_layers
         self.scaling = Fp8Scaling(12 * L, ["e4m3", "e4m3", "e5m2"] * (4 * L), xp, mode=mode,
                                   history=s.fp8_history if history is None else history,
-                                  margin=s.fp8_margin if margin is None else margin)
+                                  margin=s.fp8_margin if margin is None else margin, window=s.fp8_window)
         self.weights_current = s.fp8_weights_current
         self._scratch = None
         self._n = None
@@ -88,40 +111,38 @@ class Fp8Linears:
     def _slot(self, l, j, t):
         return 12 * l + 3 * j + t
 
-    def _quantize(self, l, j, t, x2d, *, out=None, out_t=None, record=True):
-        i = self._slot(l, j, t)
-        if record:   # weights: their own amax each step (small tensors: a cheap pass), unless told otherwise
-            self.scaling.prepare(i, x2d, current=t == _W and self.weights_current)
-        scale, _, amax = self.scaling.tensor(i)
-        fmt = "e5m2" if t == _G else "e4m3"
-        fp8_quantize(x2d, fmt, scale, out=out, out_t=out_t, amax=amax if record else None)
-
-    def forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None):
-        """out2d (N, M) = x2d (N, K) @ weight (M, K)^T + bias in FP8; gelu_out2d: also its GELU."""
+    def forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None, x8t=None):
+        """out2d (N, M) = x2d (N, K) @ weight (M, K)^T + bias in FP8; gelu_out2d: also its GELU.
+        x8t (K, N) uint8, optional: the same cast pass also writes x's transposed FP8 copy there,
+        which the backward's weight gradient then reads instead of casting x again."""
         N, K = x2d.shape
         M = weight.shape[0]
         x8b, _, _, _, w8b, _ = self._buffers(N)
         x8, w8 = x8b[: N * K].reshape(N, K), w8b[: M * K].reshape(M, K)
-        self._quantize(l, j, _X, x2d, out=x8)
-        self._quantize(l, j, _W, weight, out=w8)
-        sx, sw = self.scaling.tensor(self._slot(l, j, _X))[1], self.scaling.tensor(self._slot(l, j, _W))[1]
-        fp8_matmul(x8, w8, "e4m3", "e4m3", sx, sw, out=out2d, bias=bias, fast_accum=True, gelu_out=gelu_out2d)
+        sc, ix, iw = self.scaling, self._slot(l, j, _X), self._slot(l, j, _W)
+        sc.cast(ix, x2d, out=x8, out_t=x8t)
+        sc.cast(iw, weight, out=w8, current=self.weights_current)
+        fp8_matmul(x8, w8, "e4m3", "e4m3", sc.tensor(ix)[1], sc.tensor(iw)[1], out=out2d, bias=bias,
+                   fast_accum=True, gelu_out=gelu_out2d)
         return out2d
 
-    def backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias=None):
-        """dx2d (N, K) = dout2d @ weight [=]; dweight (M, K) += dout2d^T @ x2d; dbias (M,) += dout2d's
-        column sums (bf16, from dout2d itself: the same rule as matmul_backward)."""
-        N, K = x2d.shape
-        M = weight.shape[0]
+    def backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias=None, x8t=None):
+        """dx2d (N, K) = dout2d @ weight [=]; dweight (M, K) += dout2d^T @ x [+=]; dbias (M,) += dout2d's
+        column sums (bf16, from dout2d itself: the same rule as matmul_backward). x: its transposed
+        FP8 copy x8t (K, N) from the forward, or (x8t None) x2d (N, K) bf16, cast here with the
+        forward's scale."""
+        N, M = dout2d.shape
+        K = weight.shape[1]
         _, xtb, gb, gtb, _, wtb = self._buffers(N)
         g8, g8t = gb[: N * M].reshape(N, M), gtb[: N * M].reshape(M, N)
-        x8t, w8t = xtb[: N * K].reshape(K, N), wtb[: M * K].reshape(K, M)
-        self._quantize(l, j, _G, dout2d, out=g8, out_t=g8t)
-        self._quantize(l, j, _W, weight, out_t=w8t, record=False)    # the forward's scale
-        self._quantize(l, j, _X, x2d, out_t=x8t, record=False)
-        sg = self.scaling.tensor(self._slot(l, j, _G))[1]
-        sw = self.scaling.tensor(self._slot(l, j, _W))[1]
-        sx = self.scaling.tensor(self._slot(l, j, _X))[1]
+        w8t = wtb[: M * K].reshape(K, M)
+        sc, ix, iw, ig = self.scaling, self._slot(l, j, _X), self._slot(l, j, _W), self._slot(l, j, _G)
+        sc.cast(ig, dout2d, out=g8, out_t=g8t)
+        sc.cast(iw, weight, out_t=w8t, record=False)    # the forward's scale
+        if x8t is None:
+            x8t = xtb[: N * K].reshape(K, N)
+            sc.cast(ix, x2d, out_t=x8t, record=False)
+        sg, sw, sx = sc.tensor(ig)[1], sc.tensor(iw)[1], sc.tensor(ix)[1]
         fp8_matmul(g8, w8t, "e5m2", "e4m3", sg, sw, out=dx2d)
         fp8_matmul(g8t, x8t, "e5m2", "e4m3", sg, sx, out=dweight, accumulate=True)
         if dbias is not None:

@@ -31,6 +31,9 @@ Memory (the reason for three choices below, as in llm.c):
   fused classifier turns the logits into dlogits in place and the chunk's
   matmul backward runs at once (dlnf rows, dwte +=). The rest of the backward
   pass starts from dlnf in backward().
+With FP8 linears the layers' matmul inputs are kept as transposed FP8 copies
+(activation "x8t"), and ln1 / ln2 / the GELU output are single scratch buffers
+(gpucore/fp8_linear.py).
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ from .ops.gelu import gelu, gelu_backward
 from .ops.layernorm import fused_residual_layernorm_forward, layernorm_backward, layernorm_forward
 from .ops.matmul import matmul_backward, matmul_forward
 from .ops.reduce import reduce_sum as _sum
-from .fp8_linear import ATTPROJ, FC, FCPROJ, QKV, Fp8Linears
+from .fp8_linear import ATTPROJ, FC, FCPROJ, QKV, Fp8Linears, kept_x8t
 from .tensors import TensorLayout
 
 GPT2_VOCAB = 50257
@@ -162,27 +165,35 @@ def head_chunk_rows(cfg: GPT2Config, BT: int, dtype) -> int:
     return min(BT, 1 << (limit.bit_length() - 1))
 
 
-def activation_specs(cfg: GPT2Config, B: int, T: int, dtype, keep_gelu: bool = False):
+def activation_specs(cfg: GPT2Config, B: int, T: int, dtype, keep_gelu: bool = False, fp8: bool = False):
     """The forward activations kept for the backward pass (plus scratch), for a (B, T) batch.
-    keep_gelu: fch_gelu is stored per layer (L, B, T, 4C) instead of one recomputed (B, T, 4C)."""
+    keep_gelu: fch_gelu is stored per layer (L, B, T, 4C) instead of one recomputed (B, T, 4C).
+    fp8: the FP8 linears keep their inputs as transposed FP8 copies ("x8t", 1 byte per value;
+    gpucore/fp8_linear.py), so ln1, ln2 and fch_gelu are one scratch each, not per layer; with
+    keep_gelu the GELU output is kept that way too (4C bytes per token instead of 8C)."""
     L, C, NH, Vp = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size
     f32 = dtypes.float32
-    return [
+    per_layer_ln = (B, T, C) if fp8 else (L, B, T, C)
+    specs = [
         ("encoded", (B, T, C), dtype),             # wte[tokens] + wpe: the residual stream, layer 0 input
-        ("ln1", (L, B, T, C), dtype), ("ln1_mean", (L, B, T), f32), ("ln1_rstd", (L, B, T), f32),
+        ("ln1", per_layer_ln, dtype), ("ln1_mean", (L, B, T), f32), ("ln1_rstd", (L, B, T), f32),
         ("qkv", (L, B, T, 3 * C), dtype),
         ("atty", (L, B, T, C), dtype), ("att_lse", (L, B, NH, T), f32),
         ("residual2", (L, B, T, C), dtype),        # residual + attention branch
-        ("ln2", (L, B, T, C), dtype), ("ln2_mean", (L, B, T), f32), ("ln2_rstd", (L, B, T), f32),
+        ("ln2", per_layer_ln, dtype), ("ln2_mean", (L, B, T), f32), ("ln2_rstd", (L, B, T), f32),
         ("fch", (L, B, T, 4 * C), dtype),          # MLP pre-activation (GELU input)
         ("residual3", (L, B, T, C), dtype),        # residual2 + MLP branch: layer output
         ("lnf", (B, T, C), dtype), ("lnf_mean", (B, T), f32), ("lnf_rstd", (B, T), f32),
         ("losses", (B, T), f32),
-        ("fch_gelu", (L, B, T, 4 * C) if keep_gelu else (B, T, 4 * C), dtype),   # gelu(fch): kept, or
-                                                   # scratch recomputed by the backward
+        ("fch_gelu", (L, B, T, 4 * C) if keep_gelu and not fp8 else (B, T, 4 * C), dtype),   # gelu(fch):
+                                                   # kept, or scratch recomputed by the backward
         ("proj", (B, T, C), dtype),                # scratch: attproj / fcproj matmul outputs
         ("logits", (head_chunk_rows(cfg, B * T, dtype), Vp), dtype),  # scratch: one LM-head chunk
     ]
+    if fp8:
+        from .fp8_linear import kept_x8t_per_token
+        specs.append(("x8t", (L, B, T * kept_x8t_per_token(cfg, keep_gelu)), np.uint8))
+    return specs
 
 
 def grad_activation_specs(cfg: GPT2Config, B: int, T: int, dtype):
@@ -212,7 +223,7 @@ def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "f
         "master": n * per["master"],
         "m": n * per["m"],
         "v": n * per["v"],
-        "activations": TensorLayout(activation_specs(cfg, B, T, dtype, keep_gelu)).nbytes,
+        "activations": TensorLayout(activation_specs(cfg, B, T, dtype, keep_gelu, fp8)).nbytes,
         "grad scratch": TensorLayout(grad_activation_specs(cfg, B, T, dtype)).nbytes,
     }
     if per["kahan"]:
@@ -253,8 +264,9 @@ def _2d(x):
 
 
 # activations stacked per layer: (L, B, ...); the others are (B, ...) or scratch
-LAYER_ACTIVATIONS = frozenset({"ln1", "ln1_mean", "ln1_rstd", "qkv", "atty", "att_lse", "residual2",
-                               "ln2", "ln2_mean", "ln2_rstd", "fch", "residual3"})
+LAYER_ACTIVATIONS = frozenset({"ln1_mean", "ln1_rstd", "qkv", "atty", "att_lse", "residual2",
+                               "ln2_mean", "ln2_rstd", "fch", "residual3", "x8t"})
+STACKED_IF_4D = frozenset({"ln1", "ln2", "fch_gelu"})   # per layer unless FP8 / not kept: (B, T, .)
 
 
 class _BatchViews:
@@ -266,7 +278,7 @@ class _BatchViews:
 
     def __init__(self, tensors, B: int):
         for name, x in tensors:
-            per_layer = name in LAYER_ACTIVATIONS or (name == "fch_gelu" and x.ndim == 4)   # kept GELU
+            per_layer = name in LAYER_ACTIVATIONS or (name in STACKED_IF_4D and x.ndim == 4)
             if name == "logits" or x.shape[1 if per_layer else 0] == B:
                 v = x
             else:
@@ -285,8 +297,8 @@ class GPT2:
 
     keep_gelu: store the GELU outputs per layer (True), recompute them in the backward (False), or
     None: decided per batch shape by resolve_keep_gelu (see it); self.keep_gelu is the decision.
-    fp8: None, or "delayed" / "current": the four linears of every layer multiply in FP8 with that
-    scaling (gpucore/fp8_linear.py; bfloat16 models only); the rest stays bf16.
+    fp8: None, or "current" / "delayed" / "adaptive": the four linears of every layer multiply in FP8
+    with that scaling (gpucore/fp8_linear.py; bfloat16 models only); the rest stays bf16.
     """
 
     def __init__(self, config: GPT2Config, *, xp=np, dtype="float32", seed: int | None = 1337,
@@ -380,7 +392,8 @@ class GPT2:
             self.keep_gelu = resolve_keep_gelu(self.keep_gelu_request, self.config, B, T, self.dtype, self.xp,
                                                fp8=self.fp8 is not None)
             self._acts_full = allocate(TensorLayout(activation_specs(self.config, B, T, self.dtype,
-                                                                     self.keep_gelu)), self.xp, zero=False)
+                                                                     self.keep_gelu, self.fp8 is not None)),
+                                       self.xp, zero=False)
             self._grad_full = allocate(TensorLayout(grad_activation_specs(self.config, B, T, self.dtype)),
                                        self.xp, zero=False)
             self._shape = (B, T)
@@ -450,20 +463,23 @@ class GPT2:
         encoder_forward(tokens, p.wte, p.wpe, out=a.encoded, check_tokens=False)   # checked just above
         self._encoder_plan = (_encoder_plan_beside(tokens, p.wte.shape[0])   # dwte's (padded) rows
                               if for_backward and xp is not np else None)
-        layernorm_forward(a.encoded, p.ln1w[0], p.ln1b[0], out=a.ln1[0], mean=a.ln1_mean[0], rstd=a.ln1_rstd[0])
+        ln1, ln2 = self._ln_out(a.ln1), self._ln_out(a.ln2)      # per layer, or one scratch (FP8)
+        keep_x8t = self.fp8 is not None and for_backward        # the FP8 backward reads x8t, not x
+        layernorm_forward(a.encoded, p.ln1w[0], p.ln1b[0], out=ln1(0), mean=a.ln1_mean[0], rstd=a.ln1_rstd[0])
         for l in range(L):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
-            lin(l, QKV, _2d(a.ln1[l]), p.qkvw[l], p.qkvb[l], _2d(a.qkv[l]))
+            x8t = (lambda j: self._kept_x8t(l, j, B * T)) if keep_x8t else (lambda j: None)
+            lin(l, QKV, _2d(ln1(l)), p.qkvw[l], p.qkvb[l], _2d(a.qkv[l]), x8t=x8t(QKV))
             attention_forward(a.qkv[l], NH, out=a.atty[l], lse=a.att_lse[l])
-            lin(l, ATTPROJ, _2d(a.atty[l]), p.attprojw[l], p.attprojb[l], _2d(a.proj))
+            lin(l, ATTPROJ, _2d(a.atty[l]), p.attprojw[l], p.attprojb[l], _2d(a.proj), x8t=x8t(ATTPROJ))
             fused_residual_layernorm_forward(residual, a.proj, p.ln2w[l], p.ln2b[l], residual=a.residual2[l],
-                                             out=a.ln2[l], mean=a.ln2_mean[l], rstd=a.ln2_rstd[l])
-            fch_gelu = a.fch_gelu[l] if self.keep_gelu else a.fch_gelu
-            lin(l, FC, _2d(a.ln2[l]), p.fcw[l], p.fcb[l], _2d(a.fch[l]), _2d(fch_gelu))
-            lin(l, FCPROJ, _2d(fch_gelu), p.fcprojw[l], p.fcprojb[l], _2d(a.proj))
+                                             out=ln2(l), mean=a.ln2_mean[l], rstd=a.ln2_rstd[l])
+            fch_gelu = a.fch_gelu[l] if a.fch_gelu.ndim == 4 else a.fch_gelu
+            lin(l, FC, _2d(ln2(l)), p.fcw[l], p.fcb[l], _2d(a.fch[l]), _2d(fch_gelu), x8t=x8t(FC))
+            lin(l, FCPROJ, _2d(fch_gelu), p.fcprojw[l], p.fcprojb[l], _2d(a.proj), x8t=x8t(FCPROJ))
             if l + 1 < L:   # the next layer's ln1, fused with this layer's second residual add
                 fused_residual_layernorm_forward(a.residual2[l], a.proj, p.ln1w[l + 1], p.ln1b[l + 1],
-                                                 residual=a.residual3[l], out=a.ln1[l + 1],
+                                                 residual=a.residual3[l], out=ln1(l + 1),
                                                  mean=a.ln1_mean[l + 1], rstd=a.ln1_rstd[l + 1])
             else:
                 fused_residual_layernorm_forward(a.residual2[l], a.proj, p.lnfw, p.lnfb,
@@ -505,18 +521,32 @@ class GPT2:
             loss = (_sum(a.losses) / xp.maximum(count, 1)).astype(np.float32)
         return (loss, logits) if return_logits else loss
 
-    def _linear_forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None):
-        """Linear j (QKV, ATTPROJ, FC, FCPROJ) of layer l: out2d = x2d @ weight^T + bias [gelu_out2d = GELU]."""
+    def _linear_forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None, x8t=None):
+        """Linear j (QKV, ATTPROJ, FC, FCPROJ) of layer l: out2d = x2d @ weight^T + bias [gelu_out2d = GELU].
+        x8t (FP8 only): where to keep x's transposed FP8 copy for the backward."""
         if self.fp8 is not None:
-            return self.fp8.forward(l, j, x2d, weight, bias, out2d, gelu_out2d)
+            return self.fp8.forward(l, j, x2d, weight, bias, out2d, gelu_out2d, x8t=x8t)
         return matmul_forward(x2d, weight, bias, out=out2d, gelu_out=gelu_out2d)
 
     def _linear_backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias):
-        """Its backward: dx2d = [, dweight +=, dbias += (when not None)]."""
+        """Its backward: dx2d = [, dweight +=, dbias += (when not None)]. FP8: x from the kept x8t
+        when the forward kept it (then x2d is not read), else from x2d."""
         if self.fp8 is not None:
-            return self.fp8.backward(l, j, dout2d, x2d, weight, dx2d, dweight, dbias)
+            return self.fp8.backward(l, j, dout2d, x2d, weight, dx2d, dweight, dbias,
+                                     x8t=self._kept_x8t(l, j, dout2d.shape[0]))
         return matmul_backward(dout2d, x2d, weight, dx=dx2d, dweight=dweight, dbias=dbias,
                                need_dbias=dbias is not None)
+
+    def _ln_out(self, stack):
+        """l -> the layernorm output buffer of layer l: stack[l], or with FP8 linears the one scratch."""
+        return (lambda l: stack) if self.fp8 is not None else (lambda l: stack[l])
+
+    def _kept_x8t(self, l, j, N):
+        """Linear j's kept transposed FP8 input of layer l (K, N), or None when not kept (fcproj's
+        without keep_gelu)."""
+        if j == FCPROJ and not self.keep_gelu:
+            return None
+        return kept_x8t(self.acts.x8t[l].reshape(-1), j, N, self.config.channels)
 
     def end_step(self):
         """After each optimizer step (the training loop calls it): FP8 scales for the next step."""
@@ -553,19 +583,22 @@ class GPT2:
         # second time for them.
         fuse = settings.current().fused_bias_grads
         lin_bwd = self._linear_backward
+        ln1, ln2 = self._ln_out(a.ln1), self._ln_out(a.ln2)
         layernorm_backward(dsmall, a.residual3[L - 1], p.lnfw, a.lnf_mean, a.lnf_rstd,
                            dx=dres, dweight=g.lnfw, dbias=g.lnfb, dx_colsum=g.fcprojb[L - 1] if fuse else None)
         for l in reversed(range(L)):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
             # MLP branch: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
-            if self.keep_gelu:
+            if a.fch_gelu.ndim == 4:
                 fch_gelu = a.fch_gelu[l]
+            elif self.fp8 is not None and self.keep_gelu:
+                fch_gelu = a.fch_gelu                         # not read: its FP8 copy was kept
             else:
                 fch_gelu = gelu(a.fch[l], out=a.fch_gelu)     # recompute (not stored per layer)
             lin_bwd(l, FCPROJ, _2d(dres), _2d(fch_gelu), p.fcprojw[l], _2d(dfch), g.fcprojw[l],
                     None if fuse else g.fcprojb[l])
             gelu_backward(dfch, a.fch[l], dx=dfch, dbias=g.fcb[l] if fuse else None)
-            lin_bwd(l, FC, _2d(dfch), _2d(a.ln2[l]), p.fcw[l], _2d(dsmall), g.fcw[l], None if fuse else g.fcb[l])
+            lin_bwd(l, FC, _2d(dfch), _2d(ln2(l)), p.fcw[l], _2d(dsmall), g.fcw[l], None if fuse else g.fcb[l])
             layernorm_backward(dsmall, a.residual2[l], p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l],
                                dx=dres, dweight=g.ln2w[l], dbias=g.ln2b[l],
                                dx_colsum=g.attprojb[l] if fuse else None)
@@ -573,7 +606,7 @@ class GPT2:
             lin_bwd(l, ATTPROJ, _2d(dres), _2d(a.atty[l]), p.attprojw[l], _2d(dsmall), g.attprojw[l],
                     None if fuse else g.attprojb[l])
             attention_backward(dsmall, a.qkv[l], a.atty[l], a.att_lse[l], NH, dqkv=dqkv)
-            lin_bwd(l, QKV, _2d(dqkv), _2d(a.ln1[l]), p.qkvw[l], _2d(dsmall), g.qkvw[l], g.qkvb[l])
+            lin_bwd(l, QKV, _2d(dqkv), _2d(ln1(l)), p.qkvw[l], _2d(dsmall), g.qkvw[l], g.qkvb[l])
             layernorm_backward(dsmall, residual, p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l],
                                dx=dres, dweight=g.ln1w[l], dbias=g.ln1b[l],
                                dx_colsum=g.fcprojb[l - 1] if fuse and l > 0 else None)

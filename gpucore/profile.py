@@ -52,8 +52,9 @@ def copy_bandwidth_gbps(nbytes: int = COPY_BYTES) -> float:
 
 
 def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int = 3, device: str = "auto",
-                dtype: str = "auto") -> dict:
-    """Profile `steps` training steps; returns the report as a JSON-able dict (see format_table)."""
+                dtype: str = "auto", fp8_scaling: str = "adaptive") -> dict:
+    """Profile `steps` training steps; returns the report as a JSON-able dict (see format_table).
+    fp8_scaling: the FP8 linears' scaling mode with dtype "fp8"."""
     from .model import GPT2, GPT2Config
     from .optim import AdamW
     from .startup import peak_flops, resolve_backend
@@ -64,7 +65,7 @@ def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int
     T = T or min(1024, cfg.max_seq_len)
     if T > cfg.max_seq_len:
         raise ValueError(f"-T {T}: longer than the model's max_seq_len {cfg.max_seq_len}")
-    fp8 = "delayed" if dtype == "fp8" else None
+    fp8 = fp8_scaling if dtype == "fp8" else None
     device, xp, dt = resolve_backend(device, "bfloat16" if fp8 else dtype)
     from . import dtypes
     net = GPT2(cfg, xp=xp, dtype=dt, seed=1337, fp8=fp8)
@@ -111,7 +112,7 @@ def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int
         rows.append(row)
     ops_ms = sum(r["ms"] for r in rows)
     return {"model": model, "B": B, "T": T, "steps": steps, "device": device,
-            "dtype": dtypes.name(dt) + (" + FP8 linears" if fp8 else ""),
+            "dtype": dtypes.name(dt) + (f" + FP8 linears ({fp8} scaling)" if fp8 else ""),
             "keep_gelu": net.keep_gelu,
             "step_ms": step_ms, "recorded_step_ms": recorded_ms, "ops_ms": ops_ms,
             "host_gap_ms": step_ms - ops_ms, "host_gap_share": (step_ms - ops_ms) / step_ms,
@@ -170,11 +171,13 @@ def write_plot(report: dict, out) -> None:
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "bf16", "bfloat16", "fp32", "float32", "fp8"]), default="auto",
               show_default=True, help="auto: bf16 on the GPU, fp32 on the CPU; fp8: bf16 + FP8 linears")
+@click.option("--fp8-scaling", type=click.Choice(["adaptive", "current", "delayed"]), default="adaptive",
+              show_default=True, help="--dtype fp8: the scaling mode (gpucore train --help)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="write the report as JSON here")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="write a bar chart (PNG) here; needs matplotlib")
-def profile_command(model, batch_size, seq_len, steps, device, dtype, json_path, plot_path):
+def profile_command(model, batch_size, seq_len, steps, device, dtype, fp8_scaling, json_path, plot_path):
     """Time each op family over a few training steps: ms, share of the step, TFLOP/s or GB/s, host gap."""
     from .model import PRESETS
     from .plot import PlotError, require_matplotlib
@@ -187,7 +190,7 @@ def profile_command(model, batch_size, seq_len, steps, device, dtype, json_path,
         except PlotError as e:
             raise click.ClickException(str(e)) from None
     try:
-        report = run_profile(model, batch_size, seq_len, steps, device, dtype)
+        report = run_profile(model, batch_size, seq_len, steps, device, dtype, fp8_scaling)
     except (ValueError, TrainError) as e:
         raise click.ClickException(str(e)) from None
     except MemoryError:

@@ -48,10 +48,11 @@ class Settings:
     # ---- model (gpucore/model.py)
     fused_bias_grads: bool = True         # fcproj/fc/attproj bias grads from the gelu / layernorm backward
     lm_head_chunk_bytes: int = 1 << 30    # LM-head logits scratch: rows per chunk = largest power of 2 within
-    # ---- FP8 linears (gpucore/fp8_linear.py, --dtype fp8), delayed scaling's recipe
+    # ---- FP8 linears (gpucore/fp8_linear.py, --dtype fp8): the scaling recipes' knobs
     fp8_history: int = 16                 # steps of amax history behind each scale
     fp8_margin: int = 1                   # scales 2^-margin below the history's amax: headroom for growth
     fp8_weights_current: bool = True      # weights scaled from their own amax every step (not delayed)
+    fp8_window: int = 2                   # adaptive scaling: re-cast when the data sits > this many binades low
 
     def replace(self, **changes) -> "Settings":
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

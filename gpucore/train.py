@@ -102,7 +102,7 @@ class TrainArgs:
     optimizer: str = "adamw"          # adamw | sfadamw (schedule-free AdamW: no lr decay schedule)
     master_weights: str = "fp32"      # bf16 models: fp32 master copy, or none with "sr" (stochastic rounding) / "kahan"
     keep_gelu: str = "auto"           # store the GELU outputs per layer (on), recompute them (off), or decide (auto)
-    fp8_scaling: str = "current"      # --dtype fp8: current (each tensor's own amax) or delayed (amax history)
+    fp8_scaling: str = "adaptive"     # --dtype fp8: adaptive (last step's scale, re-cast when off), current, delayed
     nproc: int = 0                    # start this many ranks on this machine (0: this process is the run)
     zero: int = 0                     # 1: ZeRO-1, optimizer state sharded across ranks
     dist_timeout: float = 900.0       # seconds without progress before a rank ends the job (data parallel)

@@ -18,6 +18,8 @@
  *   64 x 64, 256 threads; each thread loads two 16-byte packs (8 columns of rows r and r + 32),
  *   writes 8 fp8 bytes of `out` per pack, and (transposed) one 16-byte pack of 16 rows of `out_t`
  *   gathered from the tile in shared memory.
+ * gate (optional): the cast runs only when *gate != 0 (adaptive scaling's re-cast, decided on the
+ *   device by fp8_guard_kernel at the end of this file: no host sync).
  * Scale update (fp8_update_scale_kernel, one thread per tensor; tensor k's scale, scale_inv and amax
  *   at k * stride, one 16-byte slot each: cuBLASLt wants aligned scale pointers): history[h][k] = amax[k] for the
  *   step slot h, amax[k] = 0; m = max over the history of tensor k; when m is finite and > 0,
@@ -82,8 +84,10 @@ __device__ __forceinline__ void block_amax(float* amax, u32 mbits) {
 
 template <int FMT>
 __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __restrict__ amax,
-                         const bf16* __restrict__ in, const float* __restrict__ scale, int R, int C) {
+                         const bf16* __restrict__ in, const float* __restrict__ scale,
+                         const float* __restrict__ gate, int R, int C) {
     __shared__ __align__(16) u8 tile[TILE][TILE + 16];   // +16: rows start on different banks
+    if (gate && *gate == 0.0f) return;         // the adaptive re-cast, not needed this time (block-uniform)
     const int t = threadIdx.x;
     const int r0 = blockIdx.y * TILE, c0 = blockIdx.x * TILE;
     const float s = *scale;
@@ -118,15 +122,17 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
 extern "C" __global__ void __launch_bounds__(256) fp8_cast_kernel_e4m3(
         u8* out, u8* out_t, float* amax,      // (R, C) | null, (C, R) | null, (1,) | null
         const bf16* in, const float* scale,   // (R, C), (1,)
+        const float* gate,                    // (1,) | null: cast only when *gate != 0
         int R, int C) {
-    fp8_cast<E4M3>(out, out_t, amax, in, scale, R, C);
+    fp8_cast<E4M3>(out, out_t, amax, in, scale, gate, R, C);
 }
 
 extern "C" __global__ void __launch_bounds__(256) fp8_cast_kernel_e5m2(
         u8* out, u8* out_t, float* amax,      // (R, C) | null, (C, R) | null, (1,) | null
         const bf16* in, const float* scale,   // (R, C), (1,)
+        const float* gate,                    // (1,) | null: cast only when *gate != 0
         int R, int C) {
-    fp8_cast<E5M2>(out, out_t, amax, in, scale, R, C);
+    fp8_cast<E5M2>(out, out_t, amax, in, scale, gate, R, C);
 }
 
 // amax only (current scaling: the scale of this very tensor before its cast). Grid-stride over
@@ -166,4 +172,29 @@ extern "C" __global__ void fp8_update_scale_kernel(
         *scale = s;
         *scale_inv = 1.0f / s;
     }
+}
+
+// Adaptive scaling's check, one thread, after a cast made with the delayed scale (this step's
+// scale from the last step's amax) that took its own amax into *cast_amax: fold it into the
+// step's *amax (bit max: a NaN stays visible) and clear it; when that amax left the scale's window
+// -- some value saturated (a * scale > fmax) or the data sits more than `window` binades below the
+// target headroom (a * scale < fmax * low) -- set the scale from it (as current scaling would) and
+// *gate = 1, so the gated re-cast that follows runs; else *gate = 0 and the re-cast returns at once.
+// A non-finite or zero amax keeps the scale (the caller's finite checks report a NaN).
+extern "C" __global__ void fp8_guard_kernel(
+        float* scale, float* scale_inv, float* amax, float* cast_amax, float* gate,   // (1,) each
+        float fmax, float margin_scale, float low) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const float a = *cast_amax;
+    *cast_amax = 0.0f;
+    u32* am = reinterpret_cast<u32*>(amax);
+    *am = max(*am, __float_as_uint(a));
+    const float s = *scale;
+    const bool recast = a <= 3.0e38f && a > 0.0f && (a * s > fmax || a * s < fmax * low);
+    if (recast) {
+        const float ns = fmax / a * margin_scale;
+        *scale = ns;
+        *scale_inv = 1.0f / ns;
+    }
+    *gate = recast ? 1.0f : 0.0f;
 }

@@ -136,6 +136,48 @@ def test_scaling_delayed_and_current(rng):
     assert np.array_equal(s2.scale, s.scale) and s2.step_index == s.step_index
 
 
+def _adaptive_steps(xp, rng):
+    """Four casts of one E4M3 tensor under adaptive scaling (margin 1, window 2), with end_step
+    between them: (x, the scale each cast ended with, the bytes, the gate, the step's amax)."""
+    base = _bf16(rng, (64, 48), 0.01)
+    s = Fp8Scaling(1, ["e4m3"], xp, mode="adaptive", margin=1, window=2, history=16)
+    out = []
+    for k, factor in enumerate([1.0, 1.5, 8.0, 1 / 64]):   # start, inside the window, saturating, too small
+        x = (base.astype(F32) * F32(factor)).astype(bfloat16)
+        q, qt = xp.zeros((64, 48), np.uint8), xp.zeros((48, 64), np.uint8)
+        s.cast(0, xp.asarray(x), out=q, out_t=qt)
+        out.append((x, float(to_cpu(s.scale)[0]), to_cpu(q), to_cpu(qt), float(to_cpu(s._slots[3, 0, 1])),
+                    float(to_cpu(s.amax)[0])))
+        s.end_step()
+    return s, out
+
+
+def test_scaling_adaptive(rng):
+    """Adaptive: the last step's scale unless this cast's amax leaves the window; then the scale
+    from this amax (as current scaling) and the gated re-cast. The bytes always match the reference
+    cast with the scale the tensor ended with, so the GEMM's scale_inv is right either way."""
+    s, steps = _adaptive_steps(np, rng)
+    assert s.history_len == 1
+    m0 = float(np.abs(steps[0][0].astype(F32)).max())
+    gates = [st[4] for st in steps]
+    assert gates == [1.0, 0.0, 1.0, 1.0]      # scale 1: far too small for data of 0.01; x1.5 inside; x8 saturates; /64
+    assert np.isclose(steps[0][1], 448.0 / m0 / 2)                 # the re-cast's scale: current, margin 1
+    assert steps[1][1] == steps[0][1]                              # kept: last step's amax, margin 1
+    assert np.isclose(steps[2][1], 448.0 / (8 * m0) / 2, rtol=1e-2)
+    for x, scale, q, qt, _, amax in steps:
+        want = fp8_quantize_reference(x, "e4m3", scale)
+        assert np.array_equal(q, want) and np.array_equal(qt, want.T)
+        assert amax == float(np.abs(x.astype(F32)).max())          # the step's amax is recorded
+    # a NaN amax: no re-cast, the scale stays, the NaN is recorded
+    t = Fp8Scaling(1, ["e5m2"], np, mode="adaptive")
+    x = _bf16(rng, (16, 16))
+    x[3, 3] = np.nan
+    t.cast(0, x, out=np.zeros((16, 16), np.uint8))
+    assert t.scale[0] == 1.0 and np.isnan(t.amax[0]) and t._slots[3, 0, 1] == 0
+    with pytest.raises(ValueError, match="mode"):
+        Fp8Scaling(1, ["e4m3"], np, mode="sometimes")
+
+
 # ------------------------------------------------------------------ GPU ----
 
 def _need_fp8():
@@ -188,6 +230,19 @@ def test_gpu_amax_and_nan(rng):
     before = s.scale.get().copy()
     s.end_step()
     assert np.array_equal(s.scale.get(), before)
+
+
+@pytest.mark.cuda
+def test_gpu_scaling_adaptive_matches_numpy(rng):
+    """fp8_guard_kernel and the gated re-cast on the GPU: the same gates, scales and bytes as the
+    NumPy reference, step by step."""
+    _need_fp8()
+    seed = int(rng.integers(1 << 30))
+    _, want = _adaptive_steps(np, np.random.default_rng(seed))
+    _, got = _adaptive_steps(runtime.cupy, np.random.default_rng(seed))
+    for k, (w, g) in enumerate(zip(want, got)):
+        assert g[4] == w[4] and g[1] == w[1] and g[5] == w[5], f"cast {k}: gate/scale/amax {g[4:]} vs {w[4:]}"
+        assert np.array_equal(g[2], w[2]) and np.array_equal(g[3], w[3]), f"cast {k}: bytes differ"
 
 
 @pytest.mark.cuda
@@ -271,11 +326,48 @@ def test_model_fp8_scratch_lives_in_the_logits_chunk():
         assert shares == arena
         out.append((np.asarray(loss).tobytes(), m.grads.flat().tobytes()))
     assert out[0] == out[1]
-    assert memory_plan(cfg, 2, 16, "bf16", fp8=True) == memory_plan(cfg, 2, 16, "bf16")
-    d12 = GPT2Config.from_preset("d12")
-    assert memory_plan(d12, 64, 1024, "bf16", fp8=True) == memory_plan(d12, 64, 1024, "bf16")
     micro = GPT2Config.from_preset("micro")      # a 64-token vocabulary: too small a chunk
     assert memory_plan(micro, 2, 16, "bf16", fp8=True)["fp8 scratch"] > 0
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_model_fp8_plans_less_memory_than_bf16(keep):
+    """FP8 keeps x8t (3C or, with keep_gelu, 7C bytes per token and layer) instead of the bf16
+    ln1/ln2 (4C) and kept GELU outputs (8C): d12 B=64 plans (L - 4) x N x C bytes less without
+    keep_gelu, (5L - 12) x N x C with it, and nothing else changes (the scratch lives in the logits)."""
+    from gpucore.model import memory_plan
+    d12 = GPT2Config.from_preset("d12")
+    L, N, C = d12.num_layers, 64 * 1024, d12.channels
+    p8 = memory_plan(d12, 64, 1024, "bf16", keep_gelu=keep, fp8=True)
+    p16 = memory_plan(d12, 64, 1024, "bf16", keep_gelu=keep)
+    saved = ((5 * L - 12) if keep else (L - 4)) * N * C
+    assert p16["activations"] - p8["activations"] == saved
+    assert {k: v for k, v in p8.items() if k != "activations"} == {k: v for k, v in p16.items() if k != "activations"}
+
+
+@pytest.mark.parametrize("mode", ["current", "delayed", "adaptive"])
+def test_model_fp8_kept_x8t(mode):
+    """The forward's kept FP8 copy of a linear's input (x8t) is the transposed reference cast of that
+    input with the scale its cast used (checked on attproj's, whose bf16 input stays per layer);
+    keeping fcproj's (keep_gelu) or recasting the recomputed GELU in the backward gives the same
+    loss and gradients up to the GELU's bf16 rounding (the forward's is of the unrounded sum)."""
+    from gpucore.fp8_linear import ATTPROJ, kept_x8t
+    cfg = GPT2Config.from_preset("tiny")
+    x, y = _tokens(cfg, 2, 16)
+    C, res = cfg.channels, {}
+    for keep in (True, False):
+        m = GPT2(cfg, dtype="bfloat16", seed=3, fp8=mode, keep_gelu=keep)
+        m.zero_grad()
+        loss = m.forward(x, y, for_backward=True)
+        assert m.acts.x8t.shape == (cfg.num_layers, 2, 16 * C * (7 if keep else 3))
+        for l in range(cfg.num_layers):
+            scale = m.fp8.scaling.scale[m.fp8._slot(l, ATTPROJ, 0)]
+            want = fp8_quantize_reference(m.acts.atty[l].reshape(-1, C), "e4m3", scale).T
+            assert np.array_equal(kept_x8t(m.acts.x8t[l].reshape(-1), ATTPROJ, 32, C), want)
+        m.backward()
+        res[keep] = (float(loss), m.grads.flat().astype(np.float64))
+    (l1, g1), (l0, g0) = res[True], res[False]
+    assert l1 == l0 and rel_err(g1, g0) < 5e-2
 
 
 def test_model_fp8_bad_input():
@@ -322,11 +414,11 @@ def test_train_fp8_cpu_resumes_bit_identically(shards, tmp_path):
     assert meta["fp8"]["mode"] == "delayed" and meta["fp8"]["step_index"] == 4 and "fp8_scale" in a
 
 
-def test_train_fp8_current_is_the_default(shards, tmp_path):
+def test_train_fp8_adaptive_is_the_default(shards, tmp_path):
     from gpucore.train import run
     lines = []
     res = run(_train_args(shards, tmp_path / "f", steps=2), echo=lines.append)
-    assert any("FP8 linears (current scaling)" in s for s in lines) and all(np.isfinite(res["losses"]))
+    assert any("FP8 linears (adaptive scaling)" in s for s in lines) and all(np.isfinite(res["losses"]))
 
 
 def test_train_fp8_errors_are_one_line(shards, tmp_path):

@@ -5,8 +5,9 @@
 #     sfadamw      schedule-free AdamW, same peak lr and warmup, no decay (evaluates its average x)
 #     bf16-sr      AdamW, bf16 weights without the fp32 copy, stochastic rounding
 #     bf16-kahan   AdamW, bf16 weights without the fp32 copy, bf16 Kahan compensation
-#     fp8          AdamW, --dtype fp8 (the linears' GEMMs in FP8, current scaling: issue 16)
-#     fp8-delayed  the same with delayed scaling (RUNS="adamw fp8 fp8-delayed" for the FP8 comparison)
+#     fp8          AdamW, --dtype fp8 (the linears' GEMMs in FP8, adaptive scaling, the default: issue 16)
+#     fp8-current  the same with current scaling
+#     fp8-delayed  the same with delayed scaling (RUNS="adamw fp8 fp8-current fp8-delayed" to compare)
 #   on a corpus larger than Tiny Shakespeare: the Python standard library's .py sources (the
 #   first CORPUS_MB megabytes, files in sorted order) tokenized by `gpucore prepro`.
 # Reports val loss at every evaluation, final train loss, ms/step, and the memory plan against
@@ -43,7 +44,8 @@ for run in $RUNS; do
     sfadamw)    extra=(--optimizer sfadamw) ;;
     bf16-sr)    extra=(--final-lr-frac 0.1 --master-weights sr) ;;
     bf16-kahan) extra=(--final-lr-frac 0.1 --master-weights kahan) ;;
-    fp8)        extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling current) ;;
+    fp8)        extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive) ;;
+    fp8-current) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling current) ;;
     fp8-delayed) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling delayed) ;;
   esac
   echo "== $run"

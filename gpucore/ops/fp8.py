@@ -1,6 +1,7 @@
 """FP8: scaled casts to E4M3 / E5M2, per-tensor scaling state, and the FP8 GEMM (kernels_cu/fp8.cu).
 
     fp8_quantize(x, fmt, scale, out=, out_t=, amax=)   uint8 FP8 bytes of x * scale (and/or transposed)
+    fp8_requantize_gated(x, fmt, scale, gate, ...)       the same when the device flag gate != 0
     fp8_amax(x, amax)                                    amax = max(amax, max |x|)
     fp8_dequantize(q, fmt, scale_inv)                    float32 q * scale_inv (the reference's view)
     fp8_matmul(a8, b8, a_fmt, b_fmt, a_si, b_si, ...)    bf16 (a @ b^T) * a_si * b_si [+ bias] [+=]
@@ -13,10 +14,12 @@ accumulates in fp32. FP8 data is held in uint8 arrays (CuPy has no float8 dtype)
 travels beside it as "e4m3" / "e5m2". On NumPy the reference is exact: clip(f32(x) * scale,
 +-max) cast by ml_dtypes (round to nearest even), which the GPU cast matches bit for bit.
 
-Scaling (Fp8Scaling): "delayed" (the default) casts with the scale made from the amax of the
-last `history` steps (each cast records this step's amax on the way: no extra pass), "current"
-reads each tensor once more for its own amax just before the cast. A tensor's very first cast is
-always current (there is no history yet: an unscaled gradient of 1e-6 would flush to zero in E5M2).
+Scaling (Fp8Scaling): "delayed" casts with the scale made from the amax of the last `history`
+steps (each cast records this step's amax on the way: no extra pass), "current" reads each tensor
+once more for its own amax just before the cast, "adaptive" casts with the last step's scale and
+re-casts on the device only when this tensor's amax says the scale was wrong (saturation, or too
+far below the range). In delayed mode a tensor's very first cast is current (there is no history
+yet: an unscaled gradient of 1e-6 would flush to zero in E5M2); adaptive needs no such rule.
 
 FP8 needs an Ada or Hopper GPU (sm_89+) and cuBLASLt: fp8_supported() says why not otherwise.
 """
@@ -96,12 +99,25 @@ def fp8_quantize(x, fmt: str, scale, *, out=None, out_t=None, amax=None):
     and C must be multiples of 16 (the FP8 GEMM's rule) and the GPU sm_89+.
     Returns (out, out_t).
     """
+    return _quantize(x, fmt, scale, out, out_t, amax, None)
+
+
+@profiler.profiled("fp8 re-cast (gated)")
+def fp8_requantize_gated(x, fmt: str, scale, gate, *, out=None, out_t=None):
+    """fp8_quantize(x, fmt, scale, out=, out_t=) when gate (1,) float32 != 0, decided on the
+    device (adaptive scaling: fp8_guard set gate and scale); a launch that returns at once else."""
+    return _quantize(x, fmt, scale, out, out_t, None, gate)
+
+
+def _quantize(x, fmt, scale, out, out_t, amax, gate):
     _fmt(fmt)
     check_array("x", x, dtype=dtypes.bfloat16, ndim=2)
-    xp = runtime.array_module(x, scale, out, out_t, amax)
+    xp = runtime.array_module(x, scale, out, out_t, amax, gate)
     _check_scalar("scale", scale, xp)
     if amax is not None:
         _check_scalar("amax", amax, xp)
+    if gate is not None:
+        _check_scalar("gate", gate, xp)
     if out is None and out_t is None:
         raise ValueError("out, out_t: give at least one output")
     R, C = x.shape
@@ -111,6 +127,8 @@ def fp8_quantize(x, fmt: str, scale, *, out=None, out_t=None, amax=None):
             if (xp is np) != isinstance(o, np.ndarray):
                 raise TypeError(f"{name}: must live on the same device as x")
     if xp is np:
+        if gate is not None and float(gate[0]) == 0.0:
+            return out, out_t
         q = fp8_quantize_reference(x, fmt, _host_scalar(scale))
         if out is not None:
             out[...] = q
@@ -131,7 +149,7 @@ def fp8_quantize(x, fmt: str, scale, *, out=None, out_t=None, amax=None):
     null = np.uint64(0)
     runtime.launch(kernel, (-(-C // TILE), -(-R // TILE)), 256,
                    (null if out is None else out, null if out_t is None else out_t, null if amax is None else amax,
-                    x, scale, np.int32(R), np.int32(C)))
+                    x, scale, null if gate is None else gate, np.int32(R), np.int32(C)))
     return out, out_t
 
 
@@ -156,31 +174,48 @@ def fp8_amax(x, amax):
 
 # ------------------------------------------------------------------ scaling ----
 
+MODES = ("current", "delayed", "adaptive")
+
+
 class Fp8Scaling:
     """Per-tensor FP8 scales of n tensors, one format each ("e4m3"/"e5m2"), on xp.
 
     scale[i] multiplies tensor i before its cast, scale_inv[i] = 1/scale[i] goes to the GEMM,
     amax[i] collects this step's max |x| from the casts; end_step() turns them into the next
-    step's scales (delayed) and clears amax. `mode` "delayed" or "current" (module docstring);
+    step's scales (delayed) and clears amax. `mode` (module docstring; cast() runs it):
+      "current"   each cast reads its tensor once more for its own amax first;
+      "delayed"   the scale from the amax of the last `history` steps;
+      "adaptive"  the scale from the last step's amax (history 1), checked on the device after
+                  the cast: when the tensor's own amax left the window -- a value saturated, or
+                  the data sits more than `window` binades below the target -- the scale is set
+                  from it and a gated re-cast runs (fp8_guard_kernel). Current scaling's result
+                  whenever it matters, delayed scaling's single pass otherwise.
     margin: scales are 2^-margin below the largest value (headroom for growth between steps).
     """
 
-    def __init__(self, n: int, formats, xp, *, mode: str = "delayed", history: int = 16, margin: int = 0):
-        if mode not in ("delayed", "current"):
-            raise ValueError(f"mode: expected 'delayed' or 'current', got {mode!r}")
+    def __init__(self, n: int, formats, xp, *, mode: str = "delayed", history: int = 16, margin: int = 0,
+                 window: int = 2):
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
         if len(formats) != n:
             raise ValueError(f"formats: expected {n}, got {len(formats)}")
         if history < 1:
             raise ValueError(f"history: must be >= 1, got {history}")
+        if window < 0:
+            raise ValueError(f"window: must be >= 0, got {window}")
+        if mode == "adaptive":
+            history = 1
         self.n, self.xp, self.mode, self.history_len = n, xp, mode, history
         self.formats = list(formats)
         self.margin_scale = float(2.0 ** -margin)
+        self.window_low = float(2.0 ** -(margin + window))   # recast below fmax * window_low
         fmax = np.array([_fmt(f)[1] for f in formats], np.float32)
         self.fmax = xp.asarray(fmax)
         # One 16-byte slot per tensor: cuBLASLt wants its scale pointers 16-byte aligned (a scale at
         # a 4-byte offset fails with CUBLAS_STATUS_NOT_SUPPORTED). scale / scale_inv / amax are
         # strided (n,) views of column 0.
-        self._slots = xp.zeros((5, n, SLOT), np.float32)     # scale, scale_inv, amax, current-scaling scratch x2
+        # slots: scale, scale_inv, amax, scratch (current: a cast's amax; adaptive: a cast's amax, gate), history row
+        self._slots = xp.zeros((5, n, SLOT), np.float32)
         self._slots[:2, :, 0] = 1.0
         self.scale, self.scale_inv, self.amax = (self._slots[k, :, 0] for k in range(3))
         self.history = xp.zeros((history, n), np.float32)
@@ -190,6 +225,44 @@ class Fp8Scaling:
     def tensor(self, i: int):
         """(scale, scale_inv, amax) (1,) views of tensor i."""
         return tuple(self._slots[k, i, :1] for k in range(3))
+
+    def cast(self, i: int, x, *, out=None, out_t=None, record: bool = True, current: bool = False):
+        """Tensor i (x, bf16 (R, C)) into out and/or out_t by the mode's rule; record=False: with
+        the scale it already has and no amax (the backward's re-cast of a forward tensor);
+        current=True: current scaling for this cast whatever the mode (the weights)."""
+        fmt = self.formats[i]
+        scale, _, amax = self.tensor(i)
+        if not record:
+            return fp8_quantize(x, fmt, scale, out=out, out_t=out_t)
+        if self.mode == "adaptive" and not current:
+            self.started[i] = True
+            cast_amax, gate = self._slots[3, i, :1], self._slots[3, i, 1:2]
+            fp8_quantize(x, fmt, scale, out=out, out_t=out_t, amax=cast_amax)
+            self._guard(i, cast_amax, gate)
+            return fp8_requantize_gated(x, fmt, scale, gate, out=out, out_t=out_t)
+        self.prepare(i, x, current=current)
+        return fp8_quantize(x, fmt, scale, out=out, out_t=out_t, amax=amax)
+
+    def _guard(self, i, cast_amax, gate):
+        """fp8_guard_kernel for tensor i (the NumPy branch is its reference)."""
+        fmax = np.float32(FORMATS[self.formats[i]][1])
+        scale, scale_inv, amax = self.tensor(i)
+        if self.xp is np:
+            a = np.float32(cast_amax[0])
+            cast_amax[...] = 0
+            prev = np.float32(amax[0])
+            amax[...] = a if (np.isnan(a) or a > prev) else prev
+            s = np.float32(scale[0])
+            recast = bool(np.isfinite(a) and a > 0 and (a * s > fmax or a * s < fmax * np.float32(self.window_low)))
+            if recast:
+                ns = np.float32(fmax / a * np.float32(self.margin_scale))
+                scale[...] = ns
+                scale_inv[...] = np.float32(1.0) / ns
+            gate[...] = 1.0 if recast else 0.0
+            return
+        runtime.launch(runtime.get_kernel("fp8", "fp8_guard_kernel"), 1, 32,
+                       (scale, scale_inv, amax, cast_amax, gate, fmax, np.float32(self.margin_scale),
+                        np.float32(self.window_low)))
 
     def prepare(self, i: int, x, current: bool = False):
         """Before tensor i's cast: in current mode (and at its first cast in delayed mode, or when
