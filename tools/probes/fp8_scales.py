@@ -3,7 +3,9 @@ run (d12 B=64 on Tiny Shakespeare unless told otherwise). After every step it pr
 tensor, r = amax * scale / fmax (the share of the format's range the step's largest value used with
 the scale it was cast with: r > 1 saturated, r << 1 wastes range at the bottom). Answers: which tensor
 (layer, linear, x/W/grad) goes wrong when delayed scaling spikes?
-Run:  PYTHONPATH=. python3 tools/probes/fp8_scales.py [steps] [extra train options...]
+With adaptive scaling it also lists the tensors whose cast was redone this step (the gate fired).
+Run:  PYTHONPATH=. python3 tools/probes/fp8_scales.py [steps] [field=value of TrainArgs...]
+      e.g. fp8_scaling=adaptive
 """
 import sys
 
@@ -30,9 +32,14 @@ def step(model, opt, next_batch, grad_accum, lr, **kw):
 
     def name(i):
         return f"L{i // 12}.{LIN[(i % 12) // 3]}.{KIND[i % 3]}"
+    recast = ""
+    if s.mode == "adaptive":   # the gate of each tensor's last cast this step (x and g: cast once per step)
+        slots = s._slots.get() if hasattr(s._slots, "get") else s._slots
+        fired = [i for i in range(s.n) if slots[3, i, 1] != 0 and i % 3 != 1]
+        recast = f" | re-cast {len(fired)}/{2 * s.n // 3}: " + ", ".join(name(i) for i in fired[:6])
     print(f"step {s.step_index}: loss {float(loss):.3f} norm {float(norm):.2f} | highest r: "
           + ", ".join(f"{name(i)} {r[i]:.2f}" for i in order[::-1][:4]) + " | lowest r: "
-          + ", ".join(f"{name(i)} {r[i]:.1e}" for i in order[:3]), flush=True)
+          + ", ".join(f"{name(i)} {r[i]:.1e}" for i in order[:3]) + recast, flush=True)
     return loss, norm
 
 
