@@ -27,7 +27,8 @@ import numpy as np
 
 from . import settings
 from .ops.colsum import colsum
-from .ops.fp8 import Fp8Scaling, fp8_matmul
+from .ops.fp8 import Fp8Scaling, fp8_gelu_backward, fp8_gelu_backward_gated, fp8_matmul
+from .ops.gelu import gelu_backward
 
 QKV, ATTPROJ, FC, FCPROJ = range(4)
 _X, _W, _G = range(3)
@@ -126,18 +127,31 @@ class Fp8Linears:
                    fast_accum=True, gelu_out=gelu_out2d)
         return out2d
 
-    def backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias=None, x8t=None):
+    def backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias=None, x8t=None, gelu_x2d=None):
         """dx2d (N, K) = dout2d @ weight [=]; dweight (M, K) += dout2d^T @ x [+=]; dbias (M,) += dout2d's
         column sums (bf16, from dout2d itself: the same rule as matmul_backward). x: its transposed
         FP8 copy x8t (K, N) from the forward, or (x8t None) x2d (N, K) bf16, cast here with the
-        forward's scale."""
+        forward's scale.
+        gelu_x2d (N, M), optional: dout2d is the gradient of GELU(gelu_x2d) (the fc layer), and the
+        output gradient is gelu_backward(dout2d, gelu_x2d): when the scaling allows, its FP8 bytes
+        and bias sums come from one fused kernel and the bf16 gradient is never written; else
+        gelu_backward runs first, into dout2d (as the bf16 path does)."""
         N, M = dout2d.shape
         K = weight.shape[1]
         _, xtb, gb, gtb, _, wtb = self._buffers(N)
         g8, g8t = gb[: N * M].reshape(N, M), gtb[: N * M].reshape(M, N)
         w8t = wtb[: M * K].reshape(K, M)
         sc, ix, iw, ig = self.scaling, self._slot(l, j, _X), self._slot(l, j, _W), self._slot(l, j, _G)
-        sc.cast(ig, dout2d, out=g8, out_t=g8t)
+        if gelu_x2d is not None and sc.can_produce(ig):
+            db = dbias
+            sc.produce(ig, lambda s, am: fp8_gelu_backward(dout2d, gelu_x2d, s, out=g8, out_t=g8t, amax=am, dbias=db),
+                       lambda s, gate: fp8_gelu_backward_gated(dout2d, gelu_x2d, s, gate, out=g8, out_t=g8t))
+            dbias = None
+        else:
+            if gelu_x2d is not None:
+                gelu_backward(dout2d, gelu_x2d, dx=dout2d, dbias=dbias)
+                dbias = None
+            sc.cast(ig, dout2d, out=g8, out_t=g8t)
         sc.cast(iw, weight, out_t=w8t, record=False)    # the forward's scale
         if x8t is None:
             x8t = xtb[: N * K].reshape(K, N)

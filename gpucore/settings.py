@@ -52,7 +52,7 @@ class Settings:
     fp8_history: int = 16                 # steps of amax history behind each scale
     fp8_margin: int = 1                   # scales 2^-margin below the history's amax: headroom for growth
     fp8_weights_current: bool = True      # weights scaled from their own amax every step (not delayed)
-    fp8_window: int = 2                   # adaptive scaling: re-cast when the data sits > this many binades low
+    fp8_window: int = 1                   # adaptive scaling: re-cast when the data sits > this many binades low
 
     def replace(self, **changes) -> "Settings":
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

@@ -28,6 +28,7 @@
  *   the last steps' amax.
  */
 #include "common.cuh"
+#include "gelu_math.cuh"
 
 typedef unsigned char u8;
 
@@ -133,6 +134,79 @@ extern "C" __global__ void __launch_bounds__(256) fp8_cast_kernel_e5m2(
         const float* gate,                    // (1,) | null: cast only when *gate != 0
         int R, int C) {
     fp8_cast<E5M2>(out, out_t, amax, in, scale, gate, R, C);
+}
+
+// GELU's backward, fused with the cast of its result (the MLP's fc output gradient in FP8 training):
+// dx = gelu'(x) * dout rounded to bf16 exactly as gelu.cu's gelu_backward_kernel_bf16 writes it, then
+// cast as fp8_cast casts a bf16 matrix -- so out / out_t / amax are the bits of gelu_backward followed
+// by fp8_cast, without writing dx or reading it back. partials (R/64, C) float32, optional: each
+// 64-row tile's column sums of dx (the bf16 values, in row order: deterministic); the Python side adds
+// them over tiles in order (colsum's stage 2) into the fc bias gradient. Same tiles, threads and gate
+// as fp8_cast.
+template <int FMT>
+__device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, float* __restrict__ amax,
+                                  float* __restrict__ partials, const bf16* __restrict__ dout,
+                                  const bf16* __restrict__ x, const float* __restrict__ scale,
+                                  const float* __restrict__ gate, int R, int C) {
+    __shared__ __align__(16) u8 tile[TILE][TILE + 16];
+    __shared__ float colbuf[TILE][TILE + 1];   // +1: the column sums read down a column without conflicts
+    if (gate && *gate == 0.0f) return;         // block-uniform
+    const int t = threadIdx.x;
+    const int r0 = blockIdx.y * TILE, c0 = blockIdx.x * TILE;
+    const float s = *scale;
+    const int col = (t & 7) * 8;
+    u32 m = 0;
+    #pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int row = (t >> 3) + 32 * h;
+        const long long r = r0 + row;
+        u32 d[4] = {0u, 0u, 0u, 0u};           // dx as bf16 pairs; zero past the edges (sums ignore them)
+        if (r < R && c0 + col < C) {
+            const uint4 g = __ldcs(reinterpret_cast<const uint4*>(dout + r * C + c0 + col));
+            const uint4 v = __ldcs(reinterpret_cast<const uint4*>(x + r * C + c0 + col));
+            const u32 gw[4] = {g.x, g.y, g.z, g.w}, vw[4] = {v.x, v.y, v.z, v.w};
+            #pragma unroll
+            for (int i = 0; i < 4; i++)
+                d[i] = pack_bf16x2(gelu_grad_f<false>(__uint_as_float(vw[i] << 16), __uint_as_float(gw[i] << 16)),
+                                   gelu_grad_f<false>(__uint_as_float(vw[i] & 0xffff0000u),
+                                                      __uint_as_float(gw[i] & 0xffff0000u)));
+            const uint2 q = quantize8<FMT>(make_uint4(d[0], d[1], d[2], d[3]), s, m);
+            *reinterpret_cast<uint2*>(&tile[row][col]) = q;
+            if (out) *reinterpret_cast<uint2*>(out + r * C + c0 + col) = q;
+        }
+        if (partials) {
+            #pragma unroll
+            for (int i = 0; i < 4; i++) {
+                colbuf[row][col + 2 * i] = __uint_as_float(d[i] << 16);
+                colbuf[row][col + 2 * i + 1] = __uint_as_float(d[i] & 0xffff0000u);
+            }
+        }
+    }
+    if (out_t || partials) __syncthreads();
+    if (partials && t < TILE && c0 + t < C) {
+        float sum = 0.0f;
+        for (int r = 0; r < TILE; r++) sum = __fadd_rn(sum, colbuf[r][t]);
+        partials[(long long)blockIdx.y * C + c0 + t] = sum;
+    }
+    if (out_t) {
+        const int c = t >> 2, rr = (t & 3) * 16;
+        if (c0 + c < C && r0 + rr < R) {
+            u32 v[4];
+            #pragma unroll
+            for (int k = 0; k < 4; k++)
+                v[k] = (u32)tile[rr + 4 * k][c] | ((u32)tile[rr + 4 * k + 1][c] << 8) |
+                       ((u32)tile[rr + 4 * k + 2][c] << 16) | ((u32)tile[rr + 4 * k + 3][c] << 24);
+            *reinterpret_cast<uint4*>(out_t + (long long)(c0 + c) * R + r0 + rr) = make_uint4(v[0], v[1], v[2], v[3]);
+        }
+    }
+    if (amax) block_amax(amax, m);
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp8_gelu_backward_kernel_e5m2(
+        u8* out, u8* out_t, float* amax, float* partials,   // (R, C) | null, (C, R) | null, (1,) | null, (R/64, C) | null
+        const bf16* dout, const bf16* x,                    // (R, C) x 2: GELU's output gradient and input
+        const float* scale, const float* gate, int R, int C) {
+    fp8_gelu_backward<E5M2>(out, out_t, amax, partials, dout, x, scale, gate, R, C);
 }
 
 // amax only (current scaling: the scale of this very tensor before its cast). Grid-stride over

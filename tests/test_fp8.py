@@ -13,8 +13,9 @@ import pytest
 
 from gpucore import runtime
 from gpucore.dtypes import bfloat16
-from gpucore.ops.fp8 import (FORMATS, Fp8Scaling, fp8_amax, fp8_dequantize, fp8_matmul, fp8_quantize,
-                             fp8_quantize_reference)
+from gpucore.ops.fp8 import (FORMATS, Fp8Scaling, fp8_amax, fp8_dequantize, fp8_gelu_backward,
+                             fp8_gelu_backward_gated, fp8_matmul, fp8_quantize, fp8_quantize_reference)
+from gpucore.ops.gelu import gelu_backward
 from conftest import rel_err, to_cpu
 
 F32 = np.float32
@@ -178,6 +179,45 @@ def test_scaling_adaptive(rng):
         Fp8Scaling(1, ["e4m3"], np, mode="sometimes")
 
 
+def _gelu_case(rng, R, C, xp):
+    dout, x = _bf16(rng, (R, C), 1e-3), _bf16(rng, (R, C), 2.0)
+    dout[0, :2] = np.array([1e9, -1e9]).astype(bfloat16)         # saturates
+    return xp.asarray(dout), xp.asarray(x)
+
+
+def _gelu_fused_and_split(dout, x, scale, xp):
+    """fp8_gelu_backward against gelu_backward + fp8_quantize: (bytes, bytes_t, amax, fp32 dbias) each."""
+    R, C = dout.shape
+    res = []
+    for fused in (True, False):
+        q, qt = xp.full((R, C), 0xAB, np.uint8), xp.full((C, R), 0xAB, np.uint8)
+        amax, dbias = xp.zeros(1, F32), xp.full(C, 0.5, F32)
+        if fused:
+            fp8_gelu_backward(dout, x, scale, out=q, out_t=qt, amax=amax, dbias=dbias)
+        else:
+            dx = gelu_backward(dout, x, dbias=dbias)
+            fp8_quantize(dx, "e5m2", scale, out=q, out_t=qt, amax=amax)
+        res.append(tuple(to_cpu(a) for a in (q, qt, amax, dbias)))
+    return res
+
+
+def test_gelu_backward_fused_reference(rng):
+    """NumPy: the fused GELU backward + E5M2 cast is gelu_backward then fp8_quantize, bit for bit, and
+    its bias sums are gelu_backward's; the gated re-run does nothing on gate 0."""
+    dout, x = _gelu_case(rng, 48, 32, np)
+    scale = np.array([3000.0], F32)
+    (q, qt, am, db), (q2, qt2, am2, db2) = _gelu_fused_and_split(dout, x, scale, np)
+    assert np.array_equal(q, q2) and np.array_equal(qt, qt2) and am[0] == am2[0] and np.array_equal(db, db2)
+    assert q[0, 0] == fp8_quantize_reference(np.array([[57344.0]], F32), "e5m2", 1.0)[0, 0]   # saturated
+    out = np.zeros((48, 32), np.uint8)
+    fp8_gelu_backward_gated(dout, x, scale, np.zeros(1, F32), out=out)
+    assert not out.any()
+    fp8_gelu_backward_gated(dout, x, scale, np.ones(1, F32), out=out)
+    assert np.array_equal(out, q)
+    with pytest.raises(ValueError, match="at least one"):
+        fp8_gelu_backward(dout, x, scale)
+
+
 # ------------------------------------------------------------------ GPU ----
 
 def _need_fp8():
@@ -230,6 +270,28 @@ def test_gpu_amax_and_nan(rng):
     before = s.scale.get().copy()
     s.end_step()
     assert np.array_equal(s.scale.get(), before)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("R,C", [(64, 64), (1040, 784), (4096, 3072)])
+def test_gpu_gelu_backward_fused_bitwise(rng, R, C):
+    """GPU: fp8_gelu_backward's bytes and amax equal gelu_backward + fp8_quantize's bit for bit (the
+    same GELU math, the same rounding to bf16, the same cast); its bias sums (another summation
+    order) agree to float32 rounding; the gated re-run writes only on a nonzero gate."""
+    _need_fp8()
+    cp = runtime.cupy
+    dout, x = _gelu_case(rng, R, C, cp)
+    scale = cp.asarray([3000.0], F32)
+    (q, qt, am, db), (q2, qt2, am2, db2) = _gelu_fused_and_split(dout, x, scale, cp)
+    bad = np.argwhere(q != q2)
+    assert len(bad) == 0, f"{len(bad)} bytes differ, first at {tuple(bad[0])}"
+    assert np.array_equal(qt, qt2) and am[0] == am2[0]
+    assert rel_err(db.astype(np.float64), db2.astype(np.float64)) < 1e-5
+    out = cp.zeros((R, C), np.uint8)
+    fp8_gelu_backward_gated(dout, x, scale, cp.zeros(1, F32), out=out)
+    assert not bool(out.any())
+    fp8_gelu_backward_gated(dout, x, scale, cp.ones(1, F32), out=out)
+    assert np.array_equal(to_cpu(out), q)
 
 
 @pytest.mark.cuda
@@ -431,17 +493,18 @@ def test_train_fp8_errors_are_one_line(shards, tmp_path):
 
 
 @pytest.mark.cuda
-def test_gpu_model_fp8_close_to_bf16_and_deterministic():
+@pytest.mark.parametrize("mode", ["delayed", "adaptive", "current"])
+def test_gpu_model_fp8_close_to_bf16_and_deterministic(mode):
     _need_fp8()
     cp = runtime.cupy
     cfg = GPT2Config.from_preset("tiny")
     x, y = _tokens(cfg, 4, 64)
     l16, g16, _ = _model_grads(cfg, cp, x, y, None)
-    l8, g8, _ = _model_grads(cfg, cp, x, y, "delayed")
-    l8b, g8b, _ = _model_grads(cfg, cp, x, y, "delayed")
+    l8, g8, _ = _model_grads(cfg, cp, x, y, mode)
+    l8b, g8b, _ = _model_grads(cfg, cp, x, y, mode)
     assert abs(l8 - l16) < 1e-2 * l16
     assert np.isfinite(g8).all() and rel_err(g8, g16) < 0.15
     assert l8 == l8b and g8.tobytes() == g8b.tobytes()
     # the NumPy references agree with the GPU's FP8 path (the same casts; GEMM rounding apart)
-    l8n, g8n, _ = _model_grads(cfg, np, x, y, "delayed")
+    l8n, g8n, _ = _model_grads(cfg, np, x, y, mode)
     assert abs(l8 - l8n) < 2e-3 * l8n and rel_err(g8, g8n) < 5e-2

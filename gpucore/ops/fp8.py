@@ -2,6 +2,7 @@
 
     fp8_quantize(x, fmt, scale, out=, out_t=, amax=)   uint8 FP8 bytes of x * scale (and/or transposed)
     fp8_requantize_gated(x, fmt, scale, gate, ...)       the same when the device flag gate != 0
+    fp8_gelu_backward(dout, x, scale, out=, out_t=, ...)  E5M2 bytes of gelu_backward's dx, fused (+ dbias)
     fp8_amax(x, amax)                                    amax = max(amax, max |x|)
     fp8_dequantize(q, fmt, scale_inv)                    float32 q * scale_inv (the reference's view)
     fp8_matmul(a8, b8, a_fmt, b_fmt, a_si, b_si, ...)    bf16 (a @ b^T) * a_si * b_si [+ bias] [+=]
@@ -31,7 +32,8 @@ import numpy as np
 from .. import cublas, dtypes, runtime
 from .. import profiler
 from ._common import check_array
-from .gelu import gelu, gelu_reference
+from .colsum import reduce_partials
+from .gelu import MAX_GRID_Y, gelu, gelu_backward_reference, gelu_reference
 
 FORMATS = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
 TILE = 64                     # fp8_cast_kernel: 64 x 64 tiles, 256 threads
@@ -109,10 +111,9 @@ def fp8_requantize_gated(x, fmt: str, scale, gate, *, out=None, out_t=None):
     return _quantize(x, fmt, scale, out, out_t, None, gate)
 
 
-def _quantize(x, fmt, scale, out, out_t, amax, gate):
+def _quantize_checks(x, fmt, scale, out, out_t, amax, gate, xp, xname="x"):
+    """The cast's argument checks (x (R, C) bf16 already checked), and on the GPU its layout rules."""
     _fmt(fmt)
-    check_array("x", x, dtype=dtypes.bfloat16, ndim=2)
-    xp = runtime.array_module(x, scale, out, out_t, amax, gate)
     _check_scalar("scale", scale, xp)
     if amax is not None:
         _check_scalar("amax", amax, xp)
@@ -127,6 +128,20 @@ def _quantize(x, fmt, scale, out, out_t, amax, gate):
             if (xp is np) != isinstance(o, np.ndarray):
                 raise TypeError(f"{name}: must live on the same device as x")
     if xp is np:
+        return
+    if R % 16 or C % 16:
+        raise ValueError(f"{xname}: FP8 casts on the GPU need rows and columns that are multiples of 16, got {R} x {C}")
+    for name, a in ((xname, x), ("out", out), ("out_t", out_t)):
+        if a is not None and a.data.ptr % 16:
+            raise ValueError(f"{name}: must be 16-byte aligned")
+
+
+def _quantize(x, fmt, scale, out, out_t, amax, gate):
+    check_array("x", x, dtype=dtypes.bfloat16, ndim=2)
+    xp = runtime.array_module(x, scale, out, out_t, amax, gate)
+    _quantize_checks(x, fmt, scale, out, out_t, amax, gate, xp)
+    R, C = x.shape
+    if xp is np:
         if gate is not None and float(gate[0]) == 0.0:
             return out, out_t
         q = fp8_quantize_reference(x, fmt, _host_scalar(scale))
@@ -138,11 +153,6 @@ def _quantize(x, fmt, scale, out, out_t, amax, gate):
             m = np.abs(np.asarray(x, dtype=np.float32)).max()
             amax[...] = m if np.isnan(m) else max(float(amax[0]), float(m))
         return out, out_t
-    if R % 16 or C % 16:
-        raise ValueError(f"x: FP8 casts on the GPU need rows and columns that are multiples of 16, got {R} x {C}")
-    for name, a in (("x", x), ("out", out), ("out_t", out_t)):
-        if a is not None and a.data.ptr % 16:
-            raise ValueError(f"{name}: must be 16-byte aligned")
     if x.size == 0:
         return out, out_t
     kernel = runtime.get_kernel("fp8", f"fp8_cast_kernel_{fmt}")
@@ -150,6 +160,66 @@ def _quantize(x, fmt, scale, out, out_t, amax, gate):
     runtime.launch(kernel, (-(-C // TILE), -(-R // TILE)), 256,
                    (null if out is None else out, null if out_t is None else out_t, null if amax is None else amax,
                     x, scale, null if gate is None else gate, np.int32(R), np.int32(C)))
+    return out, out_t
+
+
+@profiler.profiled("fp8 gelu backward", nbytes=profiler.io_bytes)
+def fp8_gelu_backward(dout, x, scale, *, out=None, out_t=None, amax=None, dbias=None):
+    """E5M2 bytes of dx * scale, dx = gelu'(x) * dout in bf16 (gelu_backward's dx, never stored):
+    the same bits as gelu_backward followed by fp8_quantize(dx, "e5m2", scale, ...), in one pass.
+
+    dout, x (R, C) bfloat16 (GELU's output gradient and its input); out (R, C) / out_t (C, R) uint8,
+    at least one; amax (1,) float32, optional: max(amax, max |dx|); dbias (C,) bfloat16 or float32,
+    optional: dbias += the column sums of dx (float32 on the GPU, in a fixed order; float64 in the
+    reference). Returns (out, out_t).
+    """
+    return _gelu_backward(dout, x, scale, out, out_t, amax, dbias, None)
+
+
+@profiler.profiled("fp8 gelu backward (gated re-run)")
+def fp8_gelu_backward_gated(dout, x, scale, gate, *, out=None, out_t=None):
+    """fp8_gelu_backward(dout, x, scale, out=, out_t=) when gate (1,) != 0 on the device (adaptive
+    scaling's re-cast: dout is still intact, since dx was never written)."""
+    return _gelu_backward(dout, x, scale, out, out_t, None, None, gate)
+
+
+def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate):
+    check_array("dout", dout, dtype=dtypes.bfloat16, ndim=2)
+    check_array("x", x, dtype=dtypes.bfloat16, shape=dout.shape)
+    xp = runtime.array_module(dout, x, scale, out, out_t, amax, dbias, gate)
+    R, C = dout.shape
+    if dbias is not None:
+        check_array("dbias", dbias, shape=(C,))
+        if dbias.dtype not in (dtypes.bfloat16, np.dtype(np.float32)):
+            raise TypeError(f"dbias: must be bfloat16 or float32, got {dtypes.name(dbias.dtype)}")
+        if (xp is np) != isinstance(dbias, np.ndarray):
+            raise TypeError("dbias: must live on the same device as dout")
+    if xp is np:
+        if gate is not None:
+            _check_scalar("gate", gate, xp)
+            if float(gate[0]) == 0.0:
+                return out, out_t
+        dx = gelu_backward_reference(dout, x).astype(dtypes.bfloat16)
+        _quantize(dx, "e5m2", scale, out, out_t, amax, None)
+        if dbias is not None and C:
+            dbias[...] = (dbias.astype(np.float64) + dx.astype(np.float64).sum(axis=0)).astype(dbias.dtype)
+        return out, out_t
+    _quantize_checks(dout, "e5m2", scale, out, out_t, amax, gate, xp, xname="dout")
+    if x.data.ptr % 16:
+        raise ValueError("x: must be 16-byte aligned")
+    tiles = -(-R // TILE)
+    if tiles > MAX_GRID_Y:
+        raise ValueError(f"dout: at most {MAX_GRID_Y * TILE} rows, got {R}")
+    if dout.size == 0:
+        return out, out_t
+    partials = xp.empty((tiles, C), np.float32) if dbias is not None else None
+    null = np.uint64(0)
+    runtime.launch(runtime.get_kernel("fp8", "fp8_gelu_backward_kernel_e5m2"), (-(-C // TILE), tiles), 256,
+                   (null if out is None else out, null if out_t is None else out_t, null if amax is None else amax,
+                    null if partials is None else partials, dout, x, scale, null if gate is None else gate,
+                    np.int32(R), np.int32(C)))
+    if dbias is not None:
+        reduce_partials(dbias, partials)
     return out, out_t
 
 
@@ -194,7 +264,7 @@ class Fp8Scaling:
     """
 
     def __init__(self, n: int, formats, xp, *, mode: str = "delayed", history: int = 16, margin: int = 0,
-                 window: int = 2):
+                 window: int = 1):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
         if len(formats) != n:
@@ -234,14 +304,30 @@ class Fp8Scaling:
         scale, _, amax = self.tensor(i)
         if not record:
             return fp8_quantize(x, fmt, scale, out=out, out_t=out_t)
-        if self.mode == "adaptive" and not current:
-            self.started[i] = True
-            cast_amax, gate = self._slots[3, i, :1], self._slots[3, i, 1:2]
-            fp8_quantize(x, fmt, scale, out=out, out_t=out_t, amax=cast_amax)
-            self._guard(i, cast_amax, gate)
-            return fp8_requantize_gated(x, fmt, scale, gate, out=out, out_t=out_t)
+        if self.can_produce(i) and not current:
+            return self.produce(i, lambda sc, am: fp8_quantize(x, fmt, sc, out=out, out_t=out_t, amax=am),
+                                lambda sc, gate: fp8_requantize_gated(x, fmt, sc, gate, out=out, out_t=out_t))
         self.prepare(i, x, current=current)
         return fp8_quantize(x, fmt, scale, out=out, out_t=out_t, amax=amax)
+
+    def can_produce(self, i: int) -> bool:
+        """Can tensor i be cast by the kernel that makes it (produce), with no bf16 copy to measure
+        first? Adaptive: always; delayed: once it has a history; current: never."""
+        return self.mode == "adaptive" or (self.mode == "delayed" and bool(self.started[i]))
+
+    def produce(self, i: int, first, again):
+        """Tensor i cast by its producer: first(scale, amax) launches the kernel that writes the FP8
+        bytes with `scale` and takes the amax into `amax`; adaptive mode then checks that amax on the
+        device and calls again(scale, gate), the same kernel gated on `gate` (a no-op unless the
+        scale had to change). Needs can_produce(i)."""
+        scale, _, amax = self.tensor(i)
+        self.started[i] = True
+        if self.mode == "delayed":
+            return first(scale, amax)
+        cast_amax, gate = self._slots[3, i, :1], self._slots[3, i, 1:2]
+        first(scale, cast_amax)
+        self._guard(i, cast_amax, gate)
+        return again(scale, gate)
 
     def _guard(self, i, cast_amax, gate):
         """fp8_guard_kernel for tensor i (the NumPy branch is its reference)."""
