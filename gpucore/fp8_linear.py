@@ -29,6 +29,7 @@ from . import settings
 from .ops.colsum import colsum
 from .ops.fp8 import Fp8Scaling, fp8_gelu_backward, fp8_gelu_backward_gated, fp8_matmul
 from .ops.gelu import gelu_backward
+from .ops.layernorm import fp8_forward_fits, layernorm_forward_fp8
 
 QKV, ATTPROJ, FC, FCPROJ = range(4)
 _X, _W, _G = range(3)
@@ -112,16 +113,29 @@ class Fp8Linears:
     def _slot(self, l, j, t):
         return 12 * l + 3 * j + t
 
-    def forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None, x8t=None):
+    def forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None, x8t=None, ln=None):
         """out2d (N, M) = x2d (N, K) @ weight (M, K)^T + bias in FP8; gelu_out2d: also its GELU.
         x8t (K, N) uint8, optional: the same cast pass also writes x's transposed FP8 copy there,
-        which the backward's weight gradient then reads instead of casting x again."""
-        N, K = x2d.shape
-        M = weight.shape[0]
+        which the backward's weight gradient then reads instead of casting x again.
+        ln (ops.layernorm.LayerNormCall), instead of x2d: x is that layernorm's output; when the
+        scaling allows, the layernorm kernel writes x's FP8 bytes itself (its bf16 output is never
+        written), else it runs in bf16 and x is cast."""
+        N, M, K = out2d.shape[0], weight.shape[0], weight.shape[1]
         x8b, _, _, _, w8b, _ = self._buffers(N)
         x8, w8 = x8b[: N * K].reshape(N, K), w8b[: M * K].reshape(M, K)
         sc, ix, iw = self.scaling, self._slot(l, j, _X), self._slot(l, j, _W)
-        sc.cast(ix, x2d, out=x8, out_t=x8t)
+        if ln is not None and sc.can_produce(ix) and fp8_forward_fits(K):
+            again_x = ln.x if ln.b is None else ln.residual     # the re-run normalises what the first wrote
+            sc.produce(ix, lambda s, am: layernorm_forward_fp8(
+                           ln.x, ln.weight, ln.bias, s, b=ln.b, residual=ln.residual, out8=x8, out8_t=x8t,
+                           amax=am, mean=ln.mean, rstd=ln.rstd),
+                       lambda s, gate: layernorm_forward_fp8(
+                           again_x, ln.weight, ln.bias, s, out8=x8, out8_t=x8t, mean=ln.mean, rstd=ln.rstd,
+                           gate=gate))
+        else:
+            if ln is not None:
+                x2d = ln.run().reshape(N, K)
+            sc.cast(ix, x2d, out=x8, out_t=x8t)
         sc.cast(iw, weight, out=w8, current=self.weights_current)
         fp8_matmul(x8, w8, "e4m3", "e4m3", sc.tensor(ix)[1], sc.tensor(iw)[1], out=out2d, bias=bias,
                    fast_accum=True, gelu_out=gelu_out2d)

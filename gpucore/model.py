@@ -47,7 +47,7 @@ from .ops.attention import attention_backward, attention_forward
 from .ops.classifier import fused_classifier
 from .ops.encoder import encoder_backward, encoder_backward_plan, encoder_forward
 from .ops.gelu import gelu, gelu_backward
-from .ops.layernorm import fused_residual_layernorm_forward, layernorm_backward, layernorm_forward
+from .ops.layernorm import LayerNormCall, fused_residual_layernorm_forward, layernorm_backward
 from .ops.matmul import matmul_backward, matmul_forward
 from .ops.reduce import reduce_sum as _sum
 from .fp8_linear import ATTPROJ, FC, FCPROJ, QKV, Fp8Linears, kept_x8t
@@ -465,22 +465,25 @@ class GPT2:
                               if for_backward and xp is not np else None)
         ln1, ln2 = self._ln_out(a.ln1), self._ln_out(a.ln2)      # per layer, or one scratch (FP8)
         keep_x8t = self.fp8 is not None and for_backward        # the FP8 backward reads x8t, not x
-        layernorm_forward(a.encoded, p.ln1w[0], p.ln1b[0], out=ln1(0), mean=a.ln1_mean[0], rstd=a.ln1_rstd[0])
+        # ln1 of layer 0; later ones are fused with the previous layer's second residual add. Each runs
+        # in the linear that consumes it (_ln_linear: with FP8 the layernorm may write FP8 itself).
+        ln1_call = LayerNormCall(_2d(a.encoded), None, p.ln1w[0], p.ln1b[0], None, _2d(ln1(0)),
+                                 a.ln1_mean[0].reshape(-1), a.ln1_rstd[0].reshape(-1))
         for l in range(L):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
             x8t = (lambda j: self._kept_x8t(l, j, B * T)) if keep_x8t else (lambda j: None)
-            lin(l, QKV, _2d(ln1(l)), p.qkvw[l], p.qkvb[l], _2d(a.qkv[l]), x8t=x8t(QKV))
+            self._ln_linear(l, QKV, ln1_call, p.qkvw[l], p.qkvb[l], _2d(a.qkv[l]), x8t=x8t(QKV))
             attention_forward(a.qkv[l], NH, out=a.atty[l], lse=a.att_lse[l])
             lin(l, ATTPROJ, _2d(a.atty[l]), p.attprojw[l], p.attprojb[l], _2d(a.proj), x8t=x8t(ATTPROJ))
-            fused_residual_layernorm_forward(residual, a.proj, p.ln2w[l], p.ln2b[l], residual=a.residual2[l],
-                                             out=ln2(l), mean=a.ln2_mean[l], rstd=a.ln2_rstd[l])
+            ln2_call = LayerNormCall(_2d(residual), _2d(a.proj), p.ln2w[l], p.ln2b[l], _2d(a.residual2[l]),
+                                     _2d(ln2(l)), a.ln2_mean[l].reshape(-1), a.ln2_rstd[l].reshape(-1))
             fch_gelu = a.fch_gelu[l] if a.fch_gelu.ndim == 4 else a.fch_gelu
-            lin(l, FC, _2d(ln2(l)), p.fcw[l], p.fcb[l], _2d(a.fch[l]), _2d(fch_gelu), x8t=x8t(FC))
+            self._ln_linear(l, FC, ln2_call, p.fcw[l], p.fcb[l], _2d(a.fch[l]), _2d(fch_gelu), x8t=x8t(FC))
             lin(l, FCPROJ, _2d(fch_gelu), p.fcprojw[l], p.fcprojb[l], _2d(a.proj), x8t=x8t(FCPROJ))
             if l + 1 < L:   # the next layer's ln1, fused with this layer's second residual add
-                fused_residual_layernorm_forward(a.residual2[l], a.proj, p.ln1w[l + 1], p.ln1b[l + 1],
-                                                 residual=a.residual3[l], out=ln1(l + 1),
-                                                 mean=a.ln1_mean[l + 1], rstd=a.ln1_rstd[l + 1])
+                ln1_call = LayerNormCall(_2d(a.residual2[l]), _2d(a.proj), p.ln1w[l + 1], p.ln1b[l + 1],
+                                         _2d(a.residual3[l]), _2d(ln1(l + 1)), a.ln1_mean[l + 1].reshape(-1),
+                                         a.ln1_rstd[l + 1].reshape(-1))
             else:
                 fused_residual_layernorm_forward(a.residual2[l], a.proj, p.lnfw, p.lnfb,
                                                  residual=a.residual3[l], out=a.lnf,
@@ -527,6 +530,14 @@ class GPT2:
         if self.fp8 is not None:
             return self.fp8.forward(l, j, x2d, weight, bias, out2d, gelu_out2d, x8t=x8t)
         return matmul_forward(x2d, weight, bias, out=out2d, gelu_out=gelu_out2d)
+
+    def _ln_linear(self, l, j, ln, weight, bias, out2d, gelu_out2d=None, x8t=None):
+        """Linear j of layer l on the output of the layernorm call `ln` (LayerNormCall): the layernorm,
+        then the linear; with FP8 linears both happen in Fp8Linears.forward (which may have the
+        layernorm write FP8 bytes instead of its bf16 output)."""
+        if self.fp8 is not None:
+            return self.fp8.forward(l, j, None, weight, bias, out2d, gelu_out2d, x8t=x8t, ln=ln)
+        return matmul_forward(ln.run(), weight, bias, out=out2d, gelu_out=gelu_out2d)
 
     def _linear_backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias):
         """Its backward: dx2d = [, dweight +=, dbias += (when not None)]. FP8: x from the kept x8t

@@ -50,6 +50,7 @@
  *      its dx column sum is the launcher's job (matmul's column-sum kernels).
  */
 #include "common.cuh"
+#include "fp8_cast.cuh"
 
 #define WARPS 4             // rows (forward) / warps (backward) per block: blockDim.x == 128
 #define REDUCE_WARPS 8      // stage 2: blockDim.x == 256, 32 columns per block
@@ -137,15 +138,15 @@ __device__ void layernorm_backward_dwdb_v1(float* scratch, const T* dout, const 
 
 // ------------------------------------------------------------------ v2 -------
 
+// v2's row: loads row `off` (a, or with FUSED residual = round(a + b), written back), leaves its
+// values in v and returns its mean m and rstd rs. Shared by the bf16/fp32 forward and the FP8 one,
+// so both normalise with the same bits.
 template <typename T, int N, bool FUSED>
-__device__ void layernorm_forward_v2(T* residual, T* out, float* mean, float* rstd,   // (rows,C) (rows,C) (rows,) (rows,)
-                                     const T* a, const T* b, const T* weight, const T* bias,   // (rows,C) x2 (C,) (C,)
-                                     int rows, int C, float eps) {
+__device__ __forceinline__ void layernorm_row_v2(float (&v)[N][Pack16<T>::size], float& m, float& rs,
+                                                 T* residual, const T* a, const T* b, size_t off,
+                                                 int lane, int C, float eps) {
     constexpr int P = Pack16<T>::size;
-    const int row = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= rows) return;
     const int nP = C / P;
-    const size_t off = (size_t)row * C;
     // Issue every load of the row before using any of it.
     Pack16<T> pa[N], pb[N];
     #pragma unroll
@@ -156,7 +157,6 @@ __device__ void layernorm_forward_v2(T* residual, T* out, float* mean, float* rs
             if (FUSED) pb[j] = load16_cs(b + off + i * P);
         }
     }
-    float v[N][P];
     float s = 0.0f;
     #pragma unroll
     for (int j = 0; j < N; j++) {
@@ -176,7 +176,7 @@ __device__ void layernorm_forward_v2(T* residual, T* out, float* mean, float* rs
             }
         }
     }
-    const float m = warp_sum(s) / C;
+    m = warp_sum(s) / C;
     float q = 0.0f;
     #pragma unroll
     for (int j = 0; j < N; j++)
@@ -187,24 +187,102 @@ __device__ void layernorm_forward_v2(T* residual, T* out, float* mean, float* rs
                 q += d * d;
             }
         }
-    const float rs = rsqrtf(warp_sum(q) / C + eps);
+    rs = rsqrtf(warp_sum(q) / C + eps);
+}
+
+// Pack j of the normalised row, as stored: (v - m) * rs * weight + bias rounded to T.
+template <typename T, int N>
+__device__ __forceinline__ Pack16<T> layernorm_out_pack(const float (&v)[N][Pack16<T>::size], int j, int i,
+                                                        float m, float rs, const T* weight, const T* bias) {
+    constexpr int P = Pack16<T>::size;
+    // weight and bias are shared by every row: L1/L2 hits after the first warps.
+    const Pack16<T> w = load16(weight + i * P), bb = load16(bias + i * P);
+    Pack16<T> o;
+    #pragma unroll
+    for (int k = 0; k < P; k++)
+        o.v[k] = from_float<T>((v[j][k] - m) * rs * to_float(w.v[k]) + to_float(bb.v[k]));
+    return o;
+}
+
+template <typename T, int N, bool FUSED>
+__device__ void layernorm_forward_v2(T* residual, T* out, float* mean, float* rstd,   // (rows,C) (rows,C) (rows,) (rows,)
+                                     const T* a, const T* b, const T* weight, const T* bias,   // (rows,C) x2 (C,) (C,)
+                                     int rows, int C, float eps) {
+    constexpr int P = Pack16<T>::size;
+    const int row = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const int nP = C / P;
+    const size_t off = (size_t)row * C;
+    float v[N][P], m, rs;
+    layernorm_row_v2<T, N, FUSED>(v, m, rs, residual, a, b, off, lane, C, eps);
     #pragma unroll
     for (int j = 0; j < N; j++) {
         const int i = j * 32 + lane;
-        if (i < nP) {
-            // weight and bias are shared by every row: L1/L2 hits after the first warps.
-            const Pack16<T> w = load16(weight + i * P), bb = load16(bias + i * P);
-            Pack16<T> o;
-            #pragma unroll
-            for (int k = 0; k < P; k++)
-                o.v[k] = from_float<T>((v[j][k] - m) * rs * to_float(w.v[k]) + to_float(bb.v[k]));
-            store16(out + off + i * P, o);
-        }
+        if (i < nP) store16(out + off + i * P, layernorm_out_pack<T, N>(v, j, i, m, rs, weight, bias));
     }
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = rs;
     }
+}
+
+// ---------------------------------------------------------- FP8 forward ------
+// The v2 forward (bf16) whose output goes straight to E4M3 for an FP8 matmul (--dtype fp8): out8 (rows, C)
+// and out8_t (C, rows) hold the bytes fp8_cast would make of the bf16 output -- the same row math
+// (layernorm_row_v2, layernorm_out_pack), the same rounding to bf16, the same cast (fp8_cast.cuh) --
+// and the bf16 output itself is never written. amax: the output's max |x| (bf16 bit max, atomicMax).
+// Block = 64 rows (8 warps x 8 rows, one row at a time per warp); the row's bytes also go to a
+// shared tile (64 x (C + 16) bytes, dynamic) from which out8_t is written as 16-row columns.
+// gate: the kernel runs only when *gate != 0 (adaptive scaling's re-run; the Python side re-runs
+// the plain variant over the residual the first run wrote). rows % 16 == 0 (the FP8 GEMM's rule).
+#define FP8_LN_ROWS 64
+template <int N, bool FUSED>
+__device__ void layernorm_forward_fp8(bf16* residual, u8* out8, u8* out8_t, float* amax, float* mean, float* rstd,
+                                      const bf16* a, const bf16* b, const bf16* weight, const bf16* bias,
+                                      const float* scale, const float* gate, int rows, int C, float eps) {
+    extern __shared__ __align__(16) u8 fp8_ln_tile[];
+    if (gate && *gate == 0.0f) return;         // block-uniform
+    constexpr int P = Pack16<bf16>::size;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int r0 = blockIdx.x * FP8_LN_ROWS, pitch = C + 16, nP = C / P;
+    const float s = *scale;
+    u32 mb = 0;
+    for (int rr = 0; rr < FP8_LN_ROWS / 8; rr++) {
+        const int lr = warp * (FP8_LN_ROWS / 8) + rr, row = r0 + lr;
+        if (row >= rows) break;                // warp-uniform
+        const size_t off = (size_t)row * C;
+        float v[N][P], m, rs;
+        layernorm_row_v2<bf16, N, FUSED>(v, m, rs, residual, a, b, off, lane, C, eps);
+        #pragma unroll
+        for (int j = 0; j < N; j++) {
+            const int i = j * 32 + lane;
+            if (i < nP) {
+                const Pack16<bf16> o = layernorm_out_pack<bf16, N>(v, j, i, m, rs, weight, bias);
+                const uint2 q = quantize8<E4M3>(*reinterpret_cast<const uint4*>(&o), s, mb);
+                *reinterpret_cast<uint2*>(fp8_ln_tile + lr * pitch + i * P) = q;
+                if (out8) *reinterpret_cast<uint2*>(out8 + off + i * P) = q;
+            }
+        }
+        if (lane == 0) {
+            mean[row] = m;
+            rstd[row] = rs;
+        }
+    }
+    __syncthreads();
+    if (out8_t) {
+        for (int idx = threadIdx.x; idx < 4 * C; idx += blockDim.x) {
+            const int c = idx >> 2, r16 = (idx & 3) * 16;
+            if (r0 + r16 >= rows) continue;    // rows % 16 == 0: all 16 in or all out
+            u32 w4[4];
+            #pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const u8* t = fp8_ln_tile + (r16 + 4 * k) * pitch + c;
+                w4[k] = (u32)t[0] | ((u32)t[pitch] << 8) | ((u32)t[2 * pitch] << 16) | ((u32)t[3 * pitch] << 24);
+            }
+            *reinterpret_cast<uint4*>(out8_t + (size_t)c * rows + r0 + r16) = make_uint4(w4[0], w4[1], w4[2], w4[3]);
+        }
+    }
+    if (amax) block_amax(amax, mb);
 }
 
 // Stage 1 of the backward, fused: dx += ... for every row, and this block's
@@ -448,3 +526,20 @@ LN_REDUCE_COLSUM(float, float, f32_f32)
 LN_REDUCE_COLSUM(float, bf16, f32_bf16)
 LN_REDUCE_COLSUM(bf16, float, bf16_f32)
 LN_REDUCE_COLSUM(bf16, bf16, bf16_bf16)
+
+// The FP8 forward (bf16 in, E4M3 out): layernorm_forward_fp8_kernel_n<N>, layernorm_residual_forward_fp8_kernel_n<N>.
+#define LN_FP8(N)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256) layernorm_forward_fp8_kernel_n##N(                   \
+        u8* out8, u8* out8_t, float* amax, float* mean, float* rstd, const bf16* x, const bf16* weight,     \
+        const bf16* bias, const float* scale, const float* gate, int rows, int C, float eps) {              \
+        layernorm_forward_fp8<N, false>(nullptr, out8, out8_t, amax, mean, rstd, x, nullptr, weight, bias,  \
+                                        scale, gate, rows, C, eps);                                        \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) layernorm_residual_forward_fp8_kernel_n##N(          \
+        bf16* residual, u8* out8, u8* out8_t, float* amax, float* mean, float* rstd, const bf16* a,         \
+        const bf16* b, const bf16* weight, const bf16* bias, const float* scale, const float* gate,         \
+        int rows, int C, float eps) {                                                                       \
+        layernorm_forward_fp8<N, true>(residual, out8, out8_t, amax, mean, rstd, a, b, weight, bias,        \
+                                       scale, gate, rows, C, eps);                                         \
+    }
+LN_FP8(1) LN_FP8(2) LN_FP8(3) LN_FP8(4) LN_FP8(5) LN_FP8(6) LN_FP8(7) LN_FP8(8)

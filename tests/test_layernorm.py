@@ -484,3 +484,82 @@ def test_gpu_colsum_kernels_keep_the_plain_occupancy(dtype):
         assert a_c["local_bytes"] == 0, f"N={N} {suf}: colsum kernel spills: {a_c}"
         assert ln._resident_blocks(colsum, ln.BLOCK) >= ln._resident_blocks(plain, ln.BLOCK), (
             f"N={N} {suf}: colsum kernel {a_c} vs plain {a_p}")
+
+
+# ------------------------------------------------- FP8 forward (--dtype fp8) ---
+
+from gpucore.ops.fp8 import fp8_quantize                               # noqa: E402
+from gpucore.ops.layernorm import (fused_residual_layernorm_forward, layernorm_forward,   # noqa: E402
+                                   layernorm_forward_fp8)
+
+
+def _fp8_ln_both(xp, x, b, w, bias, scale):
+    """layernorm_forward_fp8 against the bf16 layernorm then fp8_quantize: the results of both as host
+    arrays (out8, out8_t, amax, mean, rstd, residual)."""
+    R, C = x.shape
+    res = []
+    for fused in (True, False):
+        o8, o8t = xp.full((R, C), 0xAB, np.uint8), xp.full((C, R), 0xAB, np.uint8)
+        amax, mean, rstd = xp.zeros(1, np.float32), xp.zeros(R, np.float32), xp.zeros(R, np.float32)
+        resid = xp.zeros((R, C), x.dtype) if b is not None else None
+        if fused:
+            layernorm_forward_fp8(x, w, bias, scale, b=b, residual=resid, out8=o8, out8_t=o8t, amax=amax,
+                                  mean=mean, rstd=rstd)
+        else:
+            if b is None:
+                out = layernorm_forward(x, w, bias, mean=mean, rstd=rstd)[0]
+            else:
+                out = fused_residual_layernorm_forward(x, b, w, bias, residual=resid, mean=mean, rstd=rstd)[1]
+            fp8_quantize(out, "e4m3", scale, out=o8, out_t=o8t, amax=amax)
+        res.append([to_cpu(a) for a in (o8, o8t, amax, mean, rstd)] + ([to_cpu(resid)] if b is not None else []))
+    return res
+
+
+def _fp8_ln_inputs(rng, xp, R, C):
+    x = (rng.standard_normal((R, C)) * 3 + 1).astype(gpucore.bfloat16)
+    b = rng.standard_normal((R, C)).astype(gpucore.bfloat16)
+    w, bias = _params(rng, C, gpucore.bfloat16)
+    return [xp.asarray(a) for a in (x, b, w, bias)]
+
+
+@pytest.mark.parametrize("fused_residual", [False, True])
+def test_fp8_forward_reference_is_layernorm_then_cast(rng, fused_residual):
+    """NumPy: the FP8 forward is the bf16 layernorm then fp8_quantize, bit for bit; gate 0 writes nothing."""
+    x, b, w, bias = _fp8_ln_inputs(rng, np, 48, 32)
+    scale = np.array([40.0], np.float32)
+    got, want = _fp8_ln_both(np, x, b if fused_residual else None, w, bias, scale)
+    for g, wnt in zip(got, want):
+        assert np.array_equal(g, wnt)
+    o8 = np.zeros((48, 32), np.uint8)
+    layernorm_forward_fp8(x, w, bias, scale, out8=o8, gate=np.zeros(1, np.float32))
+    assert not o8.any()
+    with pytest.raises(ValueError, match="at least one"):
+        layernorm_forward_fp8(x, w, bias, scale)
+    with pytest.raises(TypeError, match="bfloat16"):
+        layernorm_forward_fp8(x.astype(np.float32), w.astype(np.float32), bias.astype(np.float32), scale, out8=o8)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fused_residual", [False, True])
+@pytest.mark.parametrize("R,C", [(64, 768), (80, 64), (1040, 1600), (4096, 768), (128, 2048)])
+def test_gpu_fp8_forward_bitwise(rng, fused_residual, R, C):
+    """GPU: the FP8 forward's bytes (both orientations), amax, mean, rstd and residual equal the v2
+    layernorm followed by fp8_quantize bit for bit (the same row math; tiles of 64 rows, partial at
+    80 and 1040 rows); the gated re-run writes only on a nonzero gate."""
+    from gpucore.ops.fp8 import fp8_supported
+    ok, why = fp8_supported()
+    assert ok, why                  # the cuda marker says there is a GPU; our test GPUs are Hopper
+    cp = runtime.cupy
+    x, b, w, bias = _fp8_ln_inputs(rng, cp, R, C)
+    scale = cp.asarray([40.0], np.float32)
+    got, want = _fp8_ln_both(cp, x, b if fused_residual else None, w, bias, scale)
+    names = ["out8", "out8_t", "amax", "mean", "rstd", "residual"]
+    for name, g, wnt in zip(names, got, want):
+        bad = np.argwhere(g != wnt)
+        assert len(bad) == 0, f"{name}: {len(bad)} differ, first at {tuple(bad[0])}"
+    o8 = cp.zeros((R, C), np.uint8)
+    layernorm_forward_fp8(x, w, bias, scale, out8=o8, gate=cp.zeros(1, np.float32))
+    assert not bool(o8.any())
+    if not fused_residual:
+        layernorm_forward_fp8(x, w, bias, scale, out8=o8, gate=cp.ones(1, np.float32))
+        assert np.array_equal(to_cpu(o8), got[0])

@@ -31,6 +31,8 @@ column sum (colsum.colsum) over the finished dx.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .. import dtypes, runtime
@@ -195,6 +197,90 @@ def fused_residual_layernorm_forward(a, b, weight, bias, eps=1e-5, residual=None
     runtime.launch(runtime.get_kernel("layernorm", name), -(-rows // WARPS), BLOCK,
                    (residual, out, mean, rstd, a, b, weight, bias, np.int32(rows), np.int32(C), eps))
     return residual, out, mean, rstd
+
+
+# ------------------------------------------------------- FP8 forward ---
+
+FP8_ROWS = 64             # rows per block of the FP8 forward (FP8_LN_ROWS in layernorm.cu)
+
+
+class LayerNormCall(NamedTuple):
+    """One forward call's arrays: out, mean, rstd = layernorm(x) -- or, with b, of residual = x + b
+    (fused_residual_layernorm_forward, residual written). `run()` makes it in bf16/fp32; FP8 training
+    can make FP8 bytes of `out` instead (layernorm_forward_fp8) and never write out."""
+    x: object
+    b: object
+    weight: object
+    bias: object
+    residual: object
+    out: object
+    mean: object
+    rstd: object
+
+    def run(self):
+        if self.b is None:
+            return layernorm_forward(self.x, self.weight, self.bias, out=self.out, mean=self.mean, rstd=self.rstd)[0]
+        return fused_residual_layernorm_forward(self.x, self.b, self.weight, self.bias, residual=self.residual,
+                                                out=self.out, mean=self.mean, rstd=self.rstd)[1]
+
+
+def fp8_forward_fits(C: int) -> bool:
+    """Can layernorm_forward_fp8 take rows of C bf16 values (v2's rule)?"""
+    return C % 8 == 0 and C // 8 <= 32 * V2_N[-1]
+
+
+@profiler.profiled("layernorm forward (fp8 out)", nbytes=profiler.io_bytes)
+def layernorm_forward_fp8(x, weight, bias, scale, *, b=None, residual=None, out8=None, out8_t=None, amax=None,
+                          mean=None, rstd=None, gate=None, eps=1e-5):
+    """E4M3 bytes of layernorm(x) * scale -- of residual = x + b with b (residual written) -- as
+    layernorm_forward / fused_residual_layernorm_forward's bf16 output then fp8_quantize(out, "e4m3",
+    scale) would make them, in one pass that never writes the bf16 output.
+
+    x, b (R, C) bfloat16; out8 (R, C) and/or out8_t (C, R) uint8; amax (1,) float32, optional:
+    max(amax, max |out|); mean, rstd (R,) float32 (written, as layernorm_forward's); gate (1,)
+    float32, optional: run only when gate != 0 (on the device). GPU: R % 16 == 0, C % 8 == 0,
+    C <= 2048, 16-byte aligned arrays.
+    """
+    from .fp8 import _quantize, _quantize_checks
+    rows, C = _forward_args(x, weight, bias, "x")
+    if x.dtype != dtypes.bfloat16 or x.ndim != 2:
+        raise TypeError("x: the FP8 layernorm takes 2-D bfloat16 rows")
+    eps = _check_eps(eps)
+    xp = runtime.array_module(x, b, weight, bias, scale, residual, out8, out8_t, amax, mean, rstd, gate)
+    if b is not None:
+        check_array("b", b, shape=x.shape)
+        check_same_dtype(x=x, b=b)
+        residual = output("residual", residual, xp, x.shape, x.dtype)
+    mean = output("mean", mean, xp, (rows,), np.float32)
+    rstd = output("rstd", rstd, xp, (rows,), np.float32)
+    _quantize_checks(x, "e4m3", scale, out8, out8_t, amax, gate, xp)
+    if xp is np:
+        if gate is not None and float(gate[0]) == 0.0:
+            return out8, out8_t
+        src = x
+        if b is not None:
+            src = (x.astype(np.float32) + b.astype(np.float32)).astype(x.dtype)
+            residual[...] = src
+        o, m, r = layernorm_forward_reference(src, weight, bias, float(eps))
+        mean[...], rstd[...] = m, r
+        _quantize(o.astype(x.dtype), "e4m3", scale, out8, out8_t, amax, None)
+        return out8, out8_t
+    if not fp8_forward_fits(C):
+        raise ValueError(f"x: the FP8 layernorm needs C a multiple of 8 and at most 2048, got {C}")
+    if not _aligned(*(a for a in (x, b, weight, bias, residual) if a is not None)):
+        raise ValueError("x, b, weight, bias, residual: must be 16-byte aligned")
+    if rows == 0:
+        return out8, out8_t
+    N = -(-(C // 8) // 32)
+    null = np.uint64(0)
+    opt = lambda a: null if a is None else a                           # noqa: E731
+    head = (residual,) if b is not None else ()
+    src = (x, b) if b is not None else (x,)
+    name = f"layernorm_{'residual_' if b is not None else ''}forward_fp8_kernel_n{N}"
+    runtime.launch(runtime.get_kernel("layernorm", name), -(-rows // FP8_ROWS), 256,
+                   (*head, opt(out8), opt(out8_t), opt(amax), mean, rstd, *src, weight, bias, scale, opt(gate),
+                    np.int32(rows), np.int32(C), eps), shared_mem=FP8_ROWS * (C + 16))
+    return out8, out8_t
 
 
 # ---------------------------------------------------------------- backward ---
