@@ -111,7 +111,7 @@ def fp8_requantize_gated(x, fmt: str, scale, gate, *, out=None, out_t=None):
     return _quantize(x, fmt, scale, out, out_t, None, gate)
 
 
-def _quantize_checks(x, fmt, scale, out, out_t, amax, gate, xp, xname="x"):
+def check_cast_args(x, fmt, scale, out, out_t, amax, gate, xp, xname="x"):
     """The cast's argument checks (x (R, C) bf16 already checked), and on the GPU its layout rules."""
     _fmt(fmt)
     _check_scalar("scale", scale, xp)
@@ -139,7 +139,7 @@ def _quantize_checks(x, fmt, scale, out, out_t, amax, gate, xp, xname="x"):
 def _quantize(x, fmt, scale, out, out_t, amax, gate):
     check_array("x", x, dtype=dtypes.bfloat16, ndim=2)
     xp = runtime.array_module(x, scale, out, out_t, amax, gate)
-    _quantize_checks(x, fmt, scale, out, out_t, amax, gate, xp)
+    check_cast_args(x, fmt, scale, out, out_t, amax, gate, xp)
     R, C = x.shape
     if xp is np:
         if gate is not None and float(gate[0]) == 0.0:
@@ -204,7 +204,7 @@ def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate):
         if dbias is not None and C:
             dbias[...] = (dbias.astype(np.float64) + dx.astype(np.float64).sum(axis=0)).astype(dbias.dtype)
         return out, out_t
-    _quantize_checks(dout, "e5m2", scale, out, out_t, amax, gate, xp, xname="dout")
+    check_cast_args(dout, "e5m2", scale, out, out_t, amax, gate, xp, xname="dout")
     if x.data.ptr % 16:
         raise ValueError("x: must be 16-byte aligned")
     tiles = -(-R // TILE)

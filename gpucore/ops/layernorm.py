@@ -241,7 +241,7 @@ def layernorm_forward_fp8(x, weight, bias, scale, *, b=None, residual=None, out8
     float32, optional: run only when gate != 0 (on the device). GPU: R % 16 == 0, C % 8 == 0,
     C <= 2048, 16-byte aligned arrays.
     """
-    from .fp8 import _quantize, _quantize_checks
+    from .fp8 import check_cast_args, fp8_quantize
     rows, C = _forward_args(x, weight, bias, "x")
     if x.dtype != dtypes.bfloat16 or x.ndim != 2:
         raise TypeError("x: the FP8 layernorm takes 2-D bfloat16 rows")
@@ -253,7 +253,7 @@ def layernorm_forward_fp8(x, weight, bias, scale, *, b=None, residual=None, out8
         residual = output("residual", residual, xp, x.shape, x.dtype)
     mean = output("mean", mean, xp, (rows,), np.float32)
     rstd = output("rstd", rstd, xp, (rows,), np.float32)
-    _quantize_checks(x, "e4m3", scale, out8, out8_t, amax, gate, xp)
+    check_cast_args(x, "e4m3", scale, out8, out8_t, amax, gate, xp)
     if xp is np:
         if gate is not None and float(gate[0]) == 0.0:
             return out8, out8_t
@@ -263,7 +263,7 @@ def layernorm_forward_fp8(x, weight, bias, scale, *, b=None, residual=None, out8
             residual[...] = src
         o, m, r = layernorm_forward_reference(src, weight, bias, float(eps))
         mean[...], rstd[...] = m, r
-        _quantize(o.astype(x.dtype), "e4m3", scale, out8, out8_t, amax, None)
+        fp8_quantize(o.astype(x.dtype), "e4m3", scale, out=out8, out_t=out8_t, amax=amax)
         return out8, out8_t
     if not fp8_forward_fits(C):
         raise ValueError(f"x: the FP8 layernorm needs C a multiple of 8 and at most 2048, got {C}")
