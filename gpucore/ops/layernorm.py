@@ -201,7 +201,7 @@ def fused_residual_layernorm_forward(a, b, weight, bias, eps=1e-5, residual=None
 
 # ------------------------------------------------------- FP8 forward ---
 
-FP8_ROWS = 64             # rows per block of the FP8 forward (FP8_LN_ROWS in layernorm.cu)
+FP8_ROWS = 32             # rows per block of the FP8 forward (FP8_LN_ROWS in layernorm.cu)
 
 
 class LayerNormCall(NamedTuple):
