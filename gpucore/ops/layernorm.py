@@ -201,7 +201,10 @@ def fused_residual_layernorm_forward(a, b, weight, bias, eps=1e-5, residual=None
 
 # ------------------------------------------------------- FP8 forward ---
 
-FP8_ROWS = 32             # rows per block of the FP8 forward (FP8_LN_ROWS in layernorm.cu)
+def fp8_block_rows(C: int) -> int:
+    """Rows per block of the FP8 forward (its kernels' ROWS): 64 while the tile of 64 x (C + 16)
+    bytes stays small, else 32 (layernorm.cu says what was measured)."""
+    return 64 if C <= 1024 else 32
 
 
 class LayerNormCall(NamedTuple):
@@ -276,10 +279,11 @@ def layernorm_forward_fp8(x, weight, bias, scale, *, b=None, residual=None, out8
     opt = lambda a: null if a is None else a                           # noqa: E731
     head = (residual,) if b is not None else ()
     src = (x, b) if b is not None else (x,)
-    name = f"layernorm_{'residual_' if b is not None else ''}forward_fp8_kernel_n{N}"
-    runtime.launch(runtime.get_kernel("layernorm", name), -(-rows // FP8_ROWS), 256,
+    rows_per_block = fp8_block_rows(C)
+    name = f"layernorm_{'residual_' if b is not None else ''}forward_fp8_kernel_n{N}_r{rows_per_block}"
+    runtime.launch(runtime.get_kernel("layernorm", name), -(-rows // rows_per_block), 256,
                    (*head, opt(out8), opt(out8_t), opt(amax), mean, rstd, *src, weight, bias, scale, opt(gate),
-                    np.int32(rows), np.int32(C), eps), shared_mem=FP8_ROWS * (C + 16))
+                    np.int32(rows), np.int32(C), eps), shared_mem=rows_per_block * (C + 16))
     return out8, out8_t
 
 
