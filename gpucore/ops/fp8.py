@@ -63,6 +63,20 @@ def fp8_supported() -> tuple[bool, str]:
     return True, ""
 
 
+_FP8_OK: dict[int, tuple[bool, str]] = {}
+
+
+def _require_fp8() -> None:
+    """fp8_supported() for the current device, asked once per device (the FP8 GEMM runs ~150 times
+    a d12 step, and the question costs a driver call)."""
+    dev = runtime.cupy.cuda.runtime.getDevice()
+    if dev not in _FP8_OK:
+        _FP8_OK[dev] = fp8_supported()
+    ok, why = _FP8_OK[dev]
+    if not ok:
+        raise RuntimeError(why)
+
+
 # --------------------------------------------------------------- references ----
 
 def fp8_quantize_reference(x, fmt: str, scale: float) -> np.ndarray:
@@ -279,6 +293,7 @@ class Fp8Scaling:
         self.formats = list(formats)
         self.margin_scale = float(2.0 ** -margin)
         self.window_low = float(2.0 ** -(margin + window))   # recast below fmax * window_low
+        self._guard_consts = (np.float32(self.margin_scale), np.float32(self.window_low))
         fmax = np.array([_fmt(f)[1] for f in formats], np.float32)
         self.fmax = xp.asarray(fmax)
         # One 16-byte slot per tensor: cuBLASLt wants its scale pointers 16-byte aligned (a scale at
@@ -288,13 +303,18 @@ class Fp8Scaling:
         self._slots = xp.zeros((5, n, SLOT), np.float32)
         self._slots[:2, :, 0] = 1.0
         self.scale, self.scale_inv, self.amax = (self._slots[k, :, 0] for k in range(3))
+        # per tensor: scale, scale_inv, amax, a cast's amax, gate -- (1,) views made once (a CuPy
+        # slice costs microseconds of host time, and a d12 step asks for them ~600 times)
+        self._views = [tuple(self._slots[k, i, :1] for k in range(4)) + (self._slots[3, i, 1:2],)
+                       for i in range(n)]
+        self._fmax32 = [np.float32(FORMATS[f][1]) for f in self.formats]
         self.history = xp.zeros((history, n), np.float32)
         self.started = np.zeros(n, bool)     # host: has tensor i been cast before (delayed mode)
         self.step_index = 0
 
     def tensor(self, i: int):
         """(scale, scale_inv, amax) (1,) views of tensor i."""
-        return tuple(self._slots[k, i, :1] for k in range(3))
+        return self._views[i][:3]
 
     def cast(self, i: int, x, *, out=None, out_t=None, record: bool = True, current: bool = False):
         """Tensor i (x, bf16 (R, C)) into out and/or out_t by the mode's rule; record=False: with
@@ -324,15 +344,15 @@ class Fp8Scaling:
         self.started[i] = True
         if self.mode == "delayed":
             return first(scale, amax)
-        cast_amax, gate = self._slots[3, i, :1], self._slots[3, i, 1:2]
+        cast_amax, gate = self._views[i][3:]
         first(scale, cast_amax)
         self._guard(i, cast_amax, gate)
         return again(scale, gate)
 
     def _guard(self, i, cast_amax, gate):
         """fp8_guard_kernel for tensor i (the NumPy branch is its reference)."""
-        fmax = np.float32(FORMATS[self.formats[i]][1])
-        scale, scale_inv, amax = self.tensor(i)
+        fmax = self._fmax32[i]
+        scale, scale_inv, amax = self._views[i][:3]
         if self.xp is np:
             a = np.float32(cast_amax[0])
             cast_amax[...] = 0
@@ -347,8 +367,7 @@ class Fp8Scaling:
             gate[...] = 1.0 if recast else 0.0
             return
         runtime.launch(runtime.get_kernel("fp8", "fp8_guard_kernel"), 1, 32,
-                       (scale, scale_inv, amax, cast_amax, gate, fmax, np.float32(self.margin_scale),
-                        np.float32(self.window_low)))
+                       (scale, scale_inv, amax, cast_amax, gate, fmax, self._guard_consts[0], self._guard_consts[1]))
 
     def prepare(self, i: int, x, current: bool = False):
         """Before tensor i's cast: in current mode (and at its first cast in delayed mode, or when
@@ -460,9 +479,7 @@ def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=
         return out
     if M % 16 or N % 16 or K % 16:
         raise ValueError(f"a8, b8: the FP8 GEMM needs M, N, K multiples of 16, got {M}, {N}, {K}")
-    ok, why = fp8_supported()
-    if not ok:
-        raise RuntimeError(why)
+    _require_fp8()
     if gelu_out is not None:
         try:
             cublas.lt_fp8_gemm(a8, b8, gelu_out, M, N, K, a_fmt, b_fmt, a_scale_inv, b_scale_inv, bias=bias,
