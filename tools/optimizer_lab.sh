@@ -87,4 +87,9 @@ if "adamw" in vals:
         diffs = [100 * (val[s] - base[s]) / base[s] for s in sorted(base) if s in val]
         if diffs:
             print(f"val loss {run} vs adamw: max {max(diffs):+.2f}%, at the end {diffs[-1]:+.2f}%")
+# every evaluation, so the whole comparison comes back in a device call's output tail
+steps = sorted({s for v in vals.values() for s in v})
+print("val loss  step " + "".join(f"{run:>13}" for run in vals))
+for s in steps:
+    print(f"{s:>15} " + "".join(f"{vals[run][s]:>13.4f}" if s in vals[run] else f"{'-':>13}" for run in vals))
 PY
