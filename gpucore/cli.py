@@ -416,8 +416,8 @@ def sample(checkpoint, prompt, max_tokens, temperature, top_k, seed, device):
 @click.option("--model", default="d12", show_default=True, help="model preset")
 @click.option("-B", "--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("-T", "--seq-len", type=click.IntRange(min=1), default=None, help="[default: min(1024, maxT)]")
-@click.option("--dtype", type=click.Choice(["auto", "bf16", "bfloat16", "fp32", "float32"]), default="auto",
-              show_default=True, help="auto: bf16 (the plan of a GPU run)")
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "bfloat16", "fp32", "float32", "fp8"]), default="auto",
+              show_default=True, help="auto: bf16 (the plan of a GPU run); fp8: bf16 with FP8 linears")
 @click.option("--optimizer", type=click.Choice(["adamw", "sfadamw"]), default="adamw", show_default=True)
 @click.option("--master-weights", type=click.Choice(["fp32", "sr", "kahan"]), default="fp32", show_default=True)
 @click.option("--zero", type=click.IntRange(0, 1), default=0, show_default=True, help="ZeRO-1: per-rank plan")
@@ -435,20 +435,22 @@ def memory(model, batch_size, seq_len, dtype, optimizer, master_weights, keep_ge
     device = "cuda" if runtime.gpu_available() else "cpu"
     keep = {"auto": None, "on": True, "off": False}[keep_gelu]
     try:
+        fp8 = dtype == "fp8"
         if keep is None:
             cfg0, T0, dt0, _ = plan_run(model, batch_size, seq_len, dtype, master_weights)
             keep = device == "cuda" and resolve_keep_gelu(None, cfg0, batch_size, T0, dt0, runtime.cupy,
-                                                          master_weights=master_weights)
+                                                          master_weights=master_weights, fp8=fp8)
         cfg, T, dt, report = plan_run(model, batch_size, seq_len, dtype, master_weights, ranks, zero, keep)
     except ValueError as e:
         raise UserError(str(e)) from None
     from . import dtypes
     click.echo(f"{model}: {cfg.describe()} | {cfg.num_parameters:,} parameters | B={batch_size} T={T} | "
-               f"{dtypes.name(dt)} | {optimizer}, master weights {master_weights}"
+               f"{dtypes.name(dt)}{' + FP8 linears' if fp8 else ''} | {optimizer}, master weights {master_weights}"
                + (f" | {ranks} ranks, ZeRO-1 (per rank)" if zero else (f" | {ranks} ranks" if ranks > 1 else ""))
-               + f" | GELU outputs {'kept' if keep else 'recomputed'}")
+               + f" | GELU outputs {('kept as FP8' if fp8 else 'kept') if keep else 'recomputed'}")
     if measure and device == "cuda" and not zero:
-        report.measured = measure_one_step(cfg, batch_size, T, dt, optimizer, master_weights, keep)
+        report.measured = measure_one_step(cfg, batch_size, T, dt, optimizer, master_weights, keep,
+                                           fp8=TrainArgs.fp8_scaling if fp8 else None)
     elif measure and device == "cuda":
         click.echo("(not measured: ZeRO-1 needs the ranks; the plan is per rank)")
     click.echo(format_report(report))

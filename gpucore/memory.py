@@ -1,6 +1,7 @@
 """`gpucore memory`: where a training run's memory goes, planned and (on a GPU) measured.
 
     gpucore memory --model d48 -B 16 -T 1024 [--zero 1 --ranks 8] [--master-weights sr] [--optimizer sfadamw]
+    gpucore memory --model d12 -B 64 --dtype fp8          (the FP8 linears' plan: kept FP8 inputs, no bf16 ln/GELU)
 
 The plan is model.memory_plan (the same numbers the training banner prints and
 the start-up check compares with the free memory): one flat buffer each for
@@ -33,7 +34,8 @@ class MemoryReport:
 def plan_run(model: str, B: int, T: int | None, dtype: str = "auto", master_weights: str = "fp32",
              ranks: int = 1, zero: int = 0, keep_gelu: bool = False) -> tuple[object, int, object, MemoryReport]:
     """(config, T, dtype, report without measurement) for a preset and batch; keep_gelu: the GELU
-    outputs stored per layer (model.resolve_keep_gelu decides it for a training run)."""
+    outputs stored per layer (model.resolve_keep_gelu decides it for a training run). dtype "fp8":
+    a bf16 model with FP8 linears (the returned dtype is bfloat16)."""
     from . import dtypes
     from .distributed.parallel import plan_for
     from .model import GPT2Config, activation_specs, grad_activation_specs, memory_plan
@@ -42,21 +44,23 @@ def plan_run(model: str, B: int, T: int | None, dtype: str = "auto", master_weig
     T = T or min(1024, cfg.max_seq_len)
     if T > cfg.max_seq_len:
         raise ValueError(f"-T {T}: longer than the model's max_seq_len {cfg.max_seq_len}")
-    dt = dtypes.normalize("bfloat16" if dtype == "auto" else dtype)      # a plan for a GPU run
+    fp8 = dtype == "fp8"
+    dt = dtypes.normalize("bfloat16" if dtype in ("auto", "fp8") else dtype)      # a plan for a GPU run
     if master_weights != "fp32" and dt != dtypes.bfloat16:
         raise ValueError(f"--master-weights {master_weights}: only bf16 models drop the fp32 master copy")
-    plan = memory_plan(cfg, B, T, dt, master_weights=master_weights, keep_gelu=keep_gelu)
+    plan = memory_plan(cfg, B, T, dt, master_weights=master_weights, keep_gelu=keep_gelu, fp8=fp8)
     if ranks > 1 or zero:
         plan = plan_for(plan, ranks, zero)
-    acts = [(s.name, s.nbytes) for s in TensorLayout(activation_specs(cfg, B, T, dt, keep_gelu))]
+    acts = [(s.name, s.nbytes) for s in TensorLayout(activation_specs(cfg, B, T, dt, keep_gelu, fp8))]
     acts += [(s.name, s.nbytes) for s in TensorLayout(grad_activation_specs(cfg, B, T, dt))]
     acts.sort(key=lambda kv: -kv[1])
     return cfg, T, dt, MemoryReport(plan, acts)
 
 
 def measure_one_step(cfg, B: int, T: int, dtype, optimizer: str = "adamw", master_weights: str = "fp32",
-                     keep_gelu: bool = False) -> int:
-    """Bytes the CuPy memory pool holds after building the model and training one step on random tokens."""
+                     keep_gelu: bool = False, fp8: str | None = None) -> int:
+    """Bytes the CuPy memory pool holds after building the model and training one step on random
+    tokens; fp8: the FP8 linears' scaling mode, or None."""
     from . import runtime
     from .model import GPT2
     from .optim import AdamW, ScheduleFreeAdamW
@@ -64,7 +68,7 @@ def measure_one_step(cfg, B: int, T: int, dtype, optimizer: str = "adamw", maste
     cp = runtime.cupy
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
-    model = GPT2(cfg, xp=cp, dtype=dtype, seed=1337, keep_gelu=keep_gelu)
+    model = GPT2(cfg, xp=cp, dtype=dtype, seed=1337, keep_gelu=keep_gelu, fp8=fp8)
     model.allocate_grads()
     model.allocate_activations(B, T)
     cls = ScheduleFreeAdamW if optimizer == "sfadamw" else AdamW

@@ -40,6 +40,21 @@ def test_bad_input_is_one_line(argv, message):
     assert res.exit_code == 1 and message in res.output and "Traceback" not in res.output
 
 
+@pytest.mark.parametrize("keep", ["on", "off"])
+def test_fp8_plan(keep):
+    """--dtype fp8: the FP8 linears' plan (kept FP8 inputs instead of bf16 ln/GELU outputs), as the
+    training run plans it, and less than bf16's."""
+    res = CliRunner().invoke(main, ["memory", "--model", "d12", "-B", "64", "--no-measure", "--dtype", "fp8",
+                                    "--keep-gelu", keep])
+    assert res.exit_code == 0, res.output
+    assert "bfloat16 + FP8 linears" in res.output and "x8t" in res.output
+    _, _, _, fp8 = plan_run("d12", 64, 1024, "fp8", keep_gelu=keep == "on")
+    _, _, _, bf16 = plan_run("d12", 64, 1024, "bf16", keep_gelu=keep == "on")
+    d12 = GPT2Config.from_preset("d12")
+    assert fp8.plan == memory_plan(d12, 64, 1024, "bfloat16", keep_gelu=keep == "on", fp8=True)
+    assert fp8.planned < bf16.planned and dict(fp8.activations)["x8t"] > 0
+
+
 def test_cli_prints_the_plan():
     res = CliRunner().invoke(main, ["memory", "--model", "d12", "-B", "8", "--no-measure", "--zero", "1",
                                     "--ranks", "4"])
