@@ -17,9 +17,14 @@ and no bf16 GELU outputs: FP8 training plans less activation memory than bf16. W
 outputs would not be kept in bf16 (resolve_keep_gelu), fcproj's x8T is not kept either: the
 backward recomputes the GELU and casts it, as the bf16 path recomputes it.
 
-The casts are standalone passes (gpucore/ops/fp8.py); tools/notes/fp8.md measures what they cost
-and which producer kernels should write the FP8 bytes instead. The forward GEMMs use Hopper's fast
-FP8 accumulation, the backward ones exact accumulation (Transformer Engine's choice).
+Who writes the FP8 bytes: the layernorm before qkv and fc (layernorm_forward_fp8) and the GELU
+backward before fc's gradient GEMMs (fp8_gelu_backward) write them themselves, never their bf16
+output; the other inputs and gradients (attention output, the residual gradients, dqkv) and the
+weights go through a standalone cast (gpucore/ops/fp8.py). A producer can write FP8 only when the
+scale is known before it runs (adaptive or delayed scaling, Fp8Scaling.can_produce); with current
+scaling the bf16 tensor is made, measured and cast. tools/notes/fp8.md has what each costs. The
+forward GEMMs use Hopper's fast FP8 accumulation, the backward ones exact accumulation
+(Transformer Engine's choice).
 """
 from __future__ import annotations
 
