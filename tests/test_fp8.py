@@ -460,20 +460,21 @@ def _train_args(shards, out, **kw):
     return TrainArgs(**(base | kw))
 
 
-def test_train_fp8_cpu_resumes_bit_identically(shards, tmp_path):
+@pytest.mark.parametrize("mode", ["delayed", "adaptive"])
+def test_train_fp8_cpu_resumes_bit_identically(shards, tmp_path, mode):
     """--dtype fp8 on the NumPy backend: the scales travel in the checkpoint, so a resumed run
     continues exactly as the straight one."""
     from gpucore.checkpoint import load_checkpoint
     from gpucore.train import run
     lines = []
-    straight = run(_train_args(shards, tmp_path / "a", ckpt_every=2, fp8_scaling="delayed"), echo=lines.append)
-    assert any("FP8 linears (delayed scaling)" in s for s in lines)
+    straight = run(_train_args(shards, tmp_path / "a", ckpt_every=2, fp8_scaling=mode), echo=lines.append)
+    assert any(f"FP8 linears ({mode} scaling)" in s for s in lines)
     assert all(np.isfinite(straight["losses"]))
     resumed = run(_train_args(shards, tmp_path / "b", resume=str(tmp_path / "a" / "ckpt_000002.ckpt"),
                               dtype="auto"), echo=lambda s: None)     # the mode comes from the checkpoint
     assert resumed["losses"] == straight["losses"][2:]
     a, meta = load_checkpoint(tmp_path / "a" / "ckpt_000004.ckpt")
-    assert meta["fp8"]["mode"] == "delayed" and meta["fp8"]["step_index"] == 4 and "fp8_scale" in a
+    assert meta["fp8"]["mode"] == mode and meta["fp8"]["step_index"] == 4 and "fp8_scale" in a
 
 
 def test_train_fp8_adaptive_is_the_default(shards, tmp_path):
