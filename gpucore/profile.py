@@ -9,7 +9,7 @@ every profiled op timed (gpucore/profiler.py: CUDA events on the GPU, one
 synchronize at the end; perf_counter on the CPU). Per row: calls per step, ms
 per step, share of the step, TFLOP/s (matmul, attention) or GB/s (the rest:
 bytes = the arrays passed in and returned, an approximation), and the share of
-the ceiling (the GPU's bf16 peak, or the device-to-device copy bandwidth). The
+the ceiling (the GPU's bf16 peak -- twice it for FP8 GEMMs -- or the device-to-device copy bandwidth). The
 host gap is the step time minus the sum of the ops: Python, launches and the
 time the GPU waits for them, outside any op.
 """
@@ -105,7 +105,8 @@ def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int
                "share": ms / step_ms}
         if t.flops and t.ms > 0:
             row["tflops"] = t.flops / (t.ms * 1e-3) / 1e12
-            row["peak_share"] = row["tflops"] * 1e12 / peak if peak else None
+            ceiling = 2 * peak if peak and name.startswith("fp8 ") else peak   # FP8 tensor cores: 2x bf16
+            row["peak_share"] = row["tflops"] * 1e12 / ceiling if ceiling else None
         elif t.bytes and t.ms > 0:
             row["gbps"] = t.bytes / (t.ms * 1e-3) / 1e9
             row["peak_share"] = row["gbps"] / copy_gbps if copy_gbps else None
@@ -125,18 +126,19 @@ def format_table(report: dict) -> str:
     lines = [f"{r['model']} B={r['B']} T={r['T']} {r['dtype']} on {r['device']}{gelu}: step {r['step_ms']:.2f} ms "
              f"(mean of {r['steps']}; {r['recorded_step_ms']:.2f} ms while recording)",
              "rate: TFLOP/s for matmul/attention; GB/s for the rest, bytes = arrays in + out (approximate); "
-             "% peak: of the bf16 peak / of the measured device-to-device copy"]
-    lines.append(f"{'op':<32}{'calls':>7}{'ms':>10}{'% step':>8}{'rate':>16}{'% peak':>8}")
+             "% peak: of the bf16 peak (FP8 GEMMs: of the FP8 peak, twice it) / of the measured device-to-device copy"]
+    lines.append(f"{'op':<32}{'calls':>7}{'ms':>10}{'% step':>8}{'rate':>17}{'% peak':>8}")
     for row in r["rows"]:
-        if "tflops" in row:
-            rate = f"{row['tflops']:.3g} TFLOP/s"
+        if "tflops" in row:          # FP8 GEMMs pass 1,000: no exponent, or the columns run together
+            t = row["tflops"]
+            rate = f"{t:,.0f} TFLOP/s" if t >= 100 else f"{t:.3g} TFLOP/s"
         elif "gbps" in row:
             rate = f"{row['gbps']:.1f} GB/s"
         else:
             rate = ""
         ps = row.get("peak_share")
         calls = f"{row['calls']:g}"
-        lines.append(f"{row['op']:<32}{calls:>7}{row['ms']:>10.3f}{100 * row['share']:>7.1f}%{rate:>16}"
+        lines.append(f"{row['op']:<32}{calls:>7}{row['ms']:>10.3f}{100 * row['share']:>7.1f}%{rate:>17}"
                      + (f"{100 * ps:>7.1f}%" if ps is not None else f"{'-':>8}"))
     lines.append(f"{'sum of ops':<32}{'':>7}{r['ops_ms']:>10.3f}{100 * r['ops_ms'] / r['step_ms']:>7.1f}%")
     lines.append(f"{'host gap (step - ops)':<32}{'':>7}{r['host_gap_ms']:>10.3f}{100 * r['host_gap_share']:>7.1f}%")
