@@ -94,6 +94,11 @@ def fp8_dequantize(q, fmt: str, scale_inv: float = 1.0) -> np.ndarray:
     return np.asarray(q, dtype=np.uint8).view(t).astype(np.float32) * np.float32(scale_inv)
 
 
+def _fold_amax(amax, m) -> None:
+    """amax (1,) = max(amax, m) with a NaN on either side staying NaN (the kernels' bit max)."""
+    amax[...] = m if np.isnan(m) else max(float(amax[0]), float(m))
+
+
 def _host_scalar(a) -> float:
     return float(a.get()[0] if runtime.is_gpu_array(a) else np.asarray(a).reshape(-1)[0])
 
@@ -164,8 +169,7 @@ def _quantize(x, fmt, scale, out, out_t, amax, gate):
         if out_t is not None:
             out_t[...] = q.T
         if amax is not None and x.size:
-            m = np.abs(np.asarray(x, dtype=np.float32)).max()
-            amax[...] = m if np.isnan(m) else max(float(amax[0]), float(m))
+            _fold_amax(amax, np.abs(np.asarray(x, dtype=np.float32)).max())
         return out, out_t
     if x.size == 0:
         return out, out_t
@@ -245,8 +249,7 @@ def fp8_amax(x, amax):
     _check_scalar("amax", amax, xp)
     if xp is np:
         if x.size:
-            m = np.abs(np.asarray(x, dtype=np.float32)).max()
-            amax[...] = m if np.isnan(m) else max(float(amax[0]), float(m))
+            _fold_amax(amax, np.abs(np.asarray(x, dtype=np.float32)).max())
         return amax
     if x.size % 8 or x.data.ptr % 16:
         raise ValueError("x: the GPU amax needs a 16-byte aligned array of a multiple of 8 elements")
@@ -353,21 +356,21 @@ class Fp8Scaling:
         """fp8_guard_kernel for tensor i (the NumPy branch is its reference)."""
         fmax = self._fmax32[i]
         scale, scale_inv, amax = self._views[i][:3]
+        margin_scale, low = self._guard_consts
         if self.xp is np:
             a = np.float32(cast_amax[0])
             cast_amax[...] = 0
-            prev = np.float32(amax[0])
-            amax[...] = a if (np.isnan(a) or a > prev) else prev
+            _fold_amax(amax, a)
             s = np.float32(scale[0])
-            recast = bool(np.isfinite(a) and a > 0 and (a * s > fmax or a * s < fmax * np.float32(self.window_low)))
+            recast = bool(np.isfinite(a) and a > 0 and (a * s > fmax or a * s < fmax * low))
             if recast:
-                ns = np.float32(fmax / a * np.float32(self.margin_scale))
+                ns = np.float32(fmax / a * margin_scale)
                 scale[...] = ns
                 scale_inv[...] = np.float32(1.0) / ns
             gate[...] = 1.0 if recast else 0.0
             return
         runtime.launch(runtime.get_kernel("fp8", "fp8_guard_kernel"), 1, 32,
-                       (scale, scale_inv, amax, cast_amax, gate, fmax, self._guard_consts[0], self._guard_consts[1]))
+                       (scale, scale_inv, amax, cast_amax, gate, fmax, margin_scale, low))
 
     def prepare(self, i: int, x, current: bool = False):
         """Before tensor i's cast: in current mode (and at its first cast in delayed mode, or when

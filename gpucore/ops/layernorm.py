@@ -101,7 +101,7 @@ def pick_version(version, dtype, C, arrays):
     naming what it needs). N: v2's packs per lane (the smallest instantiated that holds the
     row), None for v1."""
     P = 16 // np.dtype(dtype).itemsize
-    v2_ok = C % P == 0 and C // P <= 32 * V2_N[-1] and _aligned(*arrays)
+    v2_ok = _v2_fits(C, P) and _aligned(*arrays)
     if version is None:
         version = 2 if v2_ok else 1
     if version not in VERSIONS:
@@ -109,7 +109,17 @@ def pick_version(version, dtype, C, arrays):
     if version == 2 and not v2_ok:
         raise ValueError(f"version: v2 needs C a multiple of {P}, C <= {32 * V2_N[-1] * P} and 16-byte "
                          f"aligned arrays (got C={C})")
-    return version, (-(-(C // P) // 32) if version == 2 else None)
+    return version, (_v2_packs(C, P) if version == 2 else None)
+
+
+def _v2_fits(C: int, P: int) -> bool:
+    """Does a row of C values (P per 16-byte pack) fit v2's warp: whole packs, at most V2_N per lane?"""
+    return C % P == 0 and C // P <= 32 * V2_N[-1]
+
+
+def _v2_packs(C: int, P: int) -> int:
+    """v2's packs per lane for rows of C values: the smallest instantiated N that holds the row."""
+    return -(-(C // P) // 32)
 
 
 _RESIDENT: dict[int, int] = {}
@@ -229,7 +239,7 @@ class LayerNormCall(NamedTuple):
 
 def fp8_forward_fits(C: int) -> bool:
     """Can layernorm_forward_fp8 take rows of C bf16 values (v2's rule)?"""
-    return C % 8 == 0 and C // 8 <= 32 * V2_N[-1]
+    return _v2_fits(C, 8)
 
 
 @profiler.profiled("layernorm forward (fp8 out)", nbytes=profiler.io_bytes)
@@ -274,7 +284,7 @@ def layernorm_forward_fp8(x, weight, bias, scale, *, b=None, residual=None, out8
         raise ValueError("x, b, weight, bias, residual: must be 16-byte aligned")
     if rows == 0:
         return out8, out8_t
-    N = -(-(C // 8) // 32)
+    N = _v2_packs(C, 8)
     null = np.uint64(0)
     opt = lambda a: null if a is None else a                           # noqa: E731
     head = (residual,) if b is not None else ()
