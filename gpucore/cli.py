@@ -272,6 +272,10 @@ _TRAIN_OPTIONS = [
                  help="store each layer's GELU output for the backward (on; L x B x T x 4C values) or "
                       "recompute it there (off); auto: store on a GPU while the run's memory plan stays "
                       "within a third of the device's memory"),
+    click.option("--cuda-graph", type=click.Choice(["auto", "on", "off"]), default=_D.cuda_graph, show_default=True,
+                 help="replay each micro-batch's forward + backward from a CUDA graph captured at step 2 "
+                      "(same kernels, same bits, one host call instead of ~1,000 launches); auto: on a "
+                      "GPU unless data parallel, eager for the rest of the run if the capture fails"),
     click.option("--nproc", type=click.IntRange(min=0), default=_D.nproc, show_default=True,
                  help="data parallel on this machine: start N ranks, one GPU each (0: this process trains; "
                       "with mpirun/srun the launcher starts the ranks)"),

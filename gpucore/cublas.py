@@ -1,6 +1,6 @@
 """The cuBLAS / cuBLASLt binding: row-major GEMMs on raw pointers, plans, and the autotune cache.
 
-    gemm_ex(a, b, out, M, N, K, ...)   cuBLAS gemmEx / gemmStridedBatchedEx (CuPy's binding)
+    gemm_ex(a, b, out, M, N, K, ...)   cuBLAS gemmEx / gemmStridedBatchedEx (ctypes, our own handle)
     lt_gemm(a, b, out, M, N, K, ...)   cuBLASLt matmul, optionally with the bias / GELU epilogues;
                                        False when Lt cannot (the caller then uses gemm_ex)
     lt_binding()                       the process's CublasLt (plans, tune cache), or None
@@ -18,8 +18,9 @@ Precision: bf16 inputs multiply on tensor cores with float32 accumulation
 Why cuBLASLt, through ctypes: CuPy binds cuBLAS but not cuBLASLt, whose matmul
 takes fused epilogues (CUBLASLT_EPILOGUE_BIAS: the forward bias costs nothing;
 GELU_AUX(_BIAS): the MLP's GELU in the fc GEMM, its input kept as the "aux"
-matrix) and, unlike CuPy's cuBLAS wrappers, can be captured into a CUDA graph. We call
-the handful of functions we need from the libcublasLt that CuPy has already
+matrix). Both gemmEx and Lt are called through ctypes, unlike CuPy's cuBLAS wrappers, so
+they can be captured into a CUDA graph (CuPy's setStream refuses during a capture). We call
+the handful of functions we need from the libcublas / libcublasLt that CuPy has already
 loaded. Enum values and the heuristic-result layout are from cublasLt.h (CUDA
 12.x/13.x; the ABI is unchanged since 11.0).
 
@@ -86,34 +87,97 @@ def cuda_type(dtype) -> int:
     return rt.CUDA_R_16BF if dtype == dtypes.bfloat16 else rt.CUDA_R_32F
 
 
+def _load(stem: str):
+    """The CUDA library `stem` (libcublas, libcublasLt) that CuPy loaded: dlopen by soname
+    returns the copy already in the process."""
+    for name in (f"{stem}.so.13", f"{stem}.so.12", f"{stem}.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError(f"{stem}.so.13/.12 not found")
+
+
+_OP_N, _OP_T, _GEMM_DEFAULT = 0, 1, -1
+
+
+class Cublas:
+    """cuBLAS's gemmEx through ctypes, with our own handle and workspace per device.
+
+    Why not CuPy's binding: its setStream refuses to run while a stream is being captured, so
+    a GEMM through it cannot be part of a CUDA graph (gpucore/step_graph.py). Ours sets the
+    stream itself. The workspace is set explicitly (cuBLAS's default size on Hopper, 32 MiB):
+    a captured cuBLAS call must not allocate one itself.
+    """
+
+    def __init__(self):
+        _cublas()                           # CuPy loads libcublas: dlopen below finds that copy
+        lib = _load("libcublas")
+        vp, i32, i64, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_size_t
+        mat = [vp, i32, i32]                # pointer, data type, leading dimension
+        for fname, args in {
+                "cublasCreate_v2": [ctypes.POINTER(vp)],
+                "cublasSetStream_v2": [vp, vp],
+                "cublasSetWorkspace_v2": [vp, vp, sz],
+                "cublasGemmEx": [vp, i32, i32, i32, i32, i32, vp, *mat, *mat, vp, *mat, i32, i32],
+                "cublasGemmStridedBatchedEx": [vp, i32, i32, i32, i32, i32, vp, *mat, i64, *mat, i64, vp,
+                                               *mat, i64, i32, i32, i32]}.items():
+            f = getattr(lib, fname)
+            f.argtypes, f.restype = args, i32
+        self.lib = lib
+        self.handles = {}
+
+    def _ok(self, status, what):
+        if status != 0:
+            raise RuntimeError(f"cuBLAS {what} failed with status {status}")
+
+    def handle(self):
+        """This device's handle, bound to the current CuPy stream."""
+        dev = runtime.cupy.cuda.Device().id
+        if dev not in self.handles:
+            h = ctypes.c_void_p()
+            self._ok(self.lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
+            ws = runtime.cupy.empty(LT_WORKSPACE_BYTES, dtype=np.uint8)
+            self._ok(self.lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(ws.data.ptr), LT_WORKSPACE_BYTES),
+                     "cublasSetWorkspace")
+            self.handles[dev] = (h, ws)
+        h = self.handles[dev][0]
+        self._ok(self.lib.cublasSetStream_v2(h, ctypes.c_void_p(runtime.cupy.cuda.get_current_stream().ptr)),
+                 "cublasSetStream")
+        return h
+
+
+_CUBLAS: list = []                      # [Cublas]: made once per process
+
+
 def gemm_ex(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0, batch=1):
     """Row-major out (batch, M, N) = alpha * op(a) @ op(b) + beta * out on the current CuPy stream.
 
     a is (M, K) or, transposed, (K, M); b is (K, N) or (N, K); one matrix per
     batch entry, densely packed. Shapes are trusted: callers validate.
     """
-    cublas = _cublas()
-    cp = runtime.cupy
-    handle = cp.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
-    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-    # Host scalars: cuBLAS reads them before the call returns (host pointer mode).
-    al = np.array(alpha, dtype=np.float32)
-    be = np.array(beta, dtype=np.float32)
-    op_a = cublas.CUBLAS_OP_T if transpose_a else cublas.CUBLAS_OP_N
-    op_b = cublas.CUBLAS_OP_T if transpose_b else cublas.CUBLAS_OP_N
+    if not _CUBLAS:
+        _CUBLAS.append(Cublas())
+    cb = _CUBLAS[0]
+    handle = cb.handle()
+    # Host scalars (the handle's default pointer mode): cuBLAS reads them before the call returns.
+    al = ctypes.c_float(alpha)
+    be = ctypes.c_float(beta)
+    op_a = _OP_T if transpose_a else _OP_N
+    op_b = _OP_T if transpose_b else _OP_N
     lda, ldb, ldc = a.shape[-1], b.shape[-1], N
     ta, tb, tc = cuda_type(a.dtype), cuda_type(b.dtype), cuda_type(out.dtype)
-    pa, pb, pc = a.data.ptr, b.data.ptr, out.data.ptr
+    pa, pb, pc = (ctypes.c_void_p(x.data.ptr) for x in (a, b, out))
     # Column-major C^T (N, M) = op(B)^T (N, K) @ op(A)^T (K, M).
     if batch == 1:
-        cublas.gemmEx(handle, op_b, op_a, N, M, K, al.ctypes.data, pb, tb, ldb, pa, ta, lda,
-                      be.ctypes.data, pc, tc, ldc, cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+        status = cb.lib.cublasGemmEx(handle, op_b, op_a, N, M, K, ctypes.byref(al), pb, tb, ldb, pa, ta, lda,
+                                     ctypes.byref(be), pc, tc, ldc, _COMPUTE_32F, _GEMM_DEFAULT)
     else:
-        cublas.gemmStridedBatchedEx(handle, op_b, op_a, N, M, K, al.ctypes.data,
-                                    pb, tb, ldb, K * N, pa, ta, lda, M * K,
-                                    be.ctypes.data, pc, tc, ldc, M * N, batch,
-                                    cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+        status = cb.lib.cublasGemmStridedBatchedEx(handle, op_b, op_a, N, M, K, ctypes.byref(al),
+                                                   pb, tb, ldb, K * N, pa, ta, lda, M * K,
+                                                   ctypes.byref(be), pc, tc, ldc, M * N, batch,
+                                                   _COMPUTE_32F, _GEMM_DEFAULT)
+    cb._ok(status, "gemmEx" if batch == 1 else "gemmStridedBatchedEx")
 
 
 # ------------------------------------------------------------- tune cache ----
@@ -220,15 +284,7 @@ class CublasLt:
     """The cuBLASLt library, one handle and one workspace per device, the plan cache and tune caches."""
 
     def __init__(self):
-        lib = None
-        for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
-            try:
-                lib = ctypes.CDLL(name)
-                break
-            except OSError:
-                continue
-        if lib is None:
-            raise OSError("libcublasLt.so.13/.12 not found")
+        lib = _load("libcublasLt")
         vp, i32, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
         pvp = ctypes.POINTER(vp)
         for fname, args in {

@@ -404,6 +404,13 @@ class GPT2:
                 self.fp8.bind_arena(self.acts.logits.reshape(-1).view(np.uint8))
         return self.acts
 
+    def step_buffers(self) -> tuple:
+        """The buffers a forward + backward writes besides the parameters: activations, backward
+        scratch, gradients, FP8 scratch. A CUDA graph of the step keeps them alive, so a later
+        reallocation (another batch shape) never frees memory the graph writes (step_graph.py)."""
+        fp8 = tuple(self.fp8._scratch or ()) if self.fp8 is not None else ()
+        return (self._acts_full, self._grad_full, self.grads) + fp8
+
     def memory_plan(self, B: int, T: int) -> dict[str, int]:
         keep = resolve_keep_gelu(self.keep_gelu_request, self.config, B, T, self.dtype, self.xp,
                                  fp8=self.fp8 is not None)

@@ -95,6 +95,7 @@ def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int
     totals = rec.totals()                  # the one synchronize
     recorded_ms = (time.perf_counter() - t0) * 1e3 / steps
 
+    graph_ms, graph_error = _graph_step_ms(net, opt, x, y, steps) if device == "cuda" else (None, None)
     peak = peak_flops(device, dt)
     copy_gbps = copy_bandwidth_gbps() if device == "cuda" else None
     rows = []
@@ -117,7 +118,26 @@ def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int
             "keep_gelu": net.keep_gelu,
             "step_ms": step_ms, "recorded_step_ms": recorded_ms, "ops_ms": ops_ms,
             "host_gap_ms": step_ms - ops_ms, "host_gap_share": (step_ms - ops_ms) / step_ms,
-            "peak_tflops": peak / 1e12 if peak else None, "copy_gbps": copy_gbps, "rows": rows}
+            "peak_tflops": peak / 1e12 if peak else None, "copy_gbps": copy_gbps,
+            "graph_step_ms": graph_ms, "graph_error": graph_error, "rows": rows}
+
+
+def _graph_step_ms(net, opt, x, y, steps):
+    """(ms per step with forward + backward replayed from a CUDA graph, None) or (None, why not).
+    The graph's first call runs eagerly, the second captures; `steps` more are timed."""
+    from .step_graph import GraphCaptureError, StepGraph
+    from .train import train_step
+    graph = StepGraph(net, strict=True)
+    try:
+        for _ in range(2):
+            float(train_step(net, opt, lambda: (x, y), 1, 1e-4, graph=graph)[0])
+    except GraphCaptureError as e:
+        return None, str(e)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss, _ = train_step(net, opt, lambda: (x, y), 1, 1e-4, graph=graph)
+    float(loss)
+    return (time.perf_counter() - t0) * 1e3 / steps, None
 
 
 def format_table(report: dict) -> str:
@@ -143,6 +163,12 @@ def format_table(report: dict) -> str:
     lines.append(f"{'sum of ops':<32}{'':>7}{r['ops_ms']:>10.3f}{100 * r['ops_ms'] / r['step_ms']:>7.1f}%")
     lines.append(f"{'host gap (step - ops)':<32}{'':>7}{r['host_gap_ms']:>10.3f}{100 * r['host_gap_share']:>7.1f}%")
     lines.append(f"{'step':<32}{'':>7}{r['step_ms']:>10.3f}{100.0:>7.1f}%")
+    if r.get("graph_step_ms") is not None:
+        g = r["graph_step_ms"]
+        lines.append(f"{'step, CUDA graph (--cuda-graph)':<32}{'':>7}{g:>10.3f}{100 * g / r['step_ms']:>7.1f}%"
+                     f"   forward + backward replayed: {r['step_ms'] - g:+.3f} ms of host time removed")
+    elif r.get("graph_error"):
+        lines.append(f"step, CUDA graph: not measured ({r['graph_error']})")
     return "\n".join(lines)
 
 

@@ -55,6 +55,7 @@ import numpy as np
 from .startup import (TrainError, check_gpu_memory, check_host_memory, check_metrics_file, check_output_dir, choose_device,
                       format_plan, gpu_name, oom_error_types, oom_message, os_reason, peak_flops, resolve_backend,
                       trim_metrics)
+from . import step_graph
 from .checkpoint import (CHECKPOINT_GLOB, CheckpointError, checkpoint_path, prune_checkpoints,
                          read_training_checkpoint, remove_stale_temp_files, save_training_checkpoint)
 
@@ -103,6 +104,7 @@ class TrainArgs:
     master_weights: str = "fp32"      # bf16 models: fp32 master copy, or none with "sr" (stochastic rounding) / "kahan"
     keep_gelu: str = "auto"           # store the GELU outputs per layer (on), recompute them (off), or decide (auto)
     fp8_scaling: str = "adaptive"     # --dtype fp8: adaptive (last step's scale, re-cast when off), current, delayed
+    cuda_graph: str = "auto"          # replay each micro-batch's forward + backward from a CUDA graph (auto: on a GPU)
     nproc: int = 0                    # start this many ranks on this machine (0: this process is the run)
     zero: int = 0                     # 1: ZeRO-1, optimizer state sharded across ranks
     dist_timeout: float = 900.0       # seconds without progress before a rank ends the job (data parallel)
@@ -110,18 +112,27 @@ class TrainArgs:
 
 # ------------------------------------------------------------------- steps ----
 
-def train_step(model, optimizer, next_batch, grad_accum: int, lr: float, reducer=None, world_size: int = 1):
+def train_step(model, optimizer, next_batch, grad_accum: int, lr: float, reducer=None, world_size: int = 1,
+               graph=None):
     """One optimizer step over grad_accum micro-batches from next_batch(); returns (loss, norm).
 
     Both are 0-d fp32 arrays on the model's device (read them with float()); the loss is this
     rank's. With a reducer (data parallel), the last micro-batch's backward hands each layer's
     finished gradients to it, and the gradient is the mean over all ranks' tokens.
+    graph: a StepGraph of this model (gpucore/step_graph.py) runs each micro-batch's forward +
+    backward (not with a reducer); the optimizer step stays eager.
     """
+    if graph is not None and reducer is not None:
+        raise ValueError("train_step: a CUDA graph of the step cannot run the reducer's host hooks")
     model.zero_grad()
     total = None
     for i in range(grad_accum):
         x, y = next_batch()
         scale = 1.0 / (grad_accum * x.size * world_size)
+        if graph is not None:   # the graph's loss array is overwritten by its next replay: copy it
+            loss = graph.forward_backward(x, y, scale)
+            total = loss.copy() if total is None else total + loss
+            continue
         # check_tokens=False: the loader checked the ids against the vocabulary (no host sync here)
         loss = model.forward(x, y, for_backward=True, grad_scale=scale, check_tokens=False)
         last = reducer is not None and i == grad_accum - 1
@@ -164,6 +175,8 @@ class RunSetup:
     plan: dict                        # bytes of each buffer the run allocates (model.memory_plan)
     keep_gelu: bool = False           # the --keep-gelu decision (model.resolve_keep_gelu)
     fp8: str | None = None            # --dtype fp8: the scaling mode of the FP8 linears, else None
+    cuda_graph: bool = False          # the --cuda-graph decision (gpucore.step_graph.resolve)
+    cuda_graph_why: str = "off"       # ... in words, for the header
     start: int = 0                    # the step to continue from
     resume_arrays: dict | None = None
     resume_meta: dict | None = None
@@ -248,13 +261,18 @@ def prepare(args: TrainArgs, echo, dp=None) -> RunSetup:
     keep_gelu = resolve_keep_gelu({"auto": None, "on": True, "off": False}[args.keep_gelu], cfg, B, T, dtype, xp,
                                   master_weights=args.master_weights, fp8=bool(fp8))
     plan = memory_plan(cfg, B, T, dtype, master_weights=args.master_weights, keep_gelu=keep_gelu, fp8=bool(fp8))
+    try:
+        cuda_graph, graph_why = step_graph.resolve(args.cuda_graph, device, data_parallel=dp is not None)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
     if dp is not None:
         from .distributed.parallel import plan_for
         plan = plan_for(plan, world, dp.zero)
     return RunSetup(preset=preset, cfg=cfg, device=device, xp=xp, dtype=dtype, B=B, T=T, total=total,
                     grad_accum=total // (B * T * world), out_dir=out_dir,
                     metrics_path=Path(args.metrics) if args.metrics else out_dir / "metrics.jsonl",
-                    plan=plan, keep_gelu=keep_gelu, fp8=fp8, start=int(meta["step"]) if meta else 0,
+                    plan=plan, keep_gelu=keep_gelu, fp8=fp8, cuda_graph=cuda_graph, cuda_graph_why=graph_why,
+                    start=int(meta["step"]) if meta else 0,
                     resume_arrays=arrays, resume_meta=meta, resume_path=ckpt, init_flat=init_flat,
                     init_source=init_source, dp=dp)
 
@@ -407,7 +425,8 @@ def print_header(args, setup: RunSetup, model, train_loader, val_loader, echo) -
     if setup.dp is not None:
         echo(setup.dp.describe() + f" | {setup.B * setup.T:,} tokens per rank per micro-batch")
     echo(format_plan(setup.plan) + (" (per rank)" if setup.dp is not None else "")
-         + f" | GELU outputs {'kept per layer' if setup.keep_gelu else 'recomputed in the backward'}")
+         + f" | GELU outputs {'kept per layer' if setup.keep_gelu else 'recomputed in the backward'}"
+         + f" | CUDA graph {setup.cuda_graph_why}")
     if setup.device == "cpu" and n > 20_000_000:
         echo("note: the CPU (NumPy reference) backend is slow for this model; try --model tiny")
 
@@ -569,6 +588,8 @@ class Trainer:
         self.can_sample = self.args.sample_every and s.cfg.vocab_size == 50257 and self.is_main
         self.stop_agreed = False          # data parallel: some rank was asked to stop (agreed each step)
         self.step_times: list[float] = []  # seconds of each step of this run (the ETA's basis)
+        self.graph = (step_graph.StepGraph(self.model, strict=self.args.cuda_graph == "on", echo=self.echo)
+                      if s.cuda_graph else None)
         self.saved_step = s.start if s.resume_path is not None else None
         self.saved_path = s.resume_path
         # state after the last completed step: what a Ctrl-C checkpoint must hold even when the
@@ -616,7 +637,7 @@ class Trainer:
             dp.watchdog.beat(f"the start of step {step + 1}")
         loss_d, norm_d = train_step(self.model, self.opt, self.train_loader.next_batch, s.grad_accum, lr,
                                     reducer=dp.reducer if dp is not None else None,
-                                    world_size=dp.world_size if dp is not None else 1)
+                                    world_size=dp.world_size if dp is not None else 1, graph=self.graph)
         loss, norm = float(loss_d), float(norm_d)      # syncs: the step is done
         if schedule_free:
             lr = self.opt.last_lr                       # the step's lr after the optimizer's warmup
