@@ -116,7 +116,8 @@ def test_gpu_graphed_training_is_bitwise_the_eager_one(fp8, accum):
     assert graphed[2] == eager[2]           # final weights, byte for byte
     g = graphed[3]
     assert g.calls == 5 * accum and g.captures == 1 and g.failed is None
-    assert np.isfinite(eager[0]).all() and eager[0][-1] < eager[0][0]
+    # each step saw its own batch (a graph replaying stale inputs would repeat a loss)
+    assert np.isfinite(eager[0]).all() and len(set(eager[0])) == len(eager[0])
 
 
 @pytest.mark.cuda
