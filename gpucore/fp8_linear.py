@@ -10,6 +10,12 @@ else -- parameters, activations, attention, layernorm, the LM head, the loss, ma
               dx = g8 @ W8T^T                  (N, K)
               dW += g8T @ x8T^T                (M, K)
 
+The LM head (settings.fp8_lm_head, off by default until its quality is measured) can run in FP8
+too: logits = lnf8 @ wte8^T per chunk (E4M3, fast accumulation), and the backward's
+dlnf = dlogits8 @ wte8T^T, where the fused classifier writes dlogits8 (E5M2, a fixed power-of-two
+scale: |dlogits| <= grad_scale) beside the bf16 dlogits; dwte stays a bf16 GEMM (it would need
+dlogits transposed). Its three scaled tensors are slots 12 L + {0, 1, 2}.
+
 x8T is written by the forward's cast of x (one pass writes both orientations) and kept per layer
 in the model's activations ("x8t", 1 byte per value), so the backward never reads x again. In
 exchange the model keeps no bf16 copy of the layernorm outputs (they exist only as one scratch)
@@ -31,6 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import settings
+from .ops.classifier import dlogits_fp8_scale
 from .ops.colsum import colsum
 from .ops.fp8 import Fp8Scaling, fp8_gelu_backward, fp8_gelu_backward_gated, fp8_matmul
 from .ops.gelu import gelu_backward
@@ -68,14 +75,23 @@ def _scratch_sizes(cfg, N: int):
     return [N * 4 * C] * 4 + [4 * C * C] * 2
 
 
-def scratch_bytes(cfg, B: int, T: int) -> int:
-    """Bytes of FP8 scratch the model must allocate: none when it fits in the LM head's logits
-    chunk, which is idle while the layers run (their forward finishes before the LM head starts,
-    and the layers' backward starts after it), else all of it."""
+def _head_sizes(cfg, N: int):
+    """Bytes of the FP8 LM head's scratch: lnf8 (N x C), wte8 and wte8T (Vp x C each), dlogits8
+    (one logits chunk of rows x Vp)."""
+    from .model import head_chunk_rows
+    C, Vp = cfg.channels, cfg.padded_vocab_size
+    return [N * C, Vp * C, Vp * C, head_chunk_rows(cfg, N, "bfloat16") * Vp]
+
+
+def scratch_bytes(cfg, B: int, T: int, lm_head: bool = False) -> int:
+    """Bytes of FP8 scratch the model must allocate: the linears' none when it fits in the LM
+    head's logits chunk, which is idle while the layers run (their forward finishes before the
+    LM head starts, and the layers' backward starts after it), else all of it; with lm_head, the
+    FP8 LM head's (it runs while the logits chunk is in use)."""
     from .model import head_chunk_rows
     need = sum(_scratch_sizes(cfg, B * T))
     logits = head_chunk_rows(cfg, B * T, "bfloat16") * cfg.padded_vocab_size * 2
-    return 0 if need <= logits else need
+    return (0 if need <= logits else need) + (sum(_head_sizes(cfg, B * T)) if lm_head else 0)
 
 
 class Fp8Linears:
@@ -83,17 +99,21 @@ class Fp8Linears:
     matmul_backward for them. `end_step()` after each optimizer step turns this step's amax into
     the next step's scales."""
 
-    def __init__(self, cfg, xp, *, mode: str = "delayed", history: int | None = None, margin: int | None = None):
+    def __init__(self, cfg, xp, *, mode: str = "delayed", history: int | None = None, margin: int | None = None,
+                 lm_head: bool | None = None):
         s = settings.current()
         self.cfg, self.xp = cfg, xp
         L = cfg.num_layers
-        self.scaling = Fp8Scaling(12 * L, ["e4m3", "e4m3", "e5m2"] * (4 * L), xp, mode=mode,
+        self.lm_head = s.fp8_lm_head if lm_head is None else bool(lm_head)
+        n = 12 * L + (3 if self.lm_head else 0)      # the LM head's x, W, dlogits after the layers'
+        self.scaling = Fp8Scaling(n, ["e4m3", "e4m3", "e5m2"] * (n // 3), xp, mode=mode,
                                   history=s.fp8_history if history is None else history,
                                   margin=s.fp8_margin if margin is None else margin, window=s.fp8_window)
         self.weights_current = s.fp8_weights_current
         self._scratch = None
         self._n = None
         self._arena = None
+        self._head = None               # (N, [lnf8, wte8, wte8T, dlogits8 flat uint8]) of the FP8 LM head
 
     def bind_arena(self, arena):
         """Carve the FP8 scratch out of `arena` (a flat uint8 view of the LM-head logits chunk) when
@@ -183,6 +203,54 @@ class Fp8Linears:
                 dbias[...] = (dbias.astype(np.float64) + dout2d.astype(np.float64).sum(axis=0)).astype(dbias.dtype)
             else:
                 colsum(dbias, dout2d)
+
+    # --------------------------------------------------------------- LM head
+
+    def _head_buffers(self, N):
+        if self._head is None or self._head[0] != N:
+            self._head = (N, [self.xp.empty(n, np.uint8) for n in _head_sizes(self.cfg, N)])
+        return self._head[1]
+
+    def head_begin(self, lnf, wte, backward: bool, grad_scale: float | None = None):
+        """Before the LM head's chunks: lnf (N, C) and wte (Vp, C) cast to E4M3 (wte also transposed
+        when the backward follows, and the fixed dlogits scale set). Returns the dlogits8 scale."""
+        N, C = lnf.shape
+        Vp = wte.shape[0]
+        x8, w8, w8t, _ = self._head_buffers(N)
+        sc = self.scaling
+        hx, hw, hg = (12 * self.cfg.num_layers + k for k in range(3))
+        sc.cast(hx, lnf, out=x8[: N * C].reshape(N, C))
+        sc.cast(hw, wte, out=w8[: Vp * C].reshape(Vp, C), out_t=w8t[: Vp * C].reshape(C, Vp) if backward else None,
+                current=self.weights_current)
+        if not backward:
+            return None
+        s = dlogits_fp8_scale(grad_scale)
+        sg, sg_inv, _ = sc.tensor(hg)
+        sg.fill(np.float32(s))
+        sg_inv.fill(np.float32(1.0 / s))
+        return s
+
+    def head_logits(self, r0, r1, out):
+        """out (r1 - r0, Vp) = lnf8[r0:r1] @ wte8^T, dequantized (bf16)."""
+        C, Vp = self.cfg.channels, out.shape[1]
+        N = self._head[0]
+        x8, w8 = self._head[1][0][: N * C].reshape(N, C), self._head[1][1][: Vp * C].reshape(Vp, C)
+        hx, hw = 12 * self.cfg.num_layers, 12 * self.cfg.num_layers + 1
+        fp8_matmul(x8[r0:r1], w8, "e4m3", "e4m3", self.scaling.tensor(hx)[1], self.scaling.tensor(hw)[1],
+                   out=out, fast_accum=True)
+        return out
+
+    def head_dlogits8(self, rows, Vp):
+        """The (rows, Vp) uint8 view the fused classifier writes dlogits' E5M2 bytes to."""
+        return self._head[1][3][: rows * Vp].reshape(rows, Vp)
+
+    def head_dx(self, dlogits8, out):
+        """out (rows, C) = dlogits8 @ wte8T^T, dequantized: the LM head's dlnf for one chunk [=]."""
+        C, Vp = out.shape[1], dlogits8.shape[1]
+        w8t = self._head[1][2][: Vp * C].reshape(C, Vp)
+        hw, hg = 12 * self.cfg.num_layers + 1, 12 * self.cfg.num_layers + 2
+        fp8_matmul(dlogits8, w8t, "e5m2", "e4m3", self.scaling.tensor(hg)[1], self.scaling.tensor(hw)[1], out=out)
+        return out
 
     def end_step(self):
         self.scaling.end_step()

@@ -207,7 +207,7 @@ def grad_activation_specs(cfg: GPT2Config, B: int, T: int, dtype):
 
 
 def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "fp32",
-                keep_gelu: bool = False, fp8: bool = False) -> dict[str, int]:
+                keep_gelu: bool = False, fp8: bool = False, fp8_lm_head: bool | None = None) -> dict[str, int]:
     """Bytes of each flat buffer a training run at (B, T) allocates (nothing is allocated).
 
     The fp32 master copy exists only when the parameters are not fp32 and master_weights is
@@ -215,6 +215,8 @@ def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "f
     """
     from .optim import bytes_per_parameter
     dtype = dtypes.normalize(dtype)
+    if fp8_lm_head is None:
+        fp8_lm_head = settings.current().fp8_lm_head
     n = cfg.num_parameters
     per = bytes_per_parameter(dtype, master_weights)
     plan = {
@@ -230,7 +232,7 @@ def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "f
         plan["kahan"] = n * per["kahan"]
     if fp8:
         from .fp8_linear import scratch_bytes
-        extra = scratch_bytes(cfg, B, T)       # 0 when it fits in the idle LM-head logits chunk
+        extra = scratch_bytes(cfg, B, T, lm_head=fp8_lm_head)   # the linears': 0 when it fits in the idle logits chunk
         if extra:
             plan["fp8 scratch"] = extra
     return plan
@@ -408,7 +410,8 @@ class GPT2:
         """The buffers a forward + backward writes besides the parameters: activations, backward
         scratch, gradients, FP8 scratch. A CUDA graph of the step keeps them alive, so a later
         reallocation (another batch shape) never frees memory the graph writes (step_graph.py)."""
-        fp8 = tuple(self.fp8._scratch or ()) if self.fp8 is not None else ()
+        fp8 = (tuple(self.fp8._scratch or ()) + tuple(self.fp8._head[1] if self.fp8._head else ())
+               if self.fp8 is not None else ())
         return (self._acts_full, self._grad_full, self.grads) + fp8
 
     def memory_plan(self, B: int, T: int) -> dict[str, int]:
@@ -513,14 +516,23 @@ class GPT2:
                 g = self.allocate_grads()
                 dlnf = _2d(self.grad_acts.dsmall)
             rows = a.logits.shape[0]
+            head8 = self.fp8 is not None and self.fp8.lm_head      # the LM head's GEMMs in FP8 too
+            d8_scale = self.fp8.head_begin(lnf, p.wte, for_backward, grad_scale) if head8 else None
             for r0 in range(0, B * T, rows):
                 r1 = min(B * T, r0 + rows)
                 chunk = a.logits[: r1 - r0]
-                matmul_forward(lnf[r0:r1], p.wte, None, out=chunk)
+                if head8:
+                    self.fp8.head_logits(r0, r1, chunk)
+                else:
+                    matmul_forward(lnf[r0:r1], p.wte, None, out=chunk)
+                d8 = self.fp8.head_dlogits8(r1 - r0, chunk.shape[1]) if head8 and for_backward else None
                 fused_classifier(chunk, tgt[r0:r1], vocab_size=V,
                                  grad_scale=grad_scale if for_backward else 0.0, losses=losses[r0:r1],
-                                 check_targets=check_tokens)
-                if for_backward:    # chunk now holds dlogits: the LM head's backward, at once
+                                 check_targets=check_tokens, dlogits8=d8, dlogits8_scale=d8_scale)
+                if for_backward and head8:      # dlnf from the E5M2 dlogits; dwte from the bf16 ones
+                    self.fp8.head_dx(d8, dlnf[r0:r1])
+                    matmul_backward(chunk, lnf[r0:r1], p.wte, dweight=g.wte, need_dx=False)
+                elif for_backward:  # chunk now holds dlogits: the LM head's backward, at once
                     matmul_backward(chunk, lnf[r0:r1], p.wte, dx=dlnf[r0:r1], dweight=g.wte)
             if for_backward:
                 self._backward_ready = tokens

@@ -36,10 +36,16 @@
  *      columns is 98 KiB, so two rows (blocks) share an SM: one loads while
  *      the other computes and writes. Rows with NaN/inf take the exact
  *      conversion (NaN bits as float_to_bf16 writes them).
+ * FP8 variant (v3, bf16 only; --dtype fp8 with settings.fp8_lm_head): the same kernel also writes
+ *   dlogits8[r, c] = e5m2(bf16(dlogits[r, c]) * fp8_scale)   (N, Vp) bytes, saturating, RNE
+ *   -- bit for bit the bf16 kernel followed by fp8_quantize -- for the LM head's FP8 dx GEMM. The
+ *   scale is fixed by the caller: |dlogits| <= grad_scale, so 2^floor(log2(57344 / grad_scale))
+ *   never saturates and needs no amax.
  * Determinism: fixed element-to-thread mapping and reduction trees.
  */
 #include "common.cuh"
 #include "fast_packs.cuh"
+#include "fp8_cast.cuh"  // quantize8: the FP8 variant's second store
 #include "ptx.cuh"       // smem_u32, cp_async16, cp_async_commit / cp_async_wait
 
 #define CLS_BLOCK 1024
@@ -291,10 +297,12 @@ __device__ __forceinline__ void online_pack(float& m, float& s, const uint4& r, 
 
 // K packs per thread at most (the launcher picks K >= ceil(Vp / P / 512)); the row
 // sits in dynamic shared memory, n_packs x 16 bytes. FUSED = false is cross_entropy:
-// the loss only, the logits are left as they are.
-template <typename T, int K, bool FUSED>
+// the loss only, the logits are left as they are. FP8 (bf16 only): dlogits8 gets the E5M2
+// copy of each written pack, scaled by fp8_scale.
+template <typename T, int K, bool FUSED, bool FP8 = false>
 __device__ void classifier_backward_v3(float* losses, T* logits, const int* targets,   // (N,) (N, Vp) in/out; (N,)
-                                       float grad_scale, int N, int V, int Vp) {
+                                       float grad_scale, int N, int V, int Vp,
+                                       u8* dlogits8 = nullptr, float fp8_scale = 1.0f) {  // (N, Vp)
     extern __shared__ uint4 s_row[];
     __shared__ float s_m[CLS3_BLOCK / 32], s_s[CLS3_BLOCK / 32], s_res[2];
     using R = Raw<T>;
@@ -308,7 +316,10 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
     if (t == -1) {                                  // uniform over the block
         if (tid == 0) losses[row] = 0.0f;
         if (FUSED)
-            for (int i = tid; i < n_packs; i += CLS3_BLOCK) __stcs(xr + i, make_uint4(0u, 0u, 0u, 0u));
+            for (int i = tid; i < n_packs; i += CLS3_BLOCK) {
+                __stcs(xr + i, make_uint4(0u, 0u, 0u, 0u));
+                if (FP8) __stcs(reinterpret_cast<uint2*>(dlogits8 + (size_t)row * Vp) + i, make_uint2(0u, 0u));
+            }
         return;
     }
     const bool valid = t >= 0 && t < V;
@@ -385,7 +396,13 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
                 for (int e = 0; e < P; e++)
                     if (i * P + e >= V) f[e] = 0.0f;
             }
-            __stcs(xr + i, exact ? R::pack_exact(f) : R::pack_fast(f));
+            const uint4 packed = exact ? R::pack_exact(f) : R::pack_fast(f);
+            __stcs(xr + i, packed);
+            if (FP8) {                              // the E5M2 copy of the bf16 values just rounded
+                u32 unused = 0;
+                __stcs(reinterpret_cast<uint2*>(dlogits8 + (size_t)row * Vp) + i,
+                       quantize8<E5M2>(packed, fp8_scale, unused));
+            }
         }
     }
 }
@@ -466,3 +483,18 @@ CLASSIFIER_V3(bf16, bf16, 1)
 CLASSIFIER_V3(bf16, bf16, 4)
 CLASSIFIER_V3(bf16, bf16, 13)
 CLASSIFIER_V3(bf16, bf16, 25)
+
+// The FP8 variant (bf16 only): classifier_backward_fp8_kernel_v3_k13_bf16, ...
+#define CLASSIFIER_V3_FP8(K)                                                                        \
+    extern "C" __global__ void __launch_bounds__(CLS3_BLOCK, 2)                                     \
+    classifier_backward_fp8_kernel_v3_k##K##_bf16(float* losses, bf16* logits, u8* dlogits8,        \
+                                                  const int* targets, float grad_scale, float fp8_scale, \
+                                                  int N, int V, int Vp) {                           \
+        classifier_backward_v3<bf16, K, true, true>(losses, logits, targets, grad_scale, N, V, Vp,  \
+                                                    dlogits8, fp8_scale);                           \
+    }
+
+CLASSIFIER_V3_FP8(1)
+CLASSIFIER_V3_FP8(4)
+CLASSIFIER_V3_FP8(13)
+CLASSIFIER_V3_FP8(25)

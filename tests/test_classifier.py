@@ -268,3 +268,68 @@ def test_gpu_v3_rejects_what_it_cannot_hold(rng):
     big = cp.zeros((1, 512 * 25 * 4 + 4), np.float32)          # more packs than v3 instantiates
     with pytest.raises(ValueError, match="version: v3 needs"):
         gpucore.fused_classifier(big, cp.zeros(1, np.int32), version=3)
+
+
+# ------------------------------------------------- FP8 dlogits (LM head) ----
+
+from gpucore.ops.classifier import dlogits_fp8_scale     # noqa: E402
+from gpucore.ops.fp8 import fp8_quantize                  # noqa: E402
+
+
+def test_dlogits_fp8_scale_is_the_largest_power_of_two_that_never_saturates():
+    for gs in (1.0, 1 / 65536, 1 / 3, 2.5e-7):
+        s = dlogits_fp8_scale(gs)
+        assert np.log2(s) == int(np.log2(s))
+        assert gs * s <= 57344.0 < 2 * gs * s
+    with pytest.raises(ValueError, match="grad_scale > 0"):
+        dlogits_fp8_scale(0.0)
+
+
+def test_fp8_dlogits_numpy_are_the_cast_of_the_bf16_dlogits(rng):
+    logits = (rng.standard_normal((32, 64)) * 3).astype(gpucore.bfloat16)
+    t = _targets(rng, (32,), 60, ignore_every=5)
+    gs = 1.0 / 27
+    s = dlogits_fp8_scale(gs)
+    d8 = np.zeros((32, 64), np.uint8)
+    work = logits.copy()
+    gpucore.fused_classifier(work, t, vocab_size=60, grad_scale=gs, dlogits8=d8, dlogits8_scale=s)
+    want, _ = fp8_quantize(work, "e5m2", np.full(1, s, np.float32), out=np.zeros((32, 64), np.uint8))
+    assert d8.tobytes() == want.tobytes()
+    assert np.all(d8[:, 60:] == 0) and np.all(d8[t == -1] == 0) and d8.any()
+
+
+def test_fp8_dlogits_bad_input(rng):
+    logits = rng.standard_normal((16, 64)).astype(np.float32)
+    t = _targets(rng, (16,), 64)
+    with pytest.raises(TypeError, match="dlogits8: needs bfloat16 logits"):
+        gpucore.fused_classifier(logits, t, grad_scale=0.1, dlogits8=np.zeros((16, 64), np.uint8), dlogits8_scale=1.0)
+    lb = logits.astype(gpucore.bfloat16)
+    with pytest.raises(ValueError, match="dlogits8"):
+        gpucore.fused_classifier(lb, t, grad_scale=0.1, dlogits8=np.zeros((16, 32), np.uint8), dlogits8_scale=1.0)
+    with pytest.raises(ValueError, match="dlogits8_scale"):
+        gpucore.fused_classifier(lb, t, grad_scale=0.1, dlogits8=np.zeros((16, 64), np.uint8), dlogits8_scale=0.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N,V,Vp", [(64, 50257, 50304), (48, 1000, 1024), (16, 64, 64)])
+def test_gpu_fp8_dlogits_are_bitwise_the_bf16_kernel_then_the_cast(rng, N, V, Vp):
+    """v3's FP8 kernel: the same losses and bf16 dlogits as the plain kernel, and E5M2 bytes equal
+    to fp8_quantize of those dlogits (ignored rows, padding, the target column included)."""
+    from gpucore.ops.fp8 import fp8_supported
+    ok, why = fp8_supported()
+    if not ok:
+        pytest.fail(why)
+    cp = runtime.cupy
+    logits = (rng.standard_normal((N, Vp)) * 3).astype(gpucore.bfloat16)
+    t = cp.asarray(_targets(rng, (N,), V, ignore_every=7))
+    gs = 1.0 / (N * 4)
+    s = dlogits_fp8_scale(gs)
+    plain, fused = cp.asarray(logits), cp.asarray(logits)
+    l_plain = gpucore.fused_classifier(plain, t, vocab_size=V, grad_scale=gs, version=3)
+    d8 = cp.full((N, Vp), 0x7f, np.uint8)           # poison: every byte must be written
+    l_fused = gpucore.fused_classifier(fused, t, vocab_size=V, grad_scale=gs, dlogits8=d8, dlogits8_scale=s)
+    assert to_cpu(l_fused).tobytes() == to_cpu(l_plain).tobytes()
+    assert to_cpu(fused).tobytes() == to_cpu(plain).tobytes()
+    want, _ = fp8_quantize(plain, "e5m2", cp.full(1, s, np.float32), out=cp.empty((N, Vp), np.uint8))
+    assert to_cpu(d8).tobytes() == to_cpu(want).tobytes()
+    assert to_cpu(d8).any()

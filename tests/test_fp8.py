@@ -509,3 +509,60 @@ def test_gpu_model_fp8_close_to_bf16_and_deterministic(mode):
     # the NumPy references agree with the GPU's FP8 path (the same casts; GEMM rounding apart)
     l8n, g8n, _ = _model_grads(cfg, np, x, y, mode)
     assert abs(l8 - l8n) < 2e-3 * l8n and rel_err(g8, g8n) < 5e-2
+
+
+# ------------------------------------------------------- the FP8 LM head ----
+
+def _head_grads(cfg, xp, x, y, lm_head):
+    from gpucore import settings
+    with settings.using(fp8_lm_head=lm_head):
+        return _model_grads(cfg, xp, x, y, "adaptive")
+
+
+def test_model_fp8_lm_head_numpy_close_to_bf16():
+    """settings.fp8_lm_head: logits and dlnf from FP8 GEMMs (NumPy references); the loss stays
+    within 1% of bf16's and the gradients within E5M2 precision; the head's three scaling slots
+    follow the layers' (x E4M3, W E4M3, dlogits E5M2 at the fixed power-of-two scale)."""
+    from gpucore.ops.classifier import dlogits_fp8_scale
+    cfg = GPT2Config.from_preset("micro")
+    x, y = _tokens(cfg, 2, 16)
+    l16, g16, _ = _model_grads(cfg, np, x, y, None)
+    l8, g8, m8 = _head_grads(cfg, np, x, y, False)
+    lh, gh, mh = _head_grads(cfg, np, x, y, True)
+    assert abs(lh - l16) < 1e-2 * l16
+    assert np.isfinite(gh).all() and rel_err(gh, g16) < 0.2
+    assert (lh, gh.tobytes()) != (l8, g8.tobytes())      # the head really ran in FP8
+    L = cfg.num_layers
+    assert m8.fp8.scaling.n == 12 * L and mh.fp8.scaling.n == 12 * L + 3
+    s = mh.fp8.scaling
+    assert s.formats[12 * L:] == ["e4m3", "e4m3", "e5m2"]
+    assert float(s.scale[12 * L + 2]) == dlogits_fp8_scale(1.0 / x.size)
+
+
+def test_model_fp8_lm_head_plans_its_scratch_and_checks_resumed_state():
+    from gpucore.model import memory_plan
+    from gpucore.fp8_linear import Fp8Linears
+    cfg = GPT2Config.from_preset("tiny")
+    off = memory_plan(cfg, 4, 64, "bfloat16", fp8=True, fp8_lm_head=False)
+    on = memory_plan(cfg, 4, 64, "bfloat16", fp8=True, fp8_lm_head=True)
+    N, C, Vp = 4 * 64, cfg.channels, cfg.padded_vocab_size
+    assert on["fp8 scratch"] - off.get("fp8 scratch", 0) == N * C + 2 * Vp * C + N * Vp
+    saved = Fp8Linears(cfg, np, mode="adaptive", lm_head=False).scaling.state()
+    with pytest.raises(ValueError, match="fp8_lm_head must be what the saving run had"):
+        Fp8Linears(cfg, np, mode="adaptive", lm_head=True).scaling.load_state(saved)
+
+
+@pytest.mark.cuda
+def test_gpu_model_fp8_lm_head_close_to_bf16_deterministic_and_as_numpy():
+    _need_fp8()
+    cp = runtime.cupy
+    cfg = GPT2Config.from_preset("tiny")
+    x, y = _tokens(cfg, 4, 64)
+    l16, g16, _ = _model_grads(cfg, cp, x, y, None)
+    lh, gh, _ = _head_grads(cfg, cp, x, y, True)
+    lh2, gh2, _ = _head_grads(cfg, cp, x, y, True)
+    assert abs(lh - l16) < 1e-2 * l16
+    assert np.isfinite(gh).all() and rel_err(gh, g16) < 0.2
+    assert lh == lh2 and gh.tobytes() == gh2.tobytes()
+    ln, gn, _ = _head_grads(cfg, np, x, y, True)
+    assert abs(lh - ln) < 2e-3 * ln and rel_err(gh, gn) < 5e-2

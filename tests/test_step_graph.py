@@ -151,3 +151,14 @@ def test_gpu_train_command_with_and_without_graph_agree(shards, tmp_path):
         assert any(f"CUDA graph {mode}" in line for line in lines)
     assert res["on"]["losses"] == res["off"]["losses"]
     assert res["on"]["val_losses"] == res["off"]["val_losses"]
+
+
+@pytest.mark.cuda
+def test_gpu_graphed_training_with_the_fp8_lm_head_is_bitwise_the_eager_one():
+    from gpucore import settings
+    _need_fp8()
+    with settings.using(fp8_lm_head=True):
+        eager = _train(False, fp8="adaptive")
+        graphed = _train(True, fp8="adaptive")
+    assert graphed[:3] == eager[:3]
+    assert graphed[3].captures == 1

@@ -8,6 +8,7 @@
 #     fp8          AdamW, --dtype fp8 (the linears' GEMMs in FP8, adaptive scaling, the default: issue 16)
 #     fp8-current  the same with current scaling
 #     fp8-delayed  the same with delayed scaling (RUNS="adamw fp8 fp8-current fp8-delayed" to compare)
+#     fp8-head     fp8 with the LM head's logits and dlnf GEMMs in FP8 too (settings.fp8_lm_head)
 #   on a corpus larger than Tiny Shakespeare: the Python standard library's .py sources (the
 #   first CORPUS_MB megabytes, files in sorted order) tokenized by `gpucore prepro`.
 # Reports val loss at every evaluation, final train loss, ms/step, and the memory plan against
@@ -39,6 +40,7 @@ fi
 common=(--model d12 -B "$B" -T 1024 --steps "$STEPS" --lr "$LR" --warmup 100 --dtype bf16 --device cuda
         --data "$DATA" --val-every 100 --val-steps 20 --sample-every 0 --no-checkpoint --seed 1337)
 for run in $RUNS; do
+  settings=${GPUCORE_SETTINGS:-}
   case $run in
     adamw)      extra=(--final-lr-frac 0.1) ;;
     sfadamw)    extra=(--optimizer sfadamw) ;;
@@ -47,9 +49,11 @@ for run in $RUNS; do
     fp8)        extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive) ;;
     fp8-current) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling current) ;;
     fp8-delayed) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling delayed) ;;
+    fp8-head)   extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
+                settings=${settings:+$settings,}fp8_lm_head=1 ;;
   esac
   echo "== $run"
-  $PY -m gpucore.cli train "${common[@]}" "${extra[@]}" --out-dir "$LOG/$run" --metrics "$LOG/$run.jsonl" \
+  GPUCORE_SETTINGS=$settings $PY -m gpucore.cli train "${common[@]}" "${extra[@]}" --out-dir "$LOG/$run" --metrics "$LOG/$run.jsonl" \
     > "$LOG/$run.txt" 2>&1 || { echo "$run FAILED"; tail -5 "$LOG/$run.txt"; }
   grep -E "^memory plan|val loss" "$LOG/$run.txt" | tail -2
 done

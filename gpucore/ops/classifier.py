@@ -30,6 +30,12 @@ row in shared memory via cp.async with lean per-element code (Vp a multiple of
 shared memory per block: bf16 up to ~116k columns, fp32 up to ~58k on an
 H100/H200). `version=None` picks v3 where it applies, else v1. cross_entropy
 runs v3's kernel without its write pass where v3 applies.
+
+FP8 (`dlogits8=`, `dlogits8_scale=`; bf16 logits): the LM head's FP8 backward
+(settings.fp8_lm_head) also wants dlogits as E5M2 bytes, scaled by a fixed power
+of two (`dlogits_fp8_scale(grad_scale)`: |dlogits| <= grad_scale, so no amax is
+needed). v3's FP8 kernel writes them beside the bf16 dlogits in the same pass, bit
+for bit fp8_quantize of the bf16 values; elsewhere (NumPy, v1/v2) the cast runs after.
 """
 from __future__ import annotations
 
@@ -196,9 +202,17 @@ def launch_fused(logits, targets, losses, V: int, grad_scale: float, version=Non
 
 # ----------------------------------------------------------- public API ----
 
+def dlogits_fp8_scale(grad_scale: float) -> float:
+    """The E5M2 scale of dlogits: the largest power of two with grad_scale * scale <= 57344
+    (E5M2's largest finite value), as |dlogits| <= grad_scale."""
+    if not grad_scale > 0:
+        raise ValueError(f"grad_scale: the FP8 dlogits need grad_scale > 0, got {grad_scale}")
+    return float(2.0 ** np.floor(np.log2(57344.0 / grad_scale)))
+
+
 @profiler.profiled("classifier (fused)", nbytes=profiler.io_bytes)
 def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=None, version=None, *,
-                     check_targets=True):
+                     check_targets=True, dlogits8=None, dlogits8_scale=None):
     """Per-token losses (float32, targets' shape); logits are overwritten with dlogits.
 
     logits (N, Vp) or (B, T, Vp), float32 or bfloat16; targets int32 of logits.shape[:-1],
@@ -207,8 +221,12 @@ def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=N
     1 / (number of non-ignored targets), the gradient of the mean loss.
     check_targets=False (GPU): skip the range check and its host synchronisation when the
     ids are known to be valid; ignored when grad_scale is None (the count needs the check).
+    dlogits8 (N, Vp) uint8, optional (bf16 logits): also dlogits' E5M2 bytes, scaled by
+    dlogits8_scale (a host float; dlogits_fp8_scale(grad_scale) never saturates).
     """
     xp, V, Vp, losses = _check_args(logits, targets, vocab_size, losses)
+    if dlogits8 is not None:
+        _check_fp8_out(logits, dlogits8, dlogits8_scale, xp)
     if xp is not np:
         pick_version(version, logits, Vp)           # a bad version fails before the sync below
     if grad_scale is not None and (isinstance(grad_scale, bool) or not isinstance(grad_scale, numbers.Real)):
@@ -221,8 +239,39 @@ def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=N
         ref_losses, dlogits = classifier_reference(logits, targets, V, grad_scale)
         losses[...] = ref_losses
         logits[...] = dlogits.astype(logits.dtype)
+    elif dlogits8 is not None and pick_version(version, logits, Vp) == 3:
+        return _launch_fused_fp8(logits, targets, losses, V, float(grad_scale), dlogits8, float(dlogits8_scale))
+    else:
+        launch_fused(logits, targets, losses, V, float(grad_scale), version)
+    if dlogits8 is not None:          # the general path: the bf16 dlogits, then their cast
+        from .fp8 import fp8_quantize
+        fp8_quantize(logits.reshape(-1, Vp), "e5m2", xp.full(1, dlogits8_scale, np.float32),
+                     out=dlogits8.reshape(-1, Vp))
+    return losses
+
+
+def _check_fp8_out(logits, dlogits8, scale, xp):
+    if logits.dtype != dtypes.bfloat16:
+        raise TypeError(f"dlogits8: needs bfloat16 logits, got {dtypes.name(logits.dtype)}")
+    check_array("dlogits8", dlogits8, dtypes_=(np.dtype(np.uint8),), shape=logits.shape)
+    if runtime.array_module(dlogits8) is not xp:
+        raise TypeError("dlogits8: must be on the logits' device")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not scale > 0:
+        raise ValueError(f"dlogits8_scale: expected a float > 0, got {scale!r}")
+
+
+def _launch_fused_fp8(logits, targets, losses, V, grad_scale, dlogits8, scale):
+    Vp = logits.shape[-1]
+    N = targets.size
+    if N == 0:
         return losses
-    return launch_fused(logits, targets, losses, V, float(grad_scale), version)
+    n_packs = Vp // 8
+    kernel = runtime.get_kernel("classifier", f"classifier_backward_fp8_kernel_v3_k{_v3_k(n_packs)}_bf16")
+    _set_carveout(kernel)
+    runtime.launch(kernel, N, V3_BLOCK, (losses, logits, dlogits8, targets, np.float32(grad_scale),
+                                         np.float32(scale), np.int32(N), np.int32(V), np.int32(Vp)),
+                   shared_mem=n_packs * 16)
+    return losses
 
 
 def cross_entropy(logits, targets, vocab_size=None, losses=None, *, check_targets=True):

@@ -423,6 +423,10 @@ class Fp8Scaling:
                 "step_index": self.step_index}
 
     def load_state(self, st: dict):
+        saved = np.asarray(st["scale"]).shape
+        if saved != (self.n,):
+            raise ValueError(f"FP8 scaling state for {saved[0] if saved else 0} tensors, this model scales "
+                             f"{self.n} (settings.fp8_lm_head must be what the saving run had)")
         self.scale[...] = self.xp.asarray(st["scale"])
         self.scale_inv[...] = self.xp.asarray((np.float32(1.0) / np.asarray(st["scale"])).astype(np.float32))
         self.history[...] = self.xp.asarray(st["history"])
