@@ -15,7 +15,7 @@
  *   the caller's finite checks report the NaN.
  * Shapes: in (R, C) bf16 row-major, R and C multiples of 16 (the FP8 GEMM needs that anyway);
  *   out (R, C) fp8 and/or out_t (C, R) fp8 (either may be null). Grid: (C/64, R/64) tiles of
- *   64 x 64, 256 threads; each thread loads two 16-byte packs (8 columns of rows r and r + 32),
+ *   64 x 64 (a smaller grid walks the tiles in a grid-stride loop: the gated re-cast's), 256 threads; each thread loads two 16-byte packs (8 columns of rows r and r + 32),
  *   writes 8 fp8 bytes of `out` per pack, and (transposed) one 16-byte pack of 16 rows of `out_t`
  *   gathered from the tile in shared memory.
  * gate (optional): the cast runs only when *gate != 0 (adaptive scaling's re-cast, decided on the
@@ -40,10 +40,15 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
     __shared__ __align__(16) u8 tile[TILE][TILE + 16];   // +16: rows start on different banks
     if (gate && *gate == 0.0f) return;         // the adaptive re-cast, not needed this time (block-uniform)
     const int t = threadIdx.x;
-    const int r0 = blockIdx.y * TILE, c0 = blockIdx.x * TILE;
     const float s = *scale;
     const int col = (t & 7) * 8;               // 8 columns per pack
     u32 m = 0;
+    // Tiles in a grid-stride loop: a full grid runs each block once; the gated re-cast is launched
+    // on a capped grid, so that when the gate says no, few blocks start only to return.
+    for (int ty = blockIdx.y; ty * TILE < R; ty += gridDim.y)
+    for (int tx = blockIdx.x; tx * TILE < C; tx += gridDim.x) {
+    const int r0 = ty * TILE, c0 = tx * TILE;
+    if (out_t) __syncthreads();                // the last tile's transposed reads are done
     #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int row = (t >> 3) + 32 * h;
@@ -67,6 +72,7 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
             *reinterpret_cast<uint4*>(out_t + (long long)(c0 + c) * R + r0 + rr) = make_uint4(v[0], v[1], v[2], v[3]);
         }
     }
+    }                                          // the tile loop
     if (amax) block_amax(amax, m);
 }
 
@@ -102,10 +108,13 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
     __shared__ float colbuf[TILE][TILE + 1];   // +1: the column sums read down a column without conflicts
     if (gate && *gate == 0.0f) return;         // block-uniform
     const int t = threadIdx.x;
-    const int r0 = blockIdx.y * TILE, c0 = blockIdx.x * TILE;
     const float s = *scale;
     const int col = (t & 7) * 8;
     u32 m = 0;
+    for (int ty = blockIdx.y; ty * TILE < R; ty += gridDim.y)     // fp8_cast's tile loop
+    for (int tx = blockIdx.x; tx * TILE < C; tx += gridDim.x) {
+    const int r0 = ty * TILE, c0 = tx * TILE;
+    if (out_t || partials) __syncthreads();    // the last tile's shared reads are done
     #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int row = (t >> 3) + 32 * h;
@@ -136,7 +145,7 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
     if (partials && t < TILE && c0 + t < C) {
         float sum = 0.0f;
         for (int r = 0; r < TILE; r++) sum = __fadd_rn(sum, colbuf[r][t]);
-        partials[(long long)blockIdx.y * C + c0 + t] = sum;
+        partials[(long long)ty * C + c0 + t] = sum;
     }
     if (out_t) {
         const int c = t >> 2, rr = (t & 3) * 16;
@@ -149,6 +158,7 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
             *reinterpret_cast<uint4*>(out_t + (long long)(c0 + c) * R + r0 + rr) = make_uint4(v[0], v[1], v[2], v[3]);
         }
     }
+    }                                          // the tile loop
     if (amax) block_amax(amax, m);
 }
 

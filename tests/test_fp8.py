@@ -566,3 +566,22 @@ def test_gpu_model_fp8_lm_head_close_to_bf16_deterministic_and_as_numpy():
     assert lh == lh2 and gh.tobytes() == gh2.tobytes()
     ln, gn, _ = _head_grads(cfg, np, x, y, True)
     assert abs(lh - ln) < 2e-3 * ln and rel_err(gh, gn) < 5e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("R,C", [(1040, 784), (4096, 3072), (16384, 768)])
+def test_gpu_gated_recast_on_its_capped_grid_is_the_cast(rng, R, C):
+    """The gated re-cast runs on a grid of a few blocks per SM that walk the tiles in a loop: on a
+    nonzero gate its bytes (both orientations) are fp8_quantize's; on a zero gate nothing is written."""
+    from gpucore.ops.fp8 import _grid, fp8_requantize_gated
+    _need_fp8()
+    cp = runtime.cupy
+    assert _grid(R, C, True)[1] < _grid(R, C, False)[1] or R <= 1040     # the loop really runs
+    x = cp.asarray(_bf16(rng, (R, C)))
+    scale = cp.asarray([50.0], F32)
+    q, qt = fp8_quantize(x, "e4m3", scale, out=cp.empty((R, C), np.uint8), out_t=cp.empty((C, R), np.uint8))
+    out, out_t = cp.zeros((R, C), np.uint8), cp.zeros((C, R), np.uint8)
+    fp8_requantize_gated(x, "e4m3", scale, cp.zeros(1, F32), out=out, out_t=out_t)
+    assert not bool(out.any()) and not bool(out_t.any())
+    fp8_requantize_gated(x, "e4m3", scale, cp.ones(1, F32), out=out, out_t=out_t)
+    assert to_cpu(out).tobytes() == to_cpu(q).tobytes() and to_cpu(out_t).tobytes() == to_cpu(qt).tobytes()

@@ -37,6 +37,7 @@ from .gelu import MAX_GRID_Y, gelu, gelu_backward_reference, gelu_reference
 
 FORMATS = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
 TILE = 64                     # fp8_cast_kernel: 64 x 64 tiles, 256 threads
+GATED_BLOCKS_PER_SM = 8       # a gated launch's grid: this many blocks per SM walk the tiles (see _grid)
 SLOT = 4                      # floats per tensor in Fp8Scaling's arrays (16 bytes: aligned scale pointers)
 U8 = np.dtype(np.uint8)
 F32 = np.dtype(np.float32)
@@ -155,6 +156,16 @@ def check_cast_args(x, fmt, scale, out, out_t, amax, gate, xp, xname="x"):
             raise ValueError(f"{name}: must be 16-byte aligned")
 
 
+def _grid(R, C, gated):
+    """Tiles (C/64, R/64) for the casts; a gated launch (adaptive re-cast) gets at most
+    GATED_BLOCKS_PER_SM blocks per SM that walk the tiles in a loop, so a no-op costs a few blocks'
+    start, not tens of thousands (and a real re-cast still fills the GPU). Same bits either way."""
+    gx, gy = -(-C // TILE), -(-R // TILE)
+    if gated:
+        gy = max(1, min(gy, GATED_BLOCKS_PER_SM * runtime.sm_count() // gx))
+    return gx, gy
+
+
 def _quantize(x, fmt, scale, out, out_t, amax, gate):
     check_array("x", x, dtype=dtypes.bfloat16, ndim=2)
     xp = runtime.array_module(x, scale, out, out_t, amax, gate)
@@ -175,7 +186,7 @@ def _quantize(x, fmt, scale, out, out_t, amax, gate):
         return out, out_t
     kernel = runtime.get_kernel("fp8", f"fp8_cast_kernel_{fmt}")
     null = np.uint64(0)
-    runtime.launch(kernel, (-(-C // TILE), -(-R // TILE)), 256,
+    runtime.launch(kernel, _grid(R, C, gate is not None), 256,
                    (null if out is None else out, null if out_t is None else out_t, null if amax is None else amax,
                     x, scale, null if gate is None else gate, np.int32(R), np.int32(C)))
     return out, out_t
@@ -232,7 +243,7 @@ def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate):
         return out, out_t
     partials = xp.empty((tiles, C), np.float32) if dbias is not None else None
     null = np.uint64(0)
-    runtime.launch(runtime.get_kernel("fp8", "fp8_gelu_backward_kernel_e5m2"), (-(-C // TILE), tiles), 256,
+    runtime.launch(runtime.get_kernel("fp8", "fp8_gelu_backward_kernel_e5m2"), _grid(R, C, gate is not None), 256,
                    (null if out is None else out, null if out_t is None else out_t, null if amax is None else amax,
                     null if partials is None else partials, dout, x, scale, null if gate is None else gate,
                     np.int32(R), np.int32(C)))
