@@ -5,7 +5,8 @@ weight W in E4M3, its output gradient in E5M2 (Fp8Scaling slots 12 l + 3 j + {0,
 else -- parameters, activations, attention, layernorm, the LM head, the loss, master weights, AdamW
 -- stays as in the bf16 mode.
 
-    forward   x8, x8T = q(x), W8 = q(W);       out = x8 @ W8^T (+ bias) [GELU epilogue for fc]
+    forward   x8, x8T = q(x), W8 = q(W);       out = x8 @ W8^T (+ bias)
+              (fcproj's x = GELU(fch): q(GELU(fch)) in one pass; the fc GEMM writes only fch)
     backward  g8, g8T = q(dout), W8T = q(W)^T     (the FP8 GEMM wants K-contiguous operands)
               dx = g8 @ W8T^T                  (N, K)
               dW += g8T @ x8T^T                (M, K)
@@ -21,11 +22,11 @@ in the model's activations ("x8t", 1 byte per value), so the backward never read
 exchange the model keeps no bf16 copy of the layernorm outputs (they exist only as one scratch)
 and no bf16 GELU outputs: FP8 training plans less activation memory than bf16. When the GELU
 outputs would not be kept in bf16 (resolve_keep_gelu), fcproj's x8T is not kept either: the
-backward recomputes the GELU and casts it, as the bf16 path recomputes it.
+backward recomputes it from fch, GELU and cast in one pass, where the bf16 path recomputes GELU.
 
-Who writes the FP8 bytes: the layernorm before qkv and fc (layernorm_forward_fp8) and the GELU
-backward before fc's gradient GEMMs (fp8_gelu_backward) write them themselves, never their bf16
-output; the other inputs and gradients (attention output, the residual gradients, dqkv) and the
+Who writes the FP8 bytes: the layernorm before qkv and fc (layernorm_forward_fp8), the GELU
+before fcproj (fp8_gelu_quantize, from fch) and the GELU backward before fc's gradient GEMMs
+(fp8_gelu_backward) write them themselves, never their bf16 output; the other inputs and gradients (attention output, the residual gradients, dqkv) and the
 weights go through a standalone cast (gpucore/ops/fp8.py). A producer can write FP8 only when the
 scale is known before it runs (adaptive or delayed scaling, Fp8Scaling.can_produce); with current
 scaling the bf16 tensor is made, measured and cast. tools/notes/fp8.md has what each costs. The
@@ -39,8 +40,9 @@ import numpy as np
 from . import settings
 from .ops.classifier import dlogits_fp8_scale
 from .ops.colsum import colsum
-from .ops.fp8 import Fp8Scaling, fp8_gelu_backward, fp8_gelu_backward_gated, fp8_matmul
-from .ops.gelu import gelu_backward
+from .ops.fp8 import (Fp8Scaling, fp8_gelu_backward, fp8_gelu_backward_gated, fp8_gelu_quantize,
+                      fp8_gelu_quantize_gated, fp8_matmul)
+from .ops.gelu import gelu, gelu_backward
 from .ops.layernorm import fp8_forward_fits, layernorm_forward_fp8
 
 QKV, ATTPROJ, FC, FCPROJ = range(4)
@@ -138,13 +140,16 @@ class Fp8Linears:
     def _slot(self, l, j, t):
         return 12 * l + 3 * j + t
 
-    def forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None, x8t=None, ln=None):
+    def forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None, x8t=None, ln=None, gelu_of=None):
         """out2d (N, M) = x2d (N, K) @ weight (M, K)^T + bias in FP8; gelu_out2d: also its GELU.
         x8t (K, N) uint8, optional: the same cast pass also writes x's transposed FP8 copy there,
         which the backward's weight gradient then reads instead of casting x again.
         ln (ops.layernorm.LayerNormCall), instead of x2d: x is that layernorm's output; when the
         scaling allows, the layernorm kernel writes x's FP8 bytes itself (its bf16 output is never
-        written), else it runs in bf16 and x is cast."""
+        written), else it runs in bf16 and x is cast.
+        gelu_of (N, K), optional: x is GELU(gelu_of) (fcproj's input, x2d its bf16 scratch): when
+        the scaling allows, one pass casts GELU(gelu_of) (fp8_gelu_quantize) and x2d is never
+        written, else GELU runs into x2d and x is cast."""
         N, M, K = out2d.shape[0], weight.shape[0], weight.shape[1]
         x8b, _, _, _, w8b, _ = self._buffers(N)
         x8, w8 = x8b[: N * K].reshape(N, K), w8b[: M * K].reshape(M, K)
@@ -157,20 +162,28 @@ class Fp8Linears:
                        lambda s, gate: layernorm_forward_fp8(
                            again_x, ln.weight, ln.bias, s, out8=x8, out8_t=x8t, mean=ln.mean, rstd=ln.rstd,
                            gate=gate))
+        elif gelu_of is not None and sc.can_produce(ix):
+            sc.produce(ix, lambda s, am: fp8_gelu_quantize(gelu_of, s, out=x8, out_t=x8t, amax=am),
+                       lambda s, gate: fp8_gelu_quantize_gated(gelu_of, s, gate, out=x8, out_t=x8t))
         else:
             if ln is not None:
                 x2d = ln.run().reshape(N, K)
+            elif gelu_of is not None:
+                gelu(gelu_of, out=x2d)
             sc.cast(ix, x2d, out=x8, out_t=x8t)
         sc.cast(iw, weight, out=w8, current=self.weights_current)
         fp8_matmul(x8, w8, "e4m3", "e4m3", sc.tensor(ix)[1], sc.tensor(iw)[1], out=out2d, bias=bias,
                    fast_accum=True, gelu_out=gelu_out2d)
         return out2d
 
-    def backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias=None, x8t=None, gelu_x2d=None):
+    def backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias=None, x8t=None, gelu_x2d=None,
+                 gelu_of=None):
         """dx2d (N, K) = dout2d @ weight [=]; dweight (M, K) += dout2d^T @ x [+=]; dbias (M,) += dout2d's
         column sums (bf16, from dout2d itself: the same rule as matmul_backward). x: its transposed
         FP8 copy x8t (K, N) from the forward, or (x8t None) x2d (N, K) bf16, cast here with the
         forward's scale.
+        gelu_of (N, K), optional, with x8t None: x is GELU(gelu_of) (fcproj), cast from it in one pass
+        (x2d is not read).
         gelu_x2d (N, M), optional: dout2d is the gradient of GELU(gelu_x2d) (the fc layer), and the
         output gradient is gelu_backward(dout2d, gelu_x2d): when the scaling allows, its FP8 bytes
         and bias sums come from one fused kernel and the bf16 gradient is never written; else
@@ -194,7 +207,10 @@ class Fp8Linears:
         sc.cast(iw, weight, out_t=w8t, record=False)    # the forward's scale
         if x8t is None:
             x8t = xtb[: N * K].reshape(K, N)
-            sc.cast(ix, x2d, out_t=x8t, record=False)
+            if gelu_of is not None:     # x = GELU(gelu_of), recomputed inside the cast (the forward's scale)
+                fp8_gelu_quantize(gelu_of, sc.tensor(ix)[0], out_t=x8t)
+            else:
+                sc.cast(ix, x2d, out_t=x8t, record=False)
         sg, sw, sx = sc.tensor(ig)[1], sc.tensor(iw)[1], sc.tensor(ix)[1]
         fp8_matmul(g8, w8t, "e5m2", "e4m3", sg, sw, out=dx2d)
         fp8_matmul(g8t, x8t, "e5m2", "e4m3", sg, sx, out=dweight, accumulate=True)

@@ -488,8 +488,11 @@ class GPT2:
             ln2_call = LayerNormCall(_2d(residual), _2d(a.proj), p.ln2w[l], p.ln2b[l], _2d(a.residual2[l]),
                                      _2d(ln2(l)), a.ln2_mean[l].reshape(-1), a.ln2_rstd[l].reshape(-1))
             fch_gelu = a.fch_gelu[l] if a.fch_gelu.ndim == 4 else a.fch_gelu
-            self._ln_linear(l, FC, ln2_call, p.fcw[l], p.fcb[l], _2d(a.fch[l]), _2d(fch_gelu), x8t=x8t(FC))
-            lin(l, FCPROJ, _2d(fch_gelu), p.fcprojw[l], p.fcprojb[l], _2d(a.proj), x8t=x8t(FCPROJ))
+            # bf16: GELU in the fc GEMM's epilogue. FP8: fcproj's input cast makes GELU(fch) itself.
+            fc_gelu = _2d(fch_gelu) if self.fp8 is None else None
+            self._ln_linear(l, FC, ln2_call, p.fcw[l], p.fcb[l], _2d(a.fch[l]), fc_gelu, x8t=x8t(FC))
+            lin(l, FCPROJ, _2d(fch_gelu), p.fcprojw[l], p.fcprojb[l], _2d(a.proj), x8t=x8t(FCPROJ),
+                gelu_of=_2d(a.fch[l]))
             if l + 1 < L:   # the next layer's ln1, fused with this layer's second residual add
                 ln1_call = LayerNormCall(_2d(a.residual2[l]), _2d(a.proj), p.ln1w[l + 1], p.ln1b[l + 1],
                                          _2d(a.residual3[l]), _2d(ln1(l + 1)), a.ln1_mean[l + 1].reshape(-1),
@@ -543,11 +546,12 @@ class GPT2:
             loss = (_sum(a.losses) / xp.maximum(count, 1)).astype(np.float32)
         return (loss, logits) if return_logits else loss
 
-    def _linear_forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None, x8t=None):
+    def _linear_forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None, x8t=None, gelu_of=None):
         """Linear j (QKV, ATTPROJ, FC, FCPROJ) of layer l: out2d = x2d @ weight^T + bias [gelu_out2d = GELU].
-        x8t (FP8 only): where to keep x's transposed FP8 copy for the backward."""
+        x8t (FP8 only): where to keep x's transposed FP8 copy for the backward. gelu_of (FP8 only):
+        x2d is GELU(gelu_of), made by x's FP8 cast (x2d is then only scratch)."""
         if self.fp8 is not None:
-            return self.fp8.forward(l, j, x2d, weight, bias, out2d, gelu_out2d, x8t=x8t)
+            return self.fp8.forward(l, j, x2d, weight, bias, out2d, gelu_out2d, x8t=x8t, gelu_of=gelu_of)
         return matmul_forward(x2d, weight, bias, out=out2d, gelu_out=gelu_out2d)
 
     def _ln_linear(self, l, j, ln, weight, bias, out2d, gelu_out2d=None, x8t=None):
@@ -558,12 +562,13 @@ class GPT2:
             return self.fp8.forward(l, j, None, weight, bias, out2d, gelu_out2d, x8t=x8t, ln=ln)
         return matmul_forward(ln.run(), weight, bias, out=out2d, gelu_out=gelu_out2d)
 
-    def _linear_backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias):
+    def _linear_backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias, gelu_of=None):
         """Its backward: dx2d = [, dweight +=, dbias += (when not None)]. FP8: x from the kept x8t
-        when the forward kept it (then x2d is not read), else from x2d."""
+        when the forward kept it (then x2d is not read), else from x2d, or recomputed as
+        GELU(gelu_of) inside its cast."""
         if self.fp8 is not None:
             return self.fp8.backward(l, j, dout2d, x2d, weight, dx2d, dweight, dbias,
-                                     x8t=self._kept_x8t(l, j, dout2d.shape[0]))
+                                     x8t=self._kept_x8t(l, j, dout2d.shape[0]), gelu_of=gelu_of)
         return matmul_backward(dout2d, x2d, weight, dx=dx2d, dweight=dweight, dbias=dbias,
                                need_dbias=dbias is not None)
 
@@ -621,12 +626,12 @@ class GPT2:
             # MLP branch: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
             if a.fch_gelu.ndim == 4:
                 fch_gelu = a.fch_gelu[l]
-            elif self.fp8 is not None and self.keep_gelu:
-                fch_gelu = a.fch_gelu                         # not read: its FP8 copy was kept
+            elif self.fp8 is not None:
+                fch_gelu = a.fch_gelu      # not read: its FP8 copy was kept, or is recast from GELU(fch)
             else:
                 fch_gelu = gelu(a.fch[l], out=a.fch_gelu)     # recompute (not stored per layer)
             lin_bwd(l, FCPROJ, _2d(dres), _2d(fch_gelu), p.fcprojw[l], _2d(dfch), g.fcprojw[l],
-                    None if fuse else g.fcprojb[l])
+                    None if fuse else g.fcprojb[l], gelu_of=_2d(a.fch[l]))
             if self.fp8 is not None:    # the GELU backward runs inside fc's FP8 gradient cast (and sums fcb)
                 self.fp8.backward(l, FC, _2d(dfch), _2d(ln2(l)), p.fcw[l], _2d(dsmall), g.fcw[l], g.fcb[l],
                                   x8t=self._kept_x8t(l, FC, B * T), gelu_x2d=_2d(a.fch[l]))

@@ -18,6 +18,8 @@
  *   64 x 64 (a smaller grid walks the tiles in a grid-stride loop: the gated re-cast's), 256 threads; each thread loads two 16-byte packs (8 columns of rows r and r + 32),
  *   writes 8 fp8 bytes of `out` per pack, and (transposed) one 16-byte pack of 16 rows of `out_t`
  *   gathered from the tile in shared memory.
+ * fp8_gelu_cast_kernel_e4m3: the same cast of gelu(in) (gelu.cu's bf16 GELU, rounded to bf16 first):
+ *   the fcproj input of FP8 training, made from fch without the bf16 GELU output ever existing.
  * gate (optional): the cast runs only when *gate != 0 (adaptive scaling's re-cast, decided on the
  *   device by fp8_guard_kernel at the end of this file: no host sync).
  * Scale update (fp8_update_scale_kernel, one thread per tensor; tensor k's scale, scale_inv and amax
@@ -33,7 +35,19 @@
 
 #define TILE 64
 
-template <int FMT>
+// GELU of 8 bf16 (one pack), rounded back to bf16 exactly as gelu.cu's gelu_forward_kernel_bf16 writes it.
+__device__ __forceinline__ uint4 gelu_pack8(uint4 p) {
+    const u32 w[4] = {p.x, p.y, p.z, p.w};
+    u32 o[4];
+    #pragma unroll
+    for (int i = 0; i < 4; i++)
+        o[i] = pack_bf16x2(gelu_f<false>(__uint_as_float(w[i] << 16)), gelu_f<false>(__uint_as_float(w[i] & 0xffff0000u)));
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// GELU = true: the cast of gelu(in) (the fcproj input in FP8 training: gelu_forward followed by the cast,
+// bit for bit, without writing or reading the bf16 GELU output).
+template <int FMT, bool GELU = false>
 __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __restrict__ amax,
                          const bf16* __restrict__ in, const float* __restrict__ scale,
                          const float* __restrict__ gate, int R, int C) {
@@ -54,7 +68,8 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
         const int row = (t >> 3) + 32 * h;
         const long long r = r0 + row;
         if (r < R && c0 + col < C) {           // C % 16 == 0: a pack is all in or all out
-            const uint4 p = __ldcs(reinterpret_cast<const uint4*>(in + r * C + c0 + col));
+            uint4 p = __ldcs(reinterpret_cast<const uint4*>(in + r * C + c0 + col));
+            if (GELU) p = gelu_pack8(p);
             const uint2 q = quantize8<FMT>(p, s, m);
             *reinterpret_cast<uint2*>(&tile[row][col]) = q;
             if (out) *reinterpret_cast<uint2*>(out + r * C + c0 + col) = q;
@@ -90,6 +105,14 @@ extern "C" __global__ void __launch_bounds__(256) fp8_cast_kernel_e5m2(
         const float* gate,                    // (1,) | null: cast only when *gate != 0
         int R, int C) {
     fp8_cast<E5M2>(out, out_t, amax, in, scale, gate, R, C);
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp8_gelu_cast_kernel_e4m3(
+        u8* out, u8* out_t, float* amax,      // (R, C) | null, (C, R) | null, (1,) | null: of gelu(in)
+        const bf16* in, const float* scale,   // (R, C): GELU's input (fch), (1,)
+        const float* gate,                    // (1,) | null: cast only when *gate != 0
+        int R, int C) {
+    fp8_cast<E4M3, true>(out, out_t, amax, in, scale, gate, R, C);
 }
 
 // GELU's backward, fused with the cast of its result (the MLP's fc output gradient in FP8 training):

@@ -585,3 +585,46 @@ def test_gpu_gated_recast_on_its_capped_grid_is_the_cast(rng, R, C):
     assert not bool(out.any()) and not bool(out_t.any())
     fp8_requantize_gated(x, "e4m3", scale, cp.ones(1, F32), out=out, out_t=out_t)
     assert to_cpu(out).tobytes() == to_cpu(q).tobytes() and to_cpu(out_t).tobytes() == to_cpu(qt).tobytes()
+
+
+# ---------------------------------------------- GELU + cast (fcproj's input) ----
+
+def test_gelu_quantize_numpy_is_gelu_then_the_cast(rng):
+    from gpucore.ops.fp8 import fp8_gelu_quantize, fp8_gelu_quantize_gated
+    from gpucore.ops.gelu import gelu
+    x = _bf16(rng, (32, 48), 3.0)
+    scale = np.asarray([40.0], F32)
+    want, want_t = fp8_quantize(gelu(x), "e4m3", scale, out=np.zeros((32, 48), np.uint8),
+                                out_t=np.zeros((48, 32), np.uint8))
+    am = np.zeros(1, F32)
+    got, got_t = fp8_gelu_quantize(x, scale, out=np.zeros((32, 48), np.uint8), out_t=np.zeros((48, 32), np.uint8),
+                                   amax=am)
+    assert got.tobytes() == want.tobytes() and got_t.tobytes() == want_t.tobytes()
+    assert am[0] == np.abs(gelu(x).astype(np.float32)).max()
+    out = np.zeros((32, 48), np.uint8)
+    fp8_gelu_quantize_gated(x, scale, np.zeros(1, F32), out=out)
+    assert not out.any()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("R,C", [(64, 64), (1040, 784), (4096, 3072)])
+def test_gpu_gelu_quantize_is_bitwise_the_gelu_kernel_then_the_cast(rng, R, C):
+    """fp8_gelu_quantize's bytes (both orientations) and amax are gelu (bf16 kernel) + fp8_quantize's;
+    its gated re-run (capped grid) writes the same bytes on a nonzero gate and nothing on zero."""
+    from gpucore.ops.fp8 import fp8_gelu_quantize, fp8_gelu_quantize_gated
+    from gpucore.ops.gelu import gelu
+    _need_fp8()
+    cp = runtime.cupy
+    x = cp.asarray(_bf16(rng, (R, C), 3.0))
+    scale = cp.asarray([40.0], F32)
+    am_want, am_got = cp.zeros(1, F32), cp.zeros(1, F32)
+    q, qt = fp8_quantize(gelu(x), "e4m3", scale, out=cp.empty((R, C), np.uint8), out_t=cp.empty((C, R), np.uint8),
+                         amax=am_want)
+    g, gt = fp8_gelu_quantize(x, scale, out=cp.empty((R, C), np.uint8), out_t=cp.empty((C, R), np.uint8), amax=am_got)
+    assert to_cpu(g).tobytes() == to_cpu(q).tobytes() and to_cpu(gt).tobytes() == to_cpu(qt).tobytes()
+    assert float(am_got[0]) == float(am_want[0])
+    out, out_t = cp.zeros((R, C), np.uint8), cp.zeros((C, R), np.uint8)
+    fp8_gelu_quantize_gated(x, scale, cp.zeros(1, F32), out=out, out_t=out_t)
+    assert not bool(out.any()) and not bool(out_t.any())
+    fp8_gelu_quantize_gated(x, scale, cp.ones(1, F32), out=out, out_t=out_t)
+    assert to_cpu(out).tobytes() == to_cpu(q).tobytes() and to_cpu(out_t).tobytes() == to_cpu(qt).tobytes()

@@ -131,6 +131,20 @@ def fp8_requantize_gated(x, fmt: str, scale, gate, *, out=None, out_t=None):
     return _quantize(x, fmt, scale, out, out_t, None, gate)
 
 
+@profiler.profiled("fp8 gelu cast", nbytes=profiler.io_bytes)
+def fp8_gelu_quantize(x, scale, *, out=None, out_t=None, amax=None):
+    """E4M3 bytes of gelu(x) * scale: the same bits as gelu(x) (bf16, gelu.cu's kernel) followed by
+    fp8_quantize(., "e4m3", scale, ...), in one pass that never writes the bf16 GELU output. x (R, C)
+    bfloat16 (the fc output, GELU's input); out / out_t / amax (of gelu(x)) as fp8_quantize's."""
+    return _quantize(x, "e4m3", scale, out, out_t, amax, None, gelu_first=True)
+
+
+@profiler.profiled("fp8 gelu cast (gated re-run)")
+def fp8_gelu_quantize_gated(x, scale, gate, *, out=None, out_t=None):
+    """fp8_gelu_quantize(x, scale, out=, out_t=) when gate (1,) != 0 on the device (adaptive scaling)."""
+    return _quantize(x, "e4m3", scale, out, out_t, None, gate, gelu_first=True)
+
+
 def check_cast_args(x, fmt, scale, out, out_t, amax, gate, xp, xname="x"):
     """The cast's argument checks (x (R, C) bf16 already checked), and on the GPU its layout rules."""
     _fmt(fmt)
@@ -166,7 +180,7 @@ def _grid(R, C, gated):
     return gx, gy
 
 
-def _quantize(x, fmt, scale, out, out_t, amax, gate):
+def _quantize(x, fmt, scale, out, out_t, amax, gate, gelu_first=False):
     check_array("x", x, dtype=dtypes.bfloat16, ndim=2)
     xp = runtime.array_module(x, scale, out, out_t, amax, gate)
     check_cast_args(x, fmt, scale, out, out_t, amax, gate, xp)
@@ -174,6 +188,8 @@ def _quantize(x, fmt, scale, out, out_t, amax, gate):
     if xp is np:
         if gate is not None and float(gate[0]) == 0.0:
             return out, out_t
+        if gelu_first:
+            x = gelu_reference(x).astype(dtypes.bfloat16)
         q = fp8_quantize_reference(x, fmt, _host_scalar(scale))
         if out is not None:
             out[...] = q
@@ -184,7 +200,7 @@ def _quantize(x, fmt, scale, out, out_t, amax, gate):
         return out, out_t
     if x.size == 0:
         return out, out_t
-    kernel = runtime.get_kernel("fp8", f"fp8_cast_kernel_{fmt}")
+    kernel = runtime.get_kernel("fp8", "fp8_gelu_cast_kernel_e4m3" if gelu_first else f"fp8_cast_kernel_{fmt}")
     null = np.uint64(0)
     runtime.launch(kernel, _grid(R, C, gate is not None), 256,
                    (null if out is None else out, null if out_t is None else out_t, null if amax is None else amax,
