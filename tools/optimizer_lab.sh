@@ -9,6 +9,7 @@
 #     fp8-current  the same with current scaling
 #     fp8-delayed  the same with delayed scaling (RUNS="adamw fp8 fp8-current fp8-delayed" to compare)
 #     fp8-head     fp8 with the LM head's logits and dlnf GEMMs in FP8 too (settings.fp8_lm_head)
+#   (SEED: the weight-init and sampling seed, default 1337; the data order is the same for every seed)
 #   on a corpus larger than Tiny Shakespeare: the Python standard library's .py sources (the
 #   first CORPUS_MB megabytes, files in sorted order) tokenized by `gpucore prepro`.
 # Reports val loss at every evaluation, final train loss, ms/step, and the memory plan against
@@ -38,7 +39,7 @@ if [ ! -f "$DATA/corpus_train.bin" ]; then
 fi
 
 common=(--model d12 -B "$B" -T 1024 --steps "$STEPS" --lr "$LR" --warmup 100 --dtype bf16 --device cuda
-        --data "$DATA" --val-every 100 --val-steps 20 --sample-every 0 --no-checkpoint --seed 1337)
+        --data "$DATA" --val-every 100 --val-steps 20 --sample-every 0 --no-checkpoint --seed "${SEED:-1337}")
 for run in $RUNS; do
   settings=${GPUCORE_SETTINGS:-}
   case $run in
