@@ -635,9 +635,12 @@ class Trainer:
         dp = self.dp
         if dp is not None:
             dp.watchdog.beat(f"the start of step {step + 1}")
-        loss_d, norm_d = train_step(self.model, self.opt, self.train_loader.next_batch, s.grad_accum, lr,
-                                    reducer=dp.reducer if dp is not None else None,
-                                    world_size=dp.world_size if dp is not None else 1, graph=self.graph)
+        try:
+            loss_d, norm_d = train_step(self.model, self.opt, self.train_loader.next_batch, s.grad_accum, lr,
+                                        reducer=dp.reducer if dp is not None else None,
+                                        world_size=dp.world_size if dp is not None else 1, graph=self.graph)
+        except step_graph.GraphCaptureError as e:        # --cuda-graph on: one line, not a traceback
+            raise TrainError(str(e)) from None
         loss, norm = float(loss_d), float(norm_d)      # syncs: the step is done
         if schedule_free:
             lr = self.opt.last_lr                       # the step's lr after the optimizer's warmup

@@ -494,20 +494,24 @@ def test_train_fp8_errors_are_one_line(shards, tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("mode", ["delayed", "adaptive", "current"])
-def test_gpu_model_fp8_close_to_bf16_and_deterministic(mode):
+@pytest.mark.parametrize("mode,lm_head", [("delayed", False), ("adaptive", False), ("current", False),
+                                          ("adaptive", True)])
+def test_gpu_model_fp8_close_to_bf16_and_deterministic(mode, lm_head):
+    """lm_head: settings.fp8_lm_head (the LM head's GEMMs in FP8 too; E5M2 dlnf: looser gradients)."""
+    from gpucore import settings
     _need_fp8()
     cp = runtime.cupy
     cfg = GPT2Config.from_preset("tiny")
     x, y = _tokens(cfg, 4, 64)
     l16, g16, _ = _model_grads(cfg, cp, x, y, None)
-    l8, g8, _ = _model_grads(cfg, cp, x, y, mode)
-    l8b, g8b, _ = _model_grads(cfg, cp, x, y, mode)
+    with settings.using(fp8_lm_head=lm_head):
+        l8, g8, _ = _model_grads(cfg, cp, x, y, mode)
+        l8b, g8b, _ = _model_grads(cfg, cp, x, y, mode)
+        # the NumPy references agree with the GPU's FP8 path (the same casts; GEMM rounding apart)
+        l8n, g8n, _ = _model_grads(cfg, np, x, y, mode)
     assert abs(l8 - l16) < 1e-2 * l16
-    assert np.isfinite(g8).all() and rel_err(g8, g16) < 0.15
+    assert np.isfinite(g8).all() and rel_err(g8, g16) < (0.2 if lm_head else 0.15)
     assert l8 == l8b and g8.tobytes() == g8b.tobytes()
-    # the NumPy references agree with the GPU's FP8 path (the same casts; GEMM rounding apart)
-    l8n, g8n, _ = _model_grads(cfg, np, x, y, mode)
     assert abs(l8 - l8n) < 2e-3 * l8n and rel_err(g8, g8n) < 5e-2
 
 
@@ -550,22 +554,6 @@ def test_model_fp8_lm_head_plans_its_scratch_and_checks_resumed_state():
     saved = Fp8Linears(cfg, np, mode="adaptive", lm_head=False).scaling.state()
     with pytest.raises(ValueError, match="fp8_lm_head must be what the saving run had"):
         Fp8Linears(cfg, np, mode="adaptive", lm_head=True).scaling.load_state(saved)
-
-
-@pytest.mark.cuda
-def test_gpu_model_fp8_lm_head_close_to_bf16_deterministic_and_as_numpy():
-    _need_fp8()
-    cp = runtime.cupy
-    cfg = GPT2Config.from_preset("tiny")
-    x, y = _tokens(cfg, 4, 64)
-    l16, g16, _ = _model_grads(cfg, cp, x, y, None)
-    lh, gh, _ = _head_grads(cfg, cp, x, y, True)
-    lh2, gh2, _ = _head_grads(cfg, cp, x, y, True)
-    assert abs(lh - l16) < 1e-2 * l16
-    assert np.isfinite(gh).all() and rel_err(gh, g16) < 0.2
-    assert lh == lh2 and gh.tobytes() == gh2.tobytes()
-    ln, gn, _ = _head_grads(cfg, np, x, y, True)
-    assert abs(lh - ln) < 2e-3 * ln and rel_err(gh, gn) < 5e-2
 
 
 @pytest.mark.cuda

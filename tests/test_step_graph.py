@@ -42,6 +42,42 @@ def test_step_graph_refuses_a_numpy_model():
         StepGraph(m)
 
 
+class _FakeModel:
+    """Stands for a GPU model: records the calls StepGraph makes."""
+    xp = object()                      # not NumPy
+
+    def __init__(self):
+        self.calls = []
+        self._acts_full = self._backward_ready = self._encoder_plan = None
+
+    def forward(self, x, y, **kw):
+        self.calls.append("forward")
+        return "loss"
+
+    def backward(self):
+        self.calls.append("backward")
+
+
+def _no_capture(self, *args):
+    raise RuntimeError("no capture here")
+
+
+def test_step_graph_falls_back_to_eager_with_one_line_when_the_capture_fails(monkeypatch):
+    monkeypatch.setattr(StepGraph, "_capture", _no_capture)
+    x = np.zeros((2, 4), np.int32)
+    lines, m = [], _FakeModel()
+    g = StepGraph(m, echo=lines.append)
+    for _ in range(3):
+        assert g.forward_backward(x, x, 0.1) == "loss"
+    assert m.calls == ["forward", "backward"] * 3            # every call ran, eagerly
+    assert g.failed == "RuntimeError: no capture here" and g.captures == 0
+    assert lines == ["CUDA graph: the step could not be captured (RuntimeError: no capture here); training eagerly"]
+    strict = StepGraph(_FakeModel(), strict=True, echo=lines.append)
+    strict.forward_backward(x, x, 0.1)                        # call 1 is eager in any mode
+    with pytest.raises(step_graph.GraphCaptureError, match="--cuda-graph on: the step could not be captured"):
+        strict.forward_backward(x, x, 0.1)
+
+
 def test_train_step_refuses_a_graph_with_a_reducer():
     m = GPT2(GPT2Config.from_preset("micro"), xp=np, dtype="float32", seed=1)
     opt = AdamW(m)
