@@ -26,12 +26,13 @@ backward recomputes it from fch, GELU and cast in one pass, where the bf16 path 
 
 Who writes the FP8 bytes: the layernorm before qkv and fc (layernorm_forward_fp8), the GELU
 before fcproj (fp8_gelu_quantize, from fch) and the GELU backward before fc's gradient GEMMs
-(fp8_gelu_backward) write them themselves, never their bf16 output; the other inputs and gradients (attention output, the residual gradients, dqkv) and the
-weights go through a standalone cast (gpucore/ops/fp8.py). A producer can write FP8 only when the
-scale is known before it runs (adaptive or delayed scaling, Fp8Scaling.can_produce); with current
-scaling the bf16 tensor is made, measured and cast. tools/notes/fp8.md has what each costs. The
-forward GEMMs use Hopper's fast FP8 accumulation, the backward ones exact accumulation
-(Transformer Engine's choice).
+(fp8_gelu_backward) write them themselves, never their bf16 output; the other inputs and
+gradients (attention output, the residual gradients, dqkv) and the weights go through a
+standalone cast (gpucore/ops/fp8.py). A producer can write FP8 only when the scale is known
+before it runs (adaptive or delayed scaling, Fp8Scaling.can_produce); with current scaling the
+bf16 tensor is made, measured and cast. tools/notes/fp8.md has what each costs. The forward
+GEMMs use Hopper's fast FP8 accumulation, the backward ones exact accumulation (Transformer
+Engine's choice).
 """
 from __future__ import annotations
 
@@ -222,6 +223,10 @@ class Fp8Linears:
 
     # --------------------------------------------------------------- LM head
 
+    def _head_slots(self):
+        """The LM head's scaling slots (x, W, dlogits), after the layers' 12 L."""
+        return tuple(12 * self.cfg.num_layers + k for k in range(3))
+
     def _head_buffers(self, N):
         if self._head is None or self._head[0] != N:
             self._head = (N, [self.xp.empty(n, np.uint8) for n in _head_sizes(self.cfg, N)])
@@ -234,7 +239,7 @@ class Fp8Linears:
         Vp = wte.shape[0]
         x8, w8, w8t, _ = self._head_buffers(N)
         sc = self.scaling
-        hx, hw, hg = (12 * self.cfg.num_layers + k for k in range(3))
+        hx, hw, hg = self._head_slots()
         sc.cast(hx, lnf, out=x8[: N * C].reshape(N, C))
         sc.cast(hw, wte, out=w8[: Vp * C].reshape(Vp, C), out_t=w8t[: Vp * C].reshape(C, Vp) if backward else None,
                 current=self.weights_current)
@@ -251,7 +256,7 @@ class Fp8Linears:
         C, Vp = self.cfg.channels, out.shape[1]
         N = self._head[0]
         x8, w8 = self._head[1][0][: N * C].reshape(N, C), self._head[1][1][: Vp * C].reshape(Vp, C)
-        hx, hw = 12 * self.cfg.num_layers, 12 * self.cfg.num_layers + 1
+        hx, hw, _ = self._head_slots()
         fp8_matmul(x8[r0:r1], w8, "e4m3", "e4m3", self.scaling.tensor(hx)[1], self.scaling.tensor(hw)[1],
                    out=out, fast_accum=True)
         return out
@@ -264,7 +269,7 @@ class Fp8Linears:
         """out (rows, C) = dlogits8 @ wte8T^T, dequantized: the LM head's dlnf for one chunk [=]."""
         C, Vp = out.shape[1], dlogits8.shape[1]
         w8t = self._head[1][2][: Vp * C].reshape(C, Vp)
-        hw, hg = 12 * self.cfg.num_layers + 1, 12 * self.cfg.num_layers + 2
+        _, hw, hg = self._head_slots()
         fp8_matmul(dlogits8, w8t, "e5m2", "e4m3", self.scaling.tensor(hg)[1], self.scaling.tensor(hw)[1], out=out)
         return out
 
