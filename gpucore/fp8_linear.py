@@ -138,6 +138,11 @@ class Fp8Linears:
             self._n = N
         return self._scratch
 
+    def buffers(self) -> tuple:
+        """The FP8 scratch arrays allocated so far (the linears', the LM head's): what a CUDA graph
+        of the step must keep alive (GPT2.step_buffers)."""
+        return tuple(self._scratch or ()) + tuple(self._head[1] if self._head else ())
+
     def _slot(self, l, j, t):
         return 12 * l + 3 * j + t
 

@@ -410,8 +410,7 @@ class GPT2:
         """The buffers a forward + backward writes besides the parameters: activations, backward
         scratch, gradients, FP8 scratch. A CUDA graph of the step keeps them alive, so a later
         reallocation (another batch shape) never frees memory the graph writes (step_graph.py)."""
-        fp8 = (tuple(self.fp8._scratch or ()) + tuple(self.fp8._head[1] if self.fp8._head else ())
-               if self.fp8 is not None else ())
+        fp8 = self.fp8.buffers() if self.fp8 is not None else ()
         return (self._acts_full, self._grad_full, self.grads) + fp8
 
     def memory_plan(self, B: int, T: int) -> dict[str, int]:

@@ -198,3 +198,22 @@ def test_gpu_graphed_training_with_the_fp8_lm_head_is_bitwise_the_eager_one():
         graphed = _train(True, fp8="adaptive")
     assert graphed[:3] == eager[:3]
     assert graphed[3].captures == 1
+
+
+def test_step_buffers_name_everything_a_graphed_step_writes():
+    """GPT2.step_buffers: activations, backward scratch, gradients and (FP8) the linears' and the
+    LM head's scratch, the same objects the step used (the graph keeps exactly these alive)."""
+    from gpucore import settings
+    cfg = GPT2Config.from_preset("micro")
+    r = np.random.default_rng(0)
+    x, y = (r.integers(0, cfg.vocab_size, (2, 16), dtype=np.int32) for _ in range(2))
+    with settings.using(fp8_lm_head=True):
+        m = GPT2(cfg, xp=np, dtype="bfloat16", seed=1, fp8="adaptive")
+    m.zero_grad()
+    m.forward(x, y, for_backward=True)
+    m.backward()
+    got = m.step_buffers()
+    assert got[:3] == (m._acts_full, m._grad_full, m.grads)
+    assert len(got) == 3 + 6 + 4                      # x8, x8T, g8, g8T, W8, W8T; lnf8, wte8, wte8T, dlogits8
+    assert all(a is b for a, b in zip(got[3:9], m.fp8._scratch)) and all(a is b for a, b in zip(got[9:], m.fp8._head[1]))
+    assert GPT2(cfg, xp=np, dtype="bfloat16", seed=1).step_buffers() == (None, None, None)

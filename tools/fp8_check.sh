@@ -11,23 +11,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OLD=${1:-}
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-LOG=${OUT:-out}/fp8_check
-mkdir -p "$LOG" && LOG=$(cd "$LOG" && pwd)
+. tools/check_common.sh
 TESTS=${TESTS:-tests/test_fp8.py tests/test_model.py tests/test_train.py tests/test_train_resume.py tests/test_profile.py}
 MODES=${MODES:-adaptive current delayed}
 MODEL=${MODEL:-d12}
 B=${B:-64}
 STEPS=${STEPS:-15}
 ROUNDS=${ROUNDS:-1}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1
-
-test_status=skipped
-if [ "$TESTS" != none ]; then
-  timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -m cuda -q -p no:cacheprovider $TESTS 2>&1 | tee "$LOG/pytest.txt" | tail -25
-  test_status=$(grep -E "(passed|failed|error)" "$LOG/pytest.txt" | tail -1)
-fi
+check_begin fp8_check
+run_gpu_tests 300
 
 variants=("bf16=.")
 [ -n "$OLD" ] && variants+=("old-fp8=$OLD::--dtype fp8")

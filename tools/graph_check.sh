@@ -12,23 +12,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OLD=${1:-}
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-LOG=${OUT:-out}/graph_check
-mkdir -p "$LOG" && LOG=$(cd "$LOG" && pwd)
+. tools/check_common.sh
 TESTS=${TESTS:-tests/test_step_graph.py tests/test_cublas.py tests/test_matmul.py}
 MODEL=${MODEL:-d12}
 BS=${BS:-64 16}
 DTYPES=${DTYPES:-bf16 fp8}
 STEPS=${STEPS:-20}
 ROUNDS=${ROUNDS:-1}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1
-
-test_status=skipped
-if [ "$TESTS" != none ]; then
-  timeout "${TEST_TIMEOUT:-400}" $PY -m pytest -m cuda -q -p no:cacheprovider $TESTS 2>&1 | tee "$LOG/pytest.txt" | tail -25
-  test_status=$(grep -E "(passed|failed|error)" "$LOG/pytest.txt" | tail -1)
-fi
+check_begin graph_check
+run_gpu_tests 400
 
 for B in $BS; do
   variants=()

@@ -13,21 +13,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OLD=${1:?usage: tools/speed_check.sh OLD_TREE_DIR}
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-LOG=${OUT:-out}/speed_check
-mkdir -p "$LOG" && LOG=$(cd "$LOG" && pwd)
+. tools/check_common.sh
 TESTS=${TESTS:-tests/test_matmul.py tests/test_model.py tests/test_cublas.py tests/test_gelu.py}
 MODELS=${MODELS:-d12:64}
 STEPS=${STEPS:-20}
 ROUNDS=${ROUNDS:-2}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1
-
-test_status=skipped
-if [ "$TESTS" != none ]; then
-  timeout "${TEST_TIMEOUT:-240}" $PY -m pytest -m cuda -q -p no:cacheprovider $TESTS 2>&1 | tee "$LOG/pytest.txt" | tail -25
-  test_status=$(grep -E "(passed|failed|error)" "$LOG/pytest.txt" | tail -1)
-fi
+check_begin speed_check
+run_gpu_tests 240
 
 if [ -n "${VARIANTS+x}" ]; then read -r -a variants <<< "$VARIANTS"   # space-separated, no spaces inside
 else variants=("sep=.:GPUCORE_SETTINGS=gelu_epilogue=0:--keep-gelu=off" "recompute=.::--keep-gelu=off"); fi
