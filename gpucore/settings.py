@@ -48,6 +48,7 @@ class Settings:
     # ---- model (gpucore/model.py)
     fused_bias_grads: bool = True         # fcproj/fc/attproj bias grads from the gelu / layernorm backward
     lm_head_chunk_bytes: int = 1 << 30    # LM-head logits scratch: rows per chunk = largest power of 2 within
+    lm_head_streams: bool = True          # LM-head backward: the dwte GEMM on a side stream beside dlnf's
     # ---- FP8 linears (gpucore/fp8_linear.py, --dtype fp8): the scaling recipes' knobs
     fp8_history: int = 16                 # steps of amax history behind each scale
     fp8_margin: int = 1                   # scales 2^-margin below the history's amax: headroom for growth
