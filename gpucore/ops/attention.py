@@ -437,9 +437,10 @@ def _v3_bwd_configs(hd, dkdv_config, dq_config, persistent):
     return dkdv_config or V3_DKDV_CONFIG[hd], dq_config or V3_DQ_CONFIG[hd], False
 
 
-def _v3_bwd_launch(pass_, hd, config, persistent, B, T, NH):
+def _v3_bwd_launch(pass_, hd, config, persistent, B, T, NH, counter=None):
     """(kernel, grid, threads, extra args, smem) of one pass: a (B*NH heads, tiles) grid, or for the
-    persistent kernels one block per SM (at most the number of work items) and n_heads = B*NH."""
+    persistent kernels one block per SM (at most the number of work items), n_heads = B*NH and
+    `counter` (one int32 on the device, zero when the kernel starts: it hands out the items)."""
     wgs, tile = config[:2]
     smem = v3_dkdv_smem(hd, wgs, tile) if pass_ == "dkdv" else v3_dq_smem(hd, wgs, tile)
     items = (B * NH, -(-T // (64 * wgs)))
@@ -447,17 +448,21 @@ def _v3_bwd_launch(pass_, hd, config, persistent, B, T, NH):
     if not persistent:
         return k, items, 128 * wgs, (), smem
     per_sm = max(1, 2 // wgs)                    # the kernels' __launch_bounds__ minimum (2 / NWG)
-    return k, (min(items[0] * items[1], runtime.sm_count() * per_sm), 1), 128 * wgs, (np.int32(B * NH),), smem
+    grid = (min(items[0] * items[1], runtime.sm_count() * per_sm), 1)
+    return k, grid, 128 * wgs, (np.int32(B * NH), counter), smem
 
 
-def backward_v3_dkdv(dout, qkv, lse, D, NH, dqkv, config=None, persistent=False):
+def backward_v3_dkdv(dout, qkv, lse, D, NH, dqkv, config=None, persistent=False, counter=None):
     """The v3 dK/dV pass alone (attention/flash_v3_bwd.cu), given D = rowsum(dout * out):
     writes the dk and dv columns of dqkv. `config` (warpgroups, BM[, V3_RA]), default
-    V3_DKDV_CONFIG[hd] (persistent: V3_PERSISTENT's first)."""
+    V3_DKDV_CONFIG[hd] (persistent: V3_PERSISTENT's first; `counter` a zeroed int32 device
+    array of one element, made here when None)."""
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
     config = config or (V3_PERSISTENT["dkdv"][hd][0] if persistent else V3_DKDV_CONFIG[hd])
-    k, grid, threads, extra, smem = _v3_bwd_launch("dkdv", hd, config, persistent, B, T, NH)
+    if persistent and counter is None:
+        counter = runtime.cupy.zeros(1, dtype=np.int32)
+    k, grid, threads, extra, smem = _v3_bwd_launch("dkdv", hd, config, persistent, B, T, NH, counter)
     runtime.launch(k, grid, threads,
                    (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd)), *extra),
                    shared_mem=smem)
@@ -482,12 +487,15 @@ def backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_config=None, dq_config=None,
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
     dkdv_config, dq_config, persistent = _v3_bwd_configs(hd, dkdv_config, dq_config, persistent)
-    k2, q_grid, q_threads, extra, q_smem = _v3_bwd_launch("dq", hd, dq_config, persistent, B, T, NH)
+    # the persistent passes' item counters, zeroed in stream order before either pass starts
+    counters = cp.zeros(2, dtype=np.int32) if persistent else None
+    dq_counter, kv_counter = (counters[0:1], counters[1:2]) if persistent else (None, None)
+    k2, q_grid, q_threads, extra, q_smem = _v3_bwd_launch("dq", hd, dq_config, persistent, B, T, NH, dq_counter)
     streams = settings.current().attention_v3_streams if streams is None else streams
     D = _preprocess(dout, out, NH)
     args = (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd)), *extra)
     if not streams:
-        backward_v3_dkdv(dout, qkv, lse, D, NH, dqkv, config=dkdv_config, persistent=persistent)
+        backward_v3_dkdv(dout, qkv, lse, D, NH, dqkv, config=dkdv_config, persistent=persistent, counter=kv_counter)
         runtime.launch(k2, q_grid, q_threads, args, shared_mem=q_smem)
         return
     main = cp.cuda.get_current_stream()
@@ -497,7 +505,7 @@ def backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_config=None, dq_config=None,
     # dQ first in launch order on its own stream: its heaviest tiles start while the dK/dV
     # pass' blocks queue behind; each pass fills the other's causal tail.
     runtime.launch(k2, q_grid, q_threads, args, shared_mem=q_smem, stream=side)
-    backward_v3_dkdv(dout, qkv, lse, D, NH, dqkv, config=dkdv_config, persistent=persistent)
+    backward_v3_dkdv(dout, qkv, lse, D, NH, dqkv, config=dkdv_config, persistent=persistent, counter=kv_counter)
     joined.record(side)
     main.wait_event(joined)      # whatever the caller queues next (and D's release) sees dQ done
 

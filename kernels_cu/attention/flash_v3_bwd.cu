@@ -134,7 +134,8 @@ __device__ __forceinline__ void v3_product_rs(float* d, u32 (&f)[KN / 16][4], u3
 // stores drain while the next item computes. Each item's arithmetic is unchanged: same bits.
 template <int HD, int NWG, int BM, int MINB, bool RA, bool PERSIST>
 __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, const bf16* dout, const float* lse,
-                                                  const float* Dv, int T, int NH, float scale, int n_heads) {
+                                                  const float* Dv, int T, int NH, float scale, int n_heads,
+                                                  int* counter) {
     constexpr int BN = 64 * NWG, NT = 128 * NWG;
     constexpr int KV_BYTES = BN * HD * 2, Q_BYTES = BM * HD * 2;
     constexpr int NQ = BM / 8;                    // n8 blocks of S^T (queries)
@@ -156,7 +157,6 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
     const int C = NH * HD, stride = 3 * C;
     const int nt = ceil_div(T, BN), i_end = ceil_div(T, BM);
     const int n_items = PERSIST ? n_heads * nt : 1;
-    const int step = PERSIST ? gridDim.x : 1;
     const float sl2 = scale * FA_LOG2E;
     int tc = 0;                                   // tiles done by this block: ring stage = tc % ST
     bool kv_ready = false, q_ready = false;       // this item's K/V / first tile already in flight
@@ -176,13 +176,19 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
         v3_load_tile<BN, HD, NT>(sV, qg + 2 * C, n0, T, stride);
     };
 
-    for (int lin = PERSIST ? (int)blockIdx.x : 0; lin < n_items; lin += step) {
+    __shared__ int s_next[2];                     // PERSIST: the next item, by item parity
+    int lin = PERSIST ? (int)blockIdx.x : 0, parity = 0;
+    while (lin < n_items) {
+        // Items after the first come from a counter (zeroed before the launch): blocks take them
+        // in order as they free up, so the blocks running together stay on neighbouring heads
+        // (L2) and none is left with a heavy tail. Which block runs an item changes no bit.
+        if (PERSIST && threadIdx.x == 0) s_next[parity] = gridDim.x + atomicAdd(counter, 1);
         int bh, rank;
         if constexpr (PERSIST) v3_item_order(lin, n_heads, nt, bh, rank);
         else v3_block_order(bh, rank);
-        // the next item of this block, if any: its first tile (and K/V) are prefetched in this one
-        int nbh = -1, nrank = 0;
-        if (PERSIST && lin + step < n_items) v3_item_order(lin + step, n_heads, nt, nbh, nrank);
+        // the next item of this block (read after the first tile's barrier), if any: its first
+        // tile (and K/V) are prefetched in this one
+        int nlin = n_items, nbh = -1, nrank = 0;
         const int n0 = rank * BN;                 // tile 0 has the most Q tiles: launched first
         const int i_first = n0 / BM;
         const bf16* q_g = q_cols(bh);
@@ -217,6 +223,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
             fence_proxy_async();                  // ... visible to wgmma (async proxy)
             __syncthreads();                      // ... everyone's; and every warpgroup has retired
                                                   // the wgmma of tile i-1 (ST 2) / i-2 (ST 3)
+            if (PERSIST && i == i_first) {
+                nlin = s_next[parity];
+                if (nlin < n_items) v3_item_order(nlin, n_heads, nt, nbh, nrank);
+            }
             if (i + 1 < i_end) {                  // -> stage nxt (tile i+1-ST's) is free
                 load_q_tile(q_g, do_g, bh, nxt, (i + 1) * BM);
             } else if (PERSIST && nbh >= 0) {     // the next item's first tile, same rule
@@ -300,6 +310,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
         bf16* dk_g = dqkv + (q_g - qkv) + C;      // head bh's K columns of dqkv
         v3_store_acc<HD>(dk_g, dk, scale, key0, T, stride, t4);
         v3_store_acc<HD>(dk_g + C, dv, 1.f, key0, T, stride, t4);
+        lin = PERSIST ? nlin : n_items;
+        parity ^= 1;
     }
     if constexpr (PERSIST) cp_async_wait<0>();
 }
@@ -313,7 +325,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
 template <int HD, int NWG, int BN, int MINB, bool FD, bool RA, bool PERSIST>
 __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf16* qkv, const bf16* dout,
                                                 const bf16* out, const float* lse, const float* Dv, int T, int NH,
-                                                float scale, int n_heads) {
+                                                float scale, int n_heads, int* counter) {
     static_assert(!(FD && PERSIST), "the fused-D pass is a ladder rung: not persistent");
     constexpr int BM = 64 * NWG, NT = 128 * NWG;
     constexpr int Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
@@ -343,10 +355,14 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
         v3_load_tile<BN, HD, NT>(sV + st * KV_BYTES, qg + 2 * C, n0, T, stride);
     };
 
-    for (int lin = PERSIST ? (int)blockIdx.x : 0; lin < n_items; lin += PERSIST ? gridDim.x : 1) {
+    __shared__ int s_next[2];                     // PERSIST: the next item, by item parity (as dK/dV)
+    int lin = PERSIST ? (int)blockIdx.x : 0, parity = 0;
+    while (lin < n_items) {
+        if (PERSIST && threadIdx.x == 0) s_next[parity] = gridDim.x + atomicAdd(counter, 1);
         int bh, rank;
         if constexpr (PERSIST) v3_item_order(lin, n_heads, nt, bh, rank);
         else v3_block_order(bh, rank);
+        int nlin = n_items;                       // read after the first tile's barrier
         const int b = bh / NH, h = bh % NH;
         const int m0 = (nt - 1 - rank) * BM;      // heaviest tiles first
         const bf16* q_g = q_cols(bh);
@@ -402,11 +418,12 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
             cp_async_wait<0>();                   // tile j landed (this thread's copies)
             fence_proxy_async();
             __syncthreads();                      // everyone's; tile j+1-ST's wgmma all retired
+            if (PERSIST && j == 0) nlin = s_next[parity];
             if (j + 1 < n_tiles) {
                 load_kv_tile(q_g, nxt, (j + 1) * BN);
-            } else if (PERSIST && lin + (int)gridDim.x < n_items) {   // the next item's K/V tile 0, same rule
+            } else if (PERSIST && nlin < n_items) {   // the next item's K/V tile 0, same rule
                 int nbh, nrank;
-                v3_item_order(lin + gridDim.x, n_heads, nt, nbh, nrank);
+                v3_item_order(nlin, n_heads, nt, nbh, nrank);
                 load_kv_tile(q_cols(nbh), nxt, 0);
                 kv_ready = true;
             }
@@ -461,16 +478,20 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
         wg_fence_regs<HD / 2>(dq);
         if constexpr (!PERSIST) cp_async_wait<0>();
         v3_store_acc<HD>(dqkv + (q_g - qkv), dq, scale, row0, T, stride, t4);
+        lin = PERSIST ? nlin : n_items;
+        parity ^= 1;
     }
     if constexpr (PERSIST) cp_async_wait<0>();
 }
 
 #define V3_DKDV_BODY(HD, NWG, BM, MINB, RA, P) \
-    flash_bwd_dkdv_v3<HD, NWG, BM, MINB, RA, P>(dqkv, qkv, dout, lse, D, T, NH, scale, n_heads)
+    flash_bwd_dkdv_v3<HD, NWG, BM, MINB, RA, P>(dqkv, qkv, dout, lse, D, T, NH, scale, n_heads, counter)
 #define V3_DQ_BODY(HD, NWG, BN, MINB, RA, P) \
-    flash_bwd_dq_v3<HD, NWG, BN, MINB, false, RA, P>(dqkv, nullptr, qkv, dout, nullptr, lse, D, T, NH, scale, n_heads)
+    flash_bwd_dq_v3<HD, NWG, BN, MINB, false, RA, P>(dqkv, nullptr, qkv, dout, nullptr, lse, D, T, NH, scale, n_heads, \
+                                                     counter)
 #define V3_DQF_BODY(HD, NWG, BN, MINB) \
-    flash_bwd_dq_v3<HD, NWG, BN, MINB, true, false, false>(dqkv, D, qkv, dout, out, lse, nullptr, T, NH, scale, 0)
+    flash_bwd_dq_v3<HD, NWG, BN, MINB, true, false, false>(dqkv, D, qkv, dout, out, lse, nullptr, T, NH, scale, 0, \
+                                                          nullptr)
 #else
 #define V3_DKDV_BODY(HD, NWG, BM, MINB, RA, P) __trap()    // not sm_90a: Python never launches this
 #define V3_DQ_BODY(HD, NWG, BN, MINB, RA, P) __trap()
@@ -493,6 +514,7 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
             const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
             int T, int NH, float scale) {                                                      \
         constexpr int n_heads = 0;                /* the grid says: (B*NH, tiles) */           \
+        int* const counter = nullptr;                                                          \
         V3_DKDV_BODY(HD, NWG, BM, MINB, RA, false);                                            \
     }
 #define FLASH_V3_DQ_(HD, NWG, BN, MINB, RA, SUF)                                                     \
@@ -501,22 +523,24 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
             const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
             int T, int NH, float scale) {                                                      \
         constexpr int n_heads = 0;                                                             \
+        int* const counter = nullptr;                                                          \
         V3_DQ_BODY(HD, NWG, BN, MINB, RA, false);                                              \
     }
 // Persistent twins (kernel names end in _p_bf16): one block per SM (grid (SMs, 1)), n_heads = B*NH
-// items per tile rank; gpucore/ops/attention.py launches them for the default configs.
+// items per tile rank, counter: one int, zero at launch (the items after the first gridDim.x);
+// gpucore/ops/attention.py launches them for the default configs.
 #define FLASH_V3_DKDV_P_(HD, NWG, BM, MINB, RA, SUF)                                                 \
     extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \
     attention_backward_dkdv_kernel_v3_hd##HD##_g##NWG##_m##BM##SUF##_p_bf16(bf16* dqkv,        \
             const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
-            int T, int NH, float scale, int n_heads) {                                         \
+            int T, int NH, float scale, int n_heads, int* counter) {                           \
         V3_DKDV_BODY(HD, NWG, BM, MINB, RA, true);                                             \
     }
 #define FLASH_V3_DQ_P_(HD, NWG, BN, MINB, RA, SUF)                                                   \
     extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \
     attention_backward_dq_kernel_v3_hd##HD##_g##NWG##_n##BN##SUF##_p_bf16(bf16* dqkv,          \
             const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
-            int T, int NH, float scale, int n_heads) {                                         \
+            int T, int NH, float scale, int n_heads, int* counter) {                           \
         V3_DQ_BODY(HD, NWG, BN, MINB, RA, true);                                               \
     }
 #define FLASH_V3_DKDV(HD, NWG, BM, MINB) FLASH_V3_DKDV_(HD, NWG, BM, MINB, false, )
