@@ -132,20 +132,18 @@ class Cublas:
             raise RuntimeError(f"cuBLAS {what} failed with status {status}")
 
     def handle(self):
-        """This device's handle, bound to the current CuPy stream. A side stream
-        (runtime.side_stream) gets a handle and workspace of its own: a GEMM there may run at
-        the same time as one on the main stream."""
-        stream = runtime.cupy.cuda.get_current_stream().ptr
-        key = (runtime.cupy.cuda.Device().id, runtime.side_stream_name(stream))
-        if key not in self.handles:
+        """This device's handle, bound to the current CuPy stream."""
+        dev = runtime.cupy.cuda.Device().id
+        if dev not in self.handles:
             h = ctypes.c_void_p()
             self._ok(self.lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
             ws = runtime.cupy.empty(LT_WORKSPACE_BYTES, dtype=np.uint8)
             self._ok(self.lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(ws.data.ptr), LT_WORKSPACE_BYTES),
                      "cublasSetWorkspace")
-            self.handles[key] = (h, ws)
-        h = self.handles[key][0]
-        self._ok(self.lib.cublasSetStream_v2(h, ctypes.c_void_p(stream)), "cublasSetStream")
+            self.handles[dev] = (h, ws)
+        h = self.handles[dev][0]
+        self._ok(self.lib.cublasSetStream_v2(h, ctypes.c_void_p(runtime.cupy.cuda.get_current_stream().ptr)),
+                 "cublasSetStream")
         return h
 
 
@@ -332,16 +330,12 @@ class CublasLt:
         self._ok(fn(obj, attr, ctypes.addressof(value), ctypes.sizeof(value)), f"{fn.__name__}({attr})")
 
     def device_state(self):
-        """(device id, handle, workspace) of the current device, created on first use. Each side
-        stream (runtime.side_stream) has a workspace of its own: GEMMs queued on two streams run
-        at once, and two of them writing one workspace would corrupt each other's partial sums."""
+        """(device id, handle, workspace) of the current device, created on first use."""
         dev = runtime.cupy.cuda.Device().id
         if dev not in self.handles:
             self.handles[dev] = self._create(self.lib.cublasLtCreate)
-        ws_key = (dev, runtime.side_stream_name(runtime.cupy.cuda.get_current_stream().ptr))
-        if ws_key not in self.workspaces:
-            self.workspaces[ws_key] = runtime.cupy.empty(LT_WORKSPACE_BYTES, dtype=np.uint8)
-        return dev, self.handles[dev], self.workspaces[ws_key]
+            self.workspaces[dev] = runtime.cupy.empty(LT_WORKSPACE_BYTES, dtype=np.uint8)
+        return dev, self.handles[dev], self.workspaces[dev]
 
     def set_pointers(self, plan, bias_ptr, aux_ptr, scale_ptrs=None):
         """The per-call epilogue and scale pointers (a plan is shared by every call of its shape)."""

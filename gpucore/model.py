@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from . import dtypes, profiler, runtime, settings
+from . import dtypes, runtime, settings
 from .ops.attention import attention_backward, attention_forward
 from .ops.classifier import fused_classifier
 from .ops.encoder import encoder_backward, encoder_backward_plan, encoder_forward
@@ -531,13 +531,13 @@ class GPT2:
                 fused_classifier(chunk, tgt[r0:r1], vocab_size=V,
                                  grad_scale=grad_scale if for_backward else 0.0, losses=losses[r0:r1],
                                  check_targets=check_tokens, dlogits8=d8, dlogits8_scale=d8_scale)
-                if for_backward:    # chunk now holds dlogits: the LM head's backward, at once
-                    # FP8 head: dlnf from the E5M2 dlogits; dwte from the bf16 ones either way
-                    dx = (lambda: self.fp8.head_dx(d8, dlnf[r0:r1])) if head8 else \
-                        (lambda: matmul_backward(chunk, lnf[r0:r1], p.wte, dx=dlnf[r0:r1], need_dweight=False,
-                                                 need_dbias=False))
-                    _lm_head_backward(chunk, lnf[r0:r1], p.wte, dx, lambda: matmul_backward(
-                        chunk, lnf[r0:r1], p.wte, dweight=g.wte, need_dx=False, need_dbias=False))
+                # The head has no bias: need_dbias=False, or matmul_backward would sum dlogits'
+                # columns into a throwaway vector (a whole extra read of every chunk).
+                if for_backward and head8:      # dlnf from the E5M2 dlogits; dwte from the bf16 ones
+                    self.fp8.head_dx(d8, dlnf[r0:r1])
+                    matmul_backward(chunk, lnf[r0:r1], p.wte, dweight=g.wte, need_dx=False, need_dbias=False)
+                elif for_backward:  # chunk now holds dlogits: the LM head's backward, at once
+                    matmul_backward(chunk, lnf[r0:r1], p.wte, dx=dlnf[r0:r1], dweight=g.wte, need_dbias=False)
             if for_backward:
                 self._backward_ready = tokens
 
@@ -655,32 +655,6 @@ class GPT2:
         plan, self._encoder_plan = self._encoder_plan, None
         encoder_backward(dres, tokens, g.wte, g.wpe, check_tokens=False, plan=plan)   # checked in forward
         return g
-
-
-@profiler.profiled("matmul backward", flops=profiler.matmul_backward_flops)
-def _lm_head_backward(dlogits, x, weight, dx, dweight):
-    """One logits chunk's backward: dx() (dlnf rows =) and dweight() (dwte +=), two independent
-    GEMMs of dlogits (rows, Vp) with weight (wte) and x (lnf's rows); the three arrays are passed
-    for the profiler, which books the pair as one "matmul backward (lm head)" call. On the GPU with settings.lm_head_streams the dwte GEMM runs on a side stream beside
-    the dlnf one: each is a few waves of large tiles over a K of 50304 or the chunk's rows, and
-    together they fill the SMs that each leaves idle in its last wave (tools/notes/profile.md).
-    The caller's stream waits for both before the next chunk overwrites the logits buffer. The
-    bits are the same either way: each GEMM runs the algorithm its shape chose, and the dwte +=
-    of successive chunks stay in order on the side stream."""
-    if isinstance(dlogits, np.ndarray) or not settings.current().lm_head_streams:
-        dx()
-        dweight()
-        return
-    cp = runtime.cupy
-    main = cp.cuda.get_current_stream()
-    side, forked, joined = runtime.side_stream("lm head dweight")
-    forked.record(main)
-    side.wait_event(forked)
-    with side:
-        dweight()
-        joined.record(side)
-    dx()
-    main.wait_event(joined)
 
 
 def _encoder_plan_beside(tokens, V):

@@ -265,17 +265,6 @@ def side_stream(name: str):
     return _SIDE_STREAMS[key]
 
 
-def side_stream_name(stream_ptr: int) -> str | None:
-    """The name side_stream() gave the stream with this handle, or None for any other stream
-    (the default stream, a CUDA-graph capture stream). Libraries that keep per-stream scratch
-    (gpucore/cublas.py's workspaces) give each side stream its own, so GEMMs queued on two
-    streams at once never share one."""
-    for (_dev, name), (stream, _fork, _join) in _SIDE_STREAMS.items():
-        if stream.ptr == stream_ptr:
-            return name
-    return None
-
-
 def launch(kernel, grid, block, args, shared_mem: int = 0, stream=None):
     """Launch on the current CuPy stream (or `stream`), raising CUDA errors at once."""
     grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))

@@ -43,13 +43,11 @@ class Settings:
     attention_v3_backward: bool = True    # version=None backward: likewise
     attention_v3_streams: bool = True     # v3 backward: the dQ pass on a side stream beside the dK/dV pass
     attention_head_group: int = 16        # v3 block order: blocks walk groups of this many heads (0: plain order)
-    attention_v3_persistent: bool = True  # v3 backward: the persistent dK/dV and dQ kernels (V3_PERSISTENT)
     # ---- encoder (gpucore/ops/encoder.py)
     encoder_dwpe_beside: bool = True      # backward v3/v4: dwpe on a side stream beside the sort and dwte
     # ---- model (gpucore/model.py)
     fused_bias_grads: bool = True         # fcproj/fc/attproj bias grads from the gelu / layernorm backward
     lm_head_chunk_bytes: int = 1 << 30    # LM-head logits scratch: rows per chunk = largest power of 2 within
-    lm_head_streams: bool = True          # LM-head backward: the dwte GEMM on a side stream beside dlnf's
     # ---- FP8 linears (gpucore/fp8_linear.py, --dtype fp8): the scaling recipes' knobs
     fp8_history: int = 16                 # steps of amax history behind each scale
     fp8_margin: int = 1                   # scales 2^-margin below the history's amax: headroom for growth

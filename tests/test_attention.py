@@ -388,33 +388,6 @@ def test_v3_tables_match_kernel_instantiations():
     check_v3_bwd_config_limits(DEFAULT_V3_DKDV, DEFAULT_V3_DQ)
 
 
-def test_v3_persistent_tables_match_kernel_instantiations():
-    """Every V3_PERSISTENT config has its persistent twin instantiated (FLASH_V3_*_P) and a classic
-    kernel of the same config (the GPU test compares the two bit for bit); its kernel name ends
-    in _p_bf16; a config without one is refused before any launch."""
-    src = runtime.KERNEL_DIR / "attention" / "flash_v3_bwd.cu"
-    dkdv, dq = v3_bwd_instantiations()
-    twins = {"dkdv": [r[:3] for r in instantiations(src, "FLASH_V3_DKDV_P")]
-             + [(*r[:3], attn.V3_RA) for r in instantiations(src, "FLASH_V3_DKDV_RA_P")],
-             "dq": [r[:3] for r in instantiations(src, "FLASH_V3_DQ_P")]
-             + [(*r[:3], attn.V3_RA) for r in instantiations(src, "FLASH_V3_DQ_RA_P")]}
-    for pass_, classic in (("dkdv", dkdv), ("dq", dq)):
-        for hd, cfgs in attn.V3_PERSISTENT[pass_].items():
-            for cfg in cfgs:
-                assert (hd, *cfg) in twins[pass_], (pass_, hd, cfg)
-                assert cfg in classic[hd], (pass_, hd, cfg)
-    with pytest.raises(ValueError, match="no persistent kernel"):
-        attn._v3_bwd_kernel("dq", 64, (2, 128), persistent=True)
-    assert attn._v3_bwd_configs(64, None, None, True) == (attn.V3_PERSISTENT["dkdv"][64][0],
-                                                           attn.V3_PERSISTENT["dq"][64][0], True)
-    with settings.using(attention_v3_persistent=False):
-        assert attn._v3_bwd_configs(64, None, None, None) == (attn.V3_DKDV_CONFIG[64], attn.V3_DQ_CONFIG[64], False)
-    with settings.using(attention_v3_persistent=True):
-        assert attn._v3_bwd_configs(64, None, None, None)[2] is True
-        assert attn._v3_bwd_configs(128, None, None, None)[2] is False     # no hd-128 twins: classic
-        assert attn._v3_bwd_configs(64, (2, 64), None, None)[2] is False   # explicit configs: classic
-
-
 def test_v3_backward_version_argument_on_numpy(rng):
     qkv = make_qkv(rng, 1, 5, 2, 4)
     out, lse = gpucore.attention_forward(qkv, 2)
@@ -434,9 +407,6 @@ def test_v3_backward_kernels_compile_for_sm90a_without_spills():
     log = runtime.compile_cubin(src, "90a", verbose_ptxas=True).log
     assert "serialized" not in log, [ln for ln in log.splitlines() if "serialized" in ln]
     assert v3_bwd_names(DEFAULT_V3_DKDV, DEFAULT_V3_DQ, attn.V3_VARIANT_SUFFIX) <= {r["kernel"] for r in rows}
-    persistent = v3_bwd_names(attn.V3_PERSISTENT["dkdv"], attn.V3_PERSISTENT["dq"],
-                              {k: v + "_p" for k, v in attn.V3_VARIANT_SUFFIX.items()})
-    assert persistent <= {r["kernel"] for r in rows}
 
 
 @pytest.mark.cuda
@@ -493,27 +463,6 @@ def test_gpu_backward_v3_streams_same_bits(rng, hd):
     for streams in (False, True):
         with settings.using(attention_v3_streams=streams):
             assert v3_backward_bits(qkv, dout, out, lse, NH) == one
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 3, 17), (5, 7, 129), (1, 2, 1024), (3, 2, 300), (40, 12, 256)],
-                         ids=lambda s: "B{}-NH{}-T{}".format(*s))
-def test_gpu_backward_v3_persistent_same_bits(rng, shape):
-    """The persistent dK/dV and dQ kernels (one block per SM walking the items, next item's tiles
-    prefetched) give the bits of the classic kernels of the same configs, one stream or two, for
-    every dq config with a twin; B=40 NH=12 makes 480 heads: several items per block."""
-    need_sm90()
-    B, NH, T = shape
-    NH, qkv, dout, out, lse = v3_backward_case(rng, 64, B=B, NH=NH, T=T)
-    dkdv_cfg = attn.V3_PERSISTENT["dkdv"][64][0]
-    for dq_cfg in attn.V3_PERSISTENT["dq"][64]:
-        want = v3_backward_bits(qkv, dout, out, lse, NH, dkdv_config=dkdv_cfg, dq_config=dq_cfg, streams=False,
-                                persistent=False)
-        assert np.all(np.isfinite(np.frombuffer(want, dtype=BF16).astype(np.float32)))   # every element written
-        for streams in (False, True):
-            got = v3_backward_bits(qkv, dout, out, lse, NH, dkdv_config=dkdv_cfg, dq_config=dq_cfg,
-                                   streams=streams, persistent=True)
-            assert got == want, (dq_cfg, streams)
 
 
 @pytest.mark.cuda

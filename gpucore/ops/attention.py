@@ -91,11 +91,6 @@ V3_RA = 2
 V3_VARIANT_SUFFIX = {0: "", V3_RA: "_ra"}
 V3_DKDV_CONFIG = {64: (2, 64, V3_RA), 128: (2, 64)}
 V3_DQ_CONFIG = {64: (2, 128), 128: (2, 64)}
-# Persistent twins (kernel names ..._p_bf16; one block per SM walking the work items, so a block's
-# prologue and its stores' drain overlap its next item): the configs that have one, per pass and
-# hd. With settings.attention_v3_persistent the default backward runs these (first = default)
-# instead of V3_DKDV_CONFIG / V3_DQ_CONFIG. (dq (2, 128) has none: its persistent loop spills.)
-V3_PERSISTENT = {"dkdv": {64: [(2, 64, V3_RA)]}, "dq": {64: [(2, 64, V3_RA), (2, 64)]}}
 
 
 def v2_fwd_smem(hd, warps, mt, bn):
@@ -409,73 +404,35 @@ def forward_v3(qkv, NH, out, lse, config=None):
                    shared_mem=v3_fwd_smem(hd, wgs, bn, stages))
 
 
-def _v3_bwd_kernel(pass_, hd, config, persistent=False):
+def _v3_bwd_kernel(pass_, hd, config):
     """The attention/flash_v3_bwd.cu kernel of `pass_` ("dkdv" or "dq") for a config
-    (warpgroups, tile[, V3_RA]); persistent: its persistent twin (V3_PERSISTENT)."""
+    (warpgroups, tile[, V3_RA])."""
     variant = v3_variant(config)
     if variant not in V3_VARIANT_SUFFIX:
         raise ValueError(f"{pass_} config {config!r}: variant {variant} is not a kernel of the production backward "
                          "(the fused-D dQ pass is gpucore.ladder.attention.backward_v3)")
-    if persistent and tuple(config) not in V3_PERSISTENT[pass_].get(hd, []):
-        raise ValueError(f"{pass_} config {config!r}: no persistent kernel at hd {hd} "
-                         f"(those with one: {V3_PERSISTENT[pass_].get(hd, [])})")
     tile = "m" if pass_ == "dkdv" else "n"
-    name = (f"attention_backward_{pass_}_kernel_v3_hd{hd}_g{config[0]}_{tile}{config[1]}"
-            f"{V3_VARIANT_SUFFIX[variant]}{'_p' if persistent else ''}_bf16")
+    name = f"attention_backward_{pass_}_kernel_v3_hd{hd}_g{config[0]}_{tile}{config[1]}{V3_VARIANT_SUFFIX[variant]}_bf16"
     return runtime.get_kernel("attention/flash_v3_bwd", name, options=v3_compile_options(), arch=V3_ARCH)
 
 
-def _v3_bwd_configs(hd, dkdv_config, dq_config, persistent):
-    """(dkdv config, dq config, persistent) of a backward call: persistent None follows
-    settings.attention_v3_persistent for the default configs (explicit configs run the classic
-    kernels unless persistent=True)."""
-    if persistent is None:
-        persistent = (settings.current().attention_v3_persistent and dkdv_config is None and dq_config is None
-                      and hd in V3_PERSISTENT["dkdv"] and hd in V3_PERSISTENT["dq"])
-    if persistent:
-        return (dkdv_config or V3_PERSISTENT["dkdv"][hd][0], dq_config or V3_PERSISTENT["dq"][hd][0], True)
-    return dkdv_config or V3_DKDV_CONFIG[hd], dq_config or V3_DQ_CONFIG[hd], False
-
-
-def _v3_bwd_launch(pass_, hd, config, persistent, B, T, NH, counter=None):
-    """(kernel, grid, threads, extra args, smem) of one pass: a (B*NH heads, tiles) grid, or for the
-    persistent kernels one block per SM (at most the number of work items), n_heads = B*NH and
-    `counter` (one int32 on the device, zero when the kernel starts: it hands out the items)."""
-    wgs, tile = config[:2]
-    smem = v3_dkdv_smem(hd, wgs, tile) if pass_ == "dkdv" else v3_dq_smem(hd, wgs, tile)
-    items = (B * NH, -(-T // (64 * wgs)))
-    k = _v3_bwd_kernel(pass_, hd, config, persistent)
-    if not persistent:
-        return k, items, 128 * wgs, (), smem
-    per_sm = max(1, 2 // wgs)                    # the kernels' __launch_bounds__ minimum (2 / NWG)
-    grid = (min(items[0] * items[1], runtime.sm_count() * per_sm), 1)
-    return k, grid, 128 * wgs, (np.int32(B * NH), counter), smem
-
-
-def backward_v3_dkdv(dout, qkv, lse, D, NH, dqkv, config=None, persistent=False, counter=None):
+def backward_v3_dkdv(dout, qkv, lse, D, NH, dqkv, config=None):
     """The v3 dK/dV pass alone (attention/flash_v3_bwd.cu), given D = rowsum(dout * out):
     writes the dk and dv columns of dqkv. `config` (warpgroups, BM[, V3_RA]), default
-    V3_DKDV_CONFIG[hd] (persistent: V3_PERSISTENT's first; `counter` a zeroed int32 device
-    array of one element, made here when None)."""
+    V3_DKDV_CONFIG[hd]."""
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
-    config = config or (V3_PERSISTENT["dkdv"][hd][0] if persistent else V3_DKDV_CONFIG[hd])
-    if persistent and counter is None:
-        counter = runtime.cupy.zeros(1, dtype=np.int32)
-    k, grid, threads, extra, smem = _v3_bwd_launch("dkdv", hd, config, persistent, B, T, NH, counter)
-    runtime.launch(k, grid, threads,
-                   (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd)), *extra),
-                   shared_mem=smem)
+    config = config or V3_DKDV_CONFIG[hd]
+    wgs, bm = config[:2]
+    runtime.launch(_v3_bwd_kernel("dkdv", hd, config), (B * NH, -(-T // (64 * wgs))), 128 * wgs,
+                   (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd))),
+                   shared_mem=v3_dkdv_smem(hd, wgs, bm))
 
 
-def backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_config=None, dq_config=None, streams=None, persistent=None):
+def backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_config=None, dq_config=None, streams=None):
     """v3 wgmma backward: v2's preprocess (D), then the dK/dV pass (`dkdv_config`, default
     V3_DKDV_CONFIG[hd]) and the dQ pass (`dq_config` (warpgroups, BN[, V3_RA]), default
     V3_DQ_CONFIG[hd]).
-
-    persistent (None: settings.attention_v3_persistent, for default configs only): the passes'
-    persistent kernels (V3_PERSISTENT, whose first configs are then the defaults). Same bits as
-    the classic kernels of the same configs.
 
     streams (None: settings.current().attention_v3_streams): the dQ pass runs on a side stream
     concurrently with the dK/dV pass on the caller's (both only read qkv/dout/lse/D and write
@@ -486,17 +443,16 @@ def backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_config=None, dq_config=None,
     cp = runtime.cupy
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
-    dkdv_config, dq_config, persistent = _v3_bwd_configs(hd, dkdv_config, dq_config, persistent)
-    # the persistent passes' item counters, zeroed in stream order before either pass starts
-    counters = cp.zeros(2, dtype=np.int32) if persistent else None
-    dq_counter, kv_counter = (counters[0:1], counters[1:2]) if persistent else (None, None)
-    k2, q_grid, q_threads, extra, q_smem = _v3_bwd_launch("dq", hd, dq_config, persistent, B, T, NH, dq_counter)
+    dq_config = dq_config or V3_DQ_CONFIG[hd]
+    q_wgs, bn = dq_config[:2]
+    k2 = _v3_bwd_kernel("dq", hd, dq_config)
     streams = settings.current().attention_v3_streams if streams is None else streams
     D = _preprocess(dout, out, NH)
-    args = (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd)), *extra)
+    args = (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd)))
+    q_grid, q_smem = (B * NH, -(-T // (64 * q_wgs))), v3_dq_smem(hd, q_wgs, bn)
     if not streams:
-        backward_v3_dkdv(dout, qkv, lse, D, NH, dqkv, config=dkdv_config, persistent=persistent, counter=kv_counter)
-        runtime.launch(k2, q_grid, q_threads, args, shared_mem=q_smem)
+        backward_v3_dkdv(dout, qkv, lse, D, NH, dqkv, config=dkdv_config)
+        runtime.launch(k2, q_grid, 128 * q_wgs, args, shared_mem=q_smem)
         return
     main = cp.cuda.get_current_stream()
     side, forked, joined = runtime.side_stream("attention dq")
@@ -504,8 +460,8 @@ def backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_config=None, dq_config=None,
     side.wait_event(forked)
     # dQ first in launch order on its own stream: its heaviest tiles start while the dK/dV
     # pass' blocks queue behind; each pass fills the other's causal tail.
-    runtime.launch(k2, q_grid, q_threads, args, shared_mem=q_smem, stream=side)
-    backward_v3_dkdv(dout, qkv, lse, D, NH, dqkv, config=dkdv_config, persistent=persistent, counter=kv_counter)
+    runtime.launch(k2, q_grid, 128 * q_wgs, args, shared_mem=q_smem, stream=side)
+    backward_v3_dkdv(dout, qkv, lse, D, NH, dqkv, config=dkdv_config)
     joined.record(side)
     main.wait_event(joined)      # whatever the caller queues next (and D's release) sees dQ done
 

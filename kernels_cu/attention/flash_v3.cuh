@@ -24,23 +24,19 @@
 #ifndef V3_HEAD_GROUP
 #define V3_HEAD_GROUP 16
 #endif
-// Work item `lin` (0 .. n_heads * nt - 1) of that order -> (head, tile rank). The persistent
-// backward kernels walk the items themselves, so a block's next item follows the same order.
-__device__ __forceinline__ void v3_item_order(int lin, int n_heads, int nt, int& bh, int& rank) {
+__device__ __forceinline__ void v3_block_order(int& bh, int& rank) {
     if (V3_HEAD_GROUP == 0) {
-        bh = lin % n_heads;
-        rank = lin / n_heads;
+        bh = blockIdx.x;
+        rank = blockIdx.y;
         return;
     }
+    const int nt = gridDim.y, n_heads = gridDim.x;
+    const int lin = blockIdx.x + blockIdx.y * gridDim.x;
     const int g0 = lin / (V3_HEAD_GROUP * nt) * V3_HEAD_GROUP;    // first head of this block's group
     const int hg = min(V3_HEAD_GROUP, n_heads - g0);               // heads in it (the last may be short)
     const int w = lin - g0 * nt;
     rank = w / hg;
     bh = g0 + (w - rank * hg);
-}
-
-__device__ __forceinline__ void v3_block_order(int& bh, int& rank) {
-    v3_item_order(blockIdx.x + blockIdx.y * gridDim.x, gridDim.x, gridDim.y, bh, rank);
 }
 
 // Byte offset of 16-byte chunk c (8 bf16 of the head dim) of row r in a (ROWS, HD) tile.

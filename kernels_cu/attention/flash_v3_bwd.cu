@@ -124,18 +124,9 @@ __device__ __forceinline__ void v3_product_rs(float* d, u32 (&f)[KN / 16][4], u3
     for (int k = 0; k < KN / 16; k++) v3_mma_rs<HD>(d, f[k], smem_desc(b + k * 2048, KN * 128, 1024), 1);
 }
 
-// PERSIST (the default kernels, "_p"): the grid is one block per SM and each block walks work
-// items (head, KV tile) lin = blockIdx.x, + gridDim.x, ... in v3_item_order. Why: at one block per
-// SM (registers and smem), a block's prologue (K/V and the first Q tile landing) and its exit
-// (waiting for its dK/dV stores to drain) leave the SM idle; ncu on an H200 put ~20% of the
-// dK/dV pass' stall samples there. A persistent block issues the next item's first Q/dO/lse/D
-// tile in the last tile's free ring stage (the ring counter tc runs on across items), with RA the
-// next item's K/V as soon as this item's fragments are built (sK/sV are free then), and its
-// stores drain while the next item computes. Each item's arithmetic is unchanged: same bits.
-template <int HD, int NWG, int BM, int MINB, bool RA, bool PERSIST>
+template <int HD, int NWG, int BM, int MINB, bool RA>
 __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, const bf16* dout, const float* lse,
-                                                  const float* Dv, int T, int NH, float scale, int n_heads,
-                                                  int* counter) {
+                                                  const float* Dv, int T, int NH, float scale) {
     constexpr int BN = 64 * NWG, NT = 128 * NWG;
     constexpr int KV_BYTES = BN * HD * 2, Q_BYTES = BM * HD * 2;
     constexpr int NQ = BM / 8;                    // n8 blocks of S^T (queries)
@@ -147,186 +138,146 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
     const u32 raw = smem_u32_asm(smem_v3);
     const u32 sK = (raw + 1023u) & ~1023u;        // swizzle atoms need 1024-byte alignment
     const u32 sV = sK + KV_BYTES;
-    const u32 sQ = sV + KV_BYTES;                 // ST stages
+    const u32 sQ = sV + KV_BYTES;                 // 2 stages
     const u32 sO = sQ + ST * Q_BYTES;             // ST stages (dout)
     float* sL = reinterpret_cast<float*>(smem_v3 + (sO + ST * Q_BYTES - raw));  // ST x BM lse
     float* sD = sL + ST * BM;                                                   // ST x BM D
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wg = warp >> 2, w4 = warp & 3, g = lane >> 2, t4 = lane & 3;
+    int bh, rank;
+    v3_block_order(bh, rank);
+    const int b = bh / NH, h = bh % NH;
+    const int n0 = rank * BN;                     // tile 0 has the most Q tiles: launched first
     const int C = NH * HD, stride = 3 * C;
-    const int nt = ceil_div(T, BN), i_end = ceil_div(T, BM);
-    const int n_items = PERSIST ? n_heads * nt : 1;
+    const bf16* q_g = qkv + (size_t)b * T * stride + h * HD;
+    const bf16* do_g = dout + (size_t)b * T * C + h * HD;
+    const float* l_g = lse + (size_t)bh * T;
+    const float* d_g = Dv + (size_t)bh * T;
+    const int i_first = n0 / BM, i_end = ceil_div(T, BM);
+
+    v3_load_tile<BN, HD, NT>(sK, q_g + C, n0, T, stride);
+    v3_load_tile<BN, HD, NT>(sV, q_g + 2 * C, n0, T, stride);
+    v3_load_tile<BM, HD, NT>(sQ, q_g, i_first * BM, T, stride);
+    v3_load_tile<BM, HD, NT>(sO, do_g, i_first * BM, T, C);
+    load_vec_async<BM, NT>(sL, l_g, i_first * BM, T);
+    load_vec_async<BM, NT>(sD, d_g, i_first * BM, T);
+    cp_async_commit();
+
+    const int wk0 = n0 + 64 * wg;                 // this warpgroup's first key
+    const int key0 = wk0 + 16 * w4 + g;           // this thread's keys: key0, key0 + 8
     const float sl2 = scale * FA_LOG2E;
-    int tc = 0;                                   // tiles done by this block: ring stage = tc % ST
-    bool kv_ready = false, q_ready = false;       // this item's K/V / first tile already in flight
-
-    // Head bh's Q columns (K at + C, V at + 2C) and dout columns.
-    auto q_cols = [&](int bh) { return qkv + (size_t)(bh / NH) * T * stride + (bh % NH) * HD; };
-    auto do_cols = [&](int bh) { return dout + (size_t)(bh / NH) * T * C + (bh % NH) * HD; };
-    // The Q/dO/lse/D tile of rows [r, r + BM) of head bh into ring stage `st`.
-    auto load_q_tile = [&](const bf16* qg, const bf16* og, int bh, int st, int r) {
-        v3_load_tile<BM, HD, NT>(sQ + st * Q_BYTES, qg, r, T, stride);
-        v3_load_tile<BM, HD, NT>(sO + st * Q_BYTES, og, r, T, C);
-        load_vec_async<BM, NT>(sL + st * BM, lse + (size_t)bh * T, r, T);
-        load_vec_async<BM, NT>(sD + st * BM, Dv + (size_t)bh * T, r, T);
-    };
-    auto load_kv = [&](const bf16* qg, int n0) {
-        v3_load_tile<BN, HD, NT>(sK, qg + C, n0, T, stride);
-        v3_load_tile<BN, HD, NT>(sV, qg + 2 * C, n0, T, stride);
-    };
-
-    __shared__ int s_next[2];                     // PERSIST: the next item, by item parity
-    int lin = PERSIST ? (int)blockIdx.x : 0, parity = 0;
-    while (lin < n_items) {
-        // Items after the first come from a counter (zeroed before the launch): blocks take them
-        // in order as they free up, so the blocks running together stay on neighbouring heads
-        // (L2) and none is left with a heavy tail. Which block runs an item changes no bit.
-        if (PERSIST && threadIdx.x == 0) s_next[parity] = gridDim.x + atomicAdd(counter, 1);
-        int bh, rank;
-        if constexpr (PERSIST) v3_item_order(lin, n_heads, nt, bh, rank);
-        else v3_block_order(bh, rank);
-        // the next item of this block (read after the first tile's barrier), if any: its first
-        // tile (and K/V) are prefetched in this one
-        int nlin = n_items, nbh = -1, nrank = 0;
-        const int n0 = rank * BN;                 // tile 0 has the most Q tiles: launched first
-        const int i_first = n0 / BM;
-        const bf16* q_g = q_cols(bh);
-        const bf16* do_g = do_cols(bh);
-        if (PERSIST && !RA) __syncthreads();      // every warpgroup done reading the last item's sK/sV
-        if (!kv_ready) load_kv(q_g, n0);
-        if (!q_ready) load_q_tile(q_g, do_g, bh, tc % ST, i_first * BM);
-        cp_async_commit();
-        kv_ready = q_ready = false;
-
-        const int wk0 = n0 + 64 * wg;             // this warpgroup's first key
-        const int key0 = wk0 + 16 * w4 + g;       // this thread's keys: key0, key0 + 8
-        float dk[HD / 2], dv[HD / 2], st[BM / 2], dpt[BM / 2];
-        #pragma unroll
-        for (int e = 0; e < HD / 2; e++) dk[e] = dv[e] = 0.f;
-        #pragma unroll
-        for (int e = 0; e < BM / 2; e++) st[e] = dpt[e] = 0.f;
-        wg_fence_regs<HD / 2>(dk);
-        wg_fence_regs<HD / 2>(dv);
-        static_assert(!RA || BM == 64, "register-A products are m64n64");
-        [[maybe_unused]] u32 ka[RA ? HD / 16 : 1][4], va[RA ? HD / 16 : 1][4];
-        if constexpr (RA) {                       // this warpgroup's K and V rows, once per item
-            cp_async_wait<0>();
-            __syncthreads();                      // everyone's copies of K, V landed
-            v3_tile_frags<BN, HD>(ka, smem_v3 + (sK - raw), 64 * wg + 16 * w4 + g, t4);
-            v3_tile_frags<BN, HD>(va, smem_v3 + (sV - raw), 64 * wg + 16 * w4 + g, t4);
-        }
-
-        for (int i = i_first; i < i_end; i++, tc++) {
-            const int buf = tc % ST, nxt = (tc + 1) % ST;
-            cp_async_wait<0>();                   // this thread's copies of tile i landed
-            fence_proxy_async();                  // ... visible to wgmma (async proxy)
-            __syncthreads();                      // ... everyone's; and every warpgroup has retired
-                                                  // the wgmma of tile i-1 (ST 2) / i-2 (ST 3)
-            if (PERSIST && i == i_first) {
-                nlin = s_next[parity];
-                if (nlin < n_items) v3_item_order(nlin, n_heads, nt, nbh, nrank);
-            }
-            if (i + 1 < i_end) {                  // -> stage nxt (tile i+1-ST's) is free
-                load_q_tile(q_g, do_g, bh, nxt, (i + 1) * BM);
-            } else if (PERSIST && nbh >= 0) {     // the next item's first tile, same rule
-                load_q_tile(q_cols(nbh), do_cols(nbh), nbh, nxt, nrank * BN / BM * BM);
-                q_ready = true;
-            }
-            if (RA && PERSIST && i == i_first && nbh >= 0) {
-                load_kv(q_cols(nbh), nrank * BN); // every warp built its K/V fragments before the barrier
-                kv_ready = true;
-            }
-            cp_async_commit();
-            const int m0 = i * BM;
-            if (wk0 < T && m0 + BM - 1 >= wk0) {  // warpgroup-uniform: some query >= some key
-                const u32 q_s = sQ + buf * Q_BYTES, o_s = sO + buf * Q_BYTES;
-                const float* l_s = sL + buf * BM;
-                const float* d_s = sD + buf * BM;
-                wg_fence_regs<BM / 2>(st);
-                wg_fence_regs<BM / 2>(dpt);
-                wgmma_fence();
-                if constexpr (RA) v3_product_rk<HD>(st, ka, q_s);       // S^T = K Q^T
-                else v3_product_kk<BM, HD>(st, sK + wg * 8192, BN, q_s);
-                wgmma_commit();
-                if constexpr (RA) v3_product_rk<HD>(dpt, va, o_s);      // dP^T = V dO^T
-                else v3_product_kk<BM, HD>(dpt, sV + wg * 8192, BN, o_s);
-                wgmma_commit();
-                wgmma_wait<1>();                  // S^T (and the previous tile's dV, dK) retired
-                wg_fence_regs<BM / 2>(st);
-                // P^T = exp(S^T * scale - lse[query]); 0 where key > query or query >= T
-                const bool mask = wk0 + 63 > m0 || m0 + BM > T;
-                #pragma unroll
-                for (int j = 0; j < NQ; j++) {
-                    const float2 l2 = *reinterpret_cast<const float2*>(l_s + 8 * j + 2 * t4);
-                    const float nl[2] = {-l2.x * FA_LOG2E, -l2.y * FA_LOG2E};
-                    #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        float p = fast_exp2(fmaf(st[4 * j + e], sl2, nl[e & 1]));
-                        if (mask) {
-                            const int qa = m0 + 8 * j + 2 * t4 + (e & 1);
-                            if (key0 + 8 * (e >> 1) > qa || qa >= T) p = 0.f;
-                        }
-                        st[4 * j + e] = p;
-                    }
-                }
-                {
-                    u32 pa[BM / 16][4];
-                    v3_to_frags<BM>(pa, st);
-                    v3_product_rs<BM, HD>(dv, pa, o_s);           // dV += P^T dO
-                    wgmma_commit();
-                    if constexpr (HD == 128) wgmma_wait<0>();      // frees pa's registers for sa
-                    else wgmma_wait<1>();                          // dP^T ready, dV may run on
-                }
-                wg_fence_regs<BM / 2>(dpt);
-                // dS^T = P^T (dP^T - D[query]), into dpt
-                #pragma unroll
-                for (int j = 0; j < NQ; j++) {
-                    const float2 d2 = *reinterpret_cast<const float2*>(d_s + 8 * j + 2 * t4);
-                    dpt[4 * j + 0] = st[4 * j + 0] * (dpt[4 * j + 0] - d2.x);
-                    dpt[4 * j + 1] = st[4 * j + 1] * (dpt[4 * j + 1] - d2.y);
-                    dpt[4 * j + 2] = st[4 * j + 2] * (dpt[4 * j + 2] - d2.x);
-                    dpt[4 * j + 3] = st[4 * j + 3] * (dpt[4 * j + 3] - d2.y);
-                }
-                {
-                    u32 sa[BM / 16][4];
-                    v3_to_frags<BM>(sa, dpt);
-                    v3_product_rs<BM, HD>(dk, sa, q_s);           // dK += dS^T Q
-                    wgmma_commit();
-                    if constexpr (!OVL) {         // else: retired after the next S^T
-                        wgmma_wait<0>();
-                        wg_fence_regs<HD / 2>(dk);
-                        wg_fence_regs<HD / 2>(dv);
-                    }
-                }
-            } else {
-                wgmma_wait<0>();                  // keeps "tile i-1's wgmma retired" true here
-            }
-        }
-        wgmma_wait<0>();
-        wg_fence_regs<HD / 2>(dk);
-        wg_fence_regs<HD / 2>(dv);
-        if constexpr (!PERSIST) cp_async_wait<0>();
-        bf16* dk_g = dqkv + (q_g - qkv) + C;      // head bh's K columns of dqkv
-        v3_store_acc<HD>(dk_g, dk, scale, key0, T, stride, t4);
-        v3_store_acc<HD>(dk_g + C, dv, 1.f, key0, T, stride, t4);
-        lin = PERSIST ? nlin : n_items;
-        parity ^= 1;
+    float dk[HD / 2], dv[HD / 2], st[BM / 2], dpt[BM / 2];
+    #pragma unroll
+    for (int e = 0; e < HD / 2; e++) dk[e] = dv[e] = 0.f;
+    #pragma unroll
+    for (int e = 0; e < BM / 2; e++) st[e] = dpt[e] = 0.f;
+    wg_fence_regs<HD / 2>(dk);
+    wg_fence_regs<HD / 2>(dv);
+    static_assert(!RA || BM == 64, "register-A products are m64n64");
+    [[maybe_unused]] u32 ka[RA ? HD / 16 : 1][4], va[RA ? HD / 16 : 1][4];
+    if constexpr (RA) {                           // this warpgroup's K and V rows, once per block
+        cp_async_wait<0>();
+        __syncthreads();                          // everyone's copies of K, V landed
+        v3_tile_frags<BN, HD>(ka, smem_v3 + (sK - raw), 64 * wg + 16 * w4 + g, t4);
+        v3_tile_frags<BN, HD>(va, smem_v3 + (sV - raw), 64 * wg + 16 * w4 + g, t4);
     }
-    if constexpr (PERSIST) cp_async_wait<0>();
+
+    for (int i = i_first; i < i_end; i++) {
+        const int buf = (i - i_first) % ST, nxt = (i - i_first + 1) % ST;
+        cp_async_wait<0>();                       // this thread's copies of tile i landed
+        fence_proxy_async();                      // ... visible to wgmma (async proxy)
+        __syncthreads();                          // ... everyone's; and every warpgroup has retired
+                                                  // the wgmma of tile i-1 (ST 2) / i-2 (ST 3)
+        if (i + 1 < i_end) {                      // -> stage nxt (tile i+1-ST's) is free
+            const int r = (i + 1) * BM;
+            v3_load_tile<BM, HD, NT>(sQ + nxt * Q_BYTES, q_g, r, T, stride);
+            v3_load_tile<BM, HD, NT>(sO + nxt * Q_BYTES, do_g, r, T, C);
+            load_vec_async<BM, NT>(sL + nxt * BM, l_g, r, T);
+            load_vec_async<BM, NT>(sD + nxt * BM, d_g, r, T);
+        }
+        cp_async_commit();
+        const int m0 = i * BM;
+        if (wk0 < T && m0 + BM - 1 >= wk0) {      // warpgroup-uniform: some query >= some key
+            const u32 q_s = sQ + buf * Q_BYTES, o_s = sO + buf * Q_BYTES;
+            const float* l_s = sL + buf * BM;
+            const float* d_s = sD + buf * BM;
+            wg_fence_regs<BM / 2>(st);
+            wg_fence_regs<BM / 2>(dpt);
+            wgmma_fence();
+            if constexpr (RA) v3_product_rk<HD>(st, ka, q_s);       // S^T = K Q^T
+            else v3_product_kk<BM, HD>(st, sK + wg * 8192, BN, q_s);
+            wgmma_commit();
+            if constexpr (RA) v3_product_rk<HD>(dpt, va, o_s);      // dP^T = V dO^T
+            else v3_product_kk<BM, HD>(dpt, sV + wg * 8192, BN, o_s);
+            wgmma_commit();
+            wgmma_wait<1>();                      // S^T (and the previous tile's dV, dK) retired
+            wg_fence_regs<BM / 2>(st);
+            // P^T = exp(S^T * scale - lse[query]); 0 where key > query or query >= T
+            const bool mask = wk0 + 63 > m0 || m0 + BM > T;
+            #pragma unroll
+            for (int j = 0; j < NQ; j++) {
+                const float2 l2 = *reinterpret_cast<const float2*>(l_s + 8 * j + 2 * t4);
+                const float nl[2] = {-l2.x * FA_LOG2E, -l2.y * FA_LOG2E};
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float p = fast_exp2(fmaf(st[4 * j + e], sl2, nl[e & 1]));
+                    if (mask) {
+                        const int qa = m0 + 8 * j + 2 * t4 + (e & 1);
+                        if (key0 + 8 * (e >> 1) > qa || qa >= T) p = 0.f;
+                    }
+                    st[4 * j + e] = p;
+                }
+            }
+            {
+                u32 pa[BM / 16][4];
+                v3_to_frags<BM>(pa, st);
+                v3_product_rs<BM, HD>(dv, pa, o_s);               // dV += P^T dO
+                wgmma_commit();
+                if constexpr (HD == 128) wgmma_wait<0>();          // frees pa's registers for sa
+                else wgmma_wait<1>();                              // dP^T ready, dV may run on
+            }
+            wg_fence_regs<BM / 2>(dpt);
+            // dS^T = P^T (dP^T - D[query]), into dpt
+            #pragma unroll
+            for (int j = 0; j < NQ; j++) {
+                const float2 d2 = *reinterpret_cast<const float2*>(d_s + 8 * j + 2 * t4);
+                dpt[4 * j + 0] = st[4 * j + 0] * (dpt[4 * j + 0] - d2.x);
+                dpt[4 * j + 1] = st[4 * j + 1] * (dpt[4 * j + 1] - d2.y);
+                dpt[4 * j + 2] = st[4 * j + 2] * (dpt[4 * j + 2] - d2.x);
+                dpt[4 * j + 3] = st[4 * j + 3] * (dpt[4 * j + 3] - d2.y);
+            }
+            {
+                u32 sa[BM / 16][4];
+                v3_to_frags<BM>(sa, dpt);
+                v3_product_rs<BM, HD>(dk, sa, q_s);               // dK += dS^T Q
+                wgmma_commit();
+                if constexpr (!OVL) {             // else: retired after the next S^T
+                    wgmma_wait<0>();
+                    wg_fence_regs<HD / 2>(dk);
+                    wg_fence_regs<HD / 2>(dv);
+                }
+            }
+        } else {
+            wgmma_wait<0>();                      // keeps "tile i-1's wgmma retired" true here
+        }
+    }
+    wgmma_wait<0>();
+    wg_fence_regs<HD / 2>(dk);
+    wg_fence_regs<HD / 2>(dv);
+    cp_async_wait<0>();
+    bf16* dk_g = dqkv + (size_t)b * T * stride + C + h * HD;
+    v3_store_acc<HD>(dk_g, dk, scale, key0, T, stride, t4);
+    v3_store_acc<HD>(dk_g + C, dv, 1.f, key0, T, stride, t4);
 }
 
 // FD (fused D): the block computes D = rowsum(dout * out) of its own rows itself (no preprocess
 // kernel; out is read once per row, dout's rows are L2-hot from the tile copy) and writes it to
 // Dw for the dK/dV pass, which then runs after this pass. Else D comes from Dv (preprocess).
-// PERSIST: as the dK/dV pass (one block per SM walking items (head, Q tile)); the next item's
-// first K/V tile is copied in the last tile's free ring stage, its Q/dout after the item's
-// barrier (sQ/sO are read by every tile), and the stores drain while the next item runs.
-template <int HD, int NWG, int BN, int MINB, bool FD, bool RA, bool PERSIST>
+template <int HD, int NWG, int BN, int MINB, bool FD, bool RA>
 __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf16* qkv, const bf16* dout,
                                                 const bf16* out, const float* lse, const float* Dv, int T, int NH,
-                                                float scale, int n_heads, int* counter) {
-    static_assert(!(FD && PERSIST), "the fused-D pass is a ladder rung: not persistent");
+                                                float scale) {
     constexpr int BM = 64 * NWG, NT = 128 * NWG;
     constexpr int Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
     constexpr int NS = BN / 8;
@@ -343,158 +294,132 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wg = warp >> 2, w4 = warp & 3, g = lane >> 2, t4 = lane & 3;
+    int bh, rank;
+    v3_block_order(bh, rank);
+    const int b = bh / NH, h = bh % NH;
+    const int m0 = (gridDim.y - 1 - rank) * BM;              // heaviest tiles first
     const int C = NH * HD, stride = 3 * C;
-    const int nt = ceil_div(T, BM);
-    const int n_items = PERSIST ? n_heads * nt : 1;
+    const bf16* q_g = qkv + (size_t)b * T * stride + h * HD;
+    const bf16* k_g = q_g + C;
+    const bf16* v_g = q_g + 2 * C;
+    const bf16* do_g = dout + (size_t)b * T * C + h * HD;
+    const int n_tiles = ceil_div(min(T, m0 + BM), BN);
+
+    v3_load_tile<BM, HD, NT>(sQ, q_g, m0, T, stride);
+    v3_load_tile<BM, HD, NT>(sO, do_g, m0, T, C);
+    v3_load_tile<BN, HD, NT>(sK, k_g, 0, T, stride);
+    v3_load_tile<BN, HD, NT>(sV, v_g, 0, T, stride);
+    cp_async_commit();
+
+    const int wm0 = m0 + 64 * wg;                 // this warpgroup's first row
+    const int row0 = wm0 + 16 * w4 + g, row1 = row0 + 8;
     const float sl2 = scale * FA_LOG2E;
-    int tc = 0;                                   // tiles done by this block: ring stage = tc % ST
-    bool kv_ready = false;                        // this item's first K/V tile already in flight
-    auto q_cols = [&](int bh) { return qkv + (size_t)(bh / NH) * T * stride + (bh % NH) * HD; };
-    auto load_kv_tile = [&](const bf16* qg, int st, int n0) {
-        v3_load_tile<BN, HD, NT>(sK + st * KV_BYTES, qg + C, n0, T, stride);
-        v3_load_tile<BN, HD, NT>(sV + st * KV_BYTES, qg + 2 * C, n0, T, stride);
-    };
-
-    __shared__ int s_next[2];                     // PERSIST: the next item, by item parity (as dK/dV)
-    int lin = PERSIST ? (int)blockIdx.x : 0, parity = 0;
-    while (lin < n_items) {
-        if (PERSIST && threadIdx.x == 0) s_next[parity] = gridDim.x + atomicAdd(counter, 1);
-        int bh, rank;
-        if constexpr (PERSIST) v3_item_order(lin, n_heads, nt, bh, rank);
-        else v3_block_order(bh, rank);
-        int nlin = n_items;                       // read after the first tile's barrier
-        const int b = bh / NH, h = bh % NH;
-        const int m0 = (nt - 1 - rank) * BM;      // heaviest tiles first
-        const bf16* q_g = q_cols(bh);
-        const bf16* do_g = dout + (size_t)b * T * C + h * HD;
-        const int n_tiles = ceil_div(min(T, m0 + BM), BN);
-
-        if constexpr (PERSIST) __syncthreads();   // every warpgroup done reading the last item's sQ/sO
-        v3_load_tile<BM, HD, NT>(sQ, q_g, m0, T, stride);
-        v3_load_tile<BM, HD, NT>(sO, do_g, m0, T, C);
-        if (!kv_ready) load_kv_tile(q_g, tc % ST, 0);
-        cp_async_commit();
-        kv_ready = false;
-
-        const int wm0 = m0 + 64 * wg;             // this warpgroup's first row
-        const int row0 = wm0 + 16 * w4 + g, row1 = row0 + 8;
-        // Rows >= T: zero Q / dout rows, lse = D = 0: P = 1 or 0, dP = 0, dS finite; never stored.
-        const float nl0 = row0 < T ? -lse[(size_t)bh * T + row0] * FA_LOG2E : 0.f;
-        const float nl1 = row1 < T ? -lse[(size_t)bh * T + row1] * FA_LOG2E : 0.f;
-        float D0, D1;
-        if constexpr (FD) {
-            // The 4 threads of a row pair (t4 = 0..3) each sum HD/4 columns of both rows, then reduce
-            // over t4 with two shuffles (fixed order: deterministic). Outside any branch: full-warp
-            // shuffles; rows >= T contribute 0 (and D = 0 as in the non-fused path).
-            D0 = v3_row_dot<HD / 4>(out, dout, (size_t)b * T * C + (size_t)row0 * C + h * HD + t4 * (HD / 4), row0 < T);
-            D1 = v3_row_dot<HD / 4>(out, dout, (size_t)b * T * C + (size_t)row1 * C + h * HD + t4 * (HD / 4), row1 < T);
-            D0 += __shfl_xor_sync(0xffffffffu, D0, 1);
-            D1 += __shfl_xor_sync(0xffffffffu, D1, 1);
-            D0 += __shfl_xor_sync(0xffffffffu, D0, 2);
-            D1 += __shfl_xor_sync(0xffffffffu, D1, 2);
-            if (t4 == 0 && row0 < T) Dw[(size_t)bh * T + row0] = D0;
-            if (t4 == 0 && row1 < T) Dw[(size_t)bh * T + row1] = D1;
-        } else {
-            D0 = row0 < T ? Dv[(size_t)bh * T + row0] : 0.f;
-            D1 = row1 < T ? Dv[(size_t)bh * T + row1] : 0.f;
-        }
-        float dq[HD / 2], s[BN / 2], dp[BN / 2];
-        #pragma unroll
-        for (int e = 0; e < HD / 2; e++) dq[e] = 0.f;
-        #pragma unroll
-        for (int e = 0; e < BN / 2; e++) s[e] = dp[e] = 0.f;
-        wg_fence_regs<HD / 2>(dq);
-        static_assert(!RA || BN == 64, "register-A products are m64n64");
-        [[maybe_unused]] u32 qa[RA ? HD / 16 : 1][4], oa[RA ? HD / 16 : 1][4];
-        if constexpr (RA) {                       // this warpgroup's Q and dout rows, once per item
-            cp_async_wait<0>();
-            __syncthreads();
-            v3_tile_frags<BM, HD>(qa, smem_v3 + (sQ - raw), 64 * wg + 16 * w4 + g, t4);
-            v3_tile_frags<BM, HD>(oa, smem_v3 + (sO - raw), 64 * wg + 16 * w4 + g, t4);
-        }
-
-        for (int j = 0; j < n_tiles; j++, tc++) {
-            const int buf = tc % ST, nxt = (tc + 1) % ST;
-            cp_async_wait<0>();                   // tile j landed (this thread's copies)
-            fence_proxy_async();
-            __syncthreads();                      // everyone's; tile j+1-ST's wgmma all retired
-            if (PERSIST && j == 0) nlin = s_next[parity];
-            if (j + 1 < n_tiles) {
-                load_kv_tile(q_g, nxt, (j + 1) * BN);
-            } else if (PERSIST && nlin < n_items) {   // the next item's K/V tile 0, same rule
-                int nbh, nrank;
-                v3_item_order(nlin, n_heads, nt, nbh, nrank);
-                load_kv_tile(q_cols(nbh), nxt, 0);
-                kv_ready = true;
-            }
-            cp_async_commit();
-            const int n0 = j * BN;
-            if (wm0 < T && n0 <= wm0 + 63) {      // warpgroup-uniform: some key <= some row
-                const u32 k_s = sK + buf * KV_BYTES, v_s = sV + buf * KV_BYTES;
-                wg_fence_regs<BN / 2>(s);
-                wg_fence_regs<BN / 2>(dp);
-                wgmma_fence();
-                if constexpr (RA) v3_product_rk<HD>(s, qa, k_s);        // S = Q K^T
-                else v3_product_kk<BN, HD>(s, sQ + wg * 8192, BM, k_s);
-                wgmma_commit();
-                if constexpr (RA) v3_product_rk<HD>(dp, oa, v_s);       // dP = dO V^T
-                else v3_product_kk<BN, HD>(dp, sO + wg * 8192, BM, v_s);
-                wgmma_commit();
-                wgmma_wait<1>();                  // S (and the previous tile's dQ) retired
-                wg_fence_regs<BN / 2>(s);
-                // P = exp(S * scale - lse), 0 where key > row
-                const bool mask = n0 + BN - 1 > wm0;
-                #pragma unroll
-                for (int jj = 0; jj < NS; jj++) {
-                    #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        float p = fast_exp2(fmaf(s[4 * jj + e], sl2, e < 2 ? nl0 : nl1));
-                        if (mask && n0 + 8 * jj + 2 * t4 + (e & 1) > (e < 2 ? row0 : row1)) p = 0.f;
-                        s[4 * jj + e] = p;
-                    }
-                }
-                wgmma_wait<0>();
-                wg_fence_regs<BN / 2>(dp);
-                #pragma unroll
-                for (int jj = 0; jj < NS; jj++) {
-                    s[4 * jj + 0] *= dp[4 * jj + 0] - D0;
-                    s[4 * jj + 1] *= dp[4 * jj + 1] - D0;
-                    s[4 * jj + 2] *= dp[4 * jj + 2] - D1;
-                    s[4 * jj + 3] *= dp[4 * jj + 3] - D1;
-                }
-                u32 sa[BN / 16][4];
-                v3_to_frags<BN>(sa, s);
-                v3_product_rs<BN, HD>(dq, sa, k_s);                    // dQ += dS K
-                wgmma_commit();
-                if constexpr (!OVL) {             // else: retired after the next S
-                    wgmma_wait<0>();
-                    wg_fence_regs<HD / 2>(dq);
-                }
-            } else {
-                wgmma_wait<0>();
-            }
-        }
-        wgmma_wait<0>();
-        wg_fence_regs<HD / 2>(dq);
-        if constexpr (!PERSIST) cp_async_wait<0>();
-        v3_store_acc<HD>(dqkv + (q_g - qkv), dq, scale, row0, T, stride, t4);
-        lin = PERSIST ? nlin : n_items;
-        parity ^= 1;
+    // Rows >= T: zero Q / dout rows, lse = D = 0: P = 1 or 0, dP = 0, dS finite; never stored.
+    const float nl0 = row0 < T ? -lse[(size_t)bh * T + row0] * FA_LOG2E : 0.f;
+    const float nl1 = row1 < T ? -lse[(size_t)bh * T + row1] * FA_LOG2E : 0.f;
+    float D0, D1;
+    if constexpr (FD) {
+        // The 4 threads of a row pair (t4 = 0..3) each sum HD/4 columns of both rows, then reduce
+        // over t4 with two shuffles (fixed order: deterministic). Outside any branch: full-warp
+        // shuffles; rows >= T contribute 0 (and D = 0 as in the non-fused path).
+        D0 = v3_row_dot<HD / 4>(out, dout, (size_t)b * T * C + (size_t)row0 * C + h * HD + t4 * (HD / 4), row0 < T);
+        D1 = v3_row_dot<HD / 4>(out, dout, (size_t)b * T * C + (size_t)row1 * C + h * HD + t4 * (HD / 4), row1 < T);
+        D0 += __shfl_xor_sync(0xffffffffu, D0, 1);
+        D1 += __shfl_xor_sync(0xffffffffu, D1, 1);
+        D0 += __shfl_xor_sync(0xffffffffu, D0, 2);
+        D1 += __shfl_xor_sync(0xffffffffu, D1, 2);
+        if (t4 == 0 && row0 < T) Dw[(size_t)bh * T + row0] = D0;
+        if (t4 == 0 && row1 < T) Dw[(size_t)bh * T + row1] = D1;
+    } else {
+        D0 = row0 < T ? Dv[(size_t)bh * T + row0] : 0.f;
+        D1 = row1 < T ? Dv[(size_t)bh * T + row1] : 0.f;
     }
-    if constexpr (PERSIST) cp_async_wait<0>();
+    float dq[HD / 2], s[BN / 2], dp[BN / 2];
+    #pragma unroll
+    for (int e = 0; e < HD / 2; e++) dq[e] = 0.f;
+    #pragma unroll
+    for (int e = 0; e < BN / 2; e++) s[e] = dp[e] = 0.f;
+    wg_fence_regs<HD / 2>(dq);
+    static_assert(!RA || BN == 64, "register-A products are m64n64");
+    [[maybe_unused]] u32 qa[RA ? HD / 16 : 1][4], oa[RA ? HD / 16 : 1][4];
+    if constexpr (RA) {                           // this warpgroup's Q and dout rows, once per block
+        cp_async_wait<0>();
+        __syncthreads();
+        v3_tile_frags<BM, HD>(qa, smem_v3 + (sQ - raw), 64 * wg + 16 * w4 + g, t4);
+        v3_tile_frags<BM, HD>(oa, smem_v3 + (sO - raw), 64 * wg + 16 * w4 + g, t4);
+    }
+
+    for (int j = 0; j < n_tiles; j++) {
+        const int buf = j % ST, nxt = (j + 1) % ST;
+        cp_async_wait<0>();                       // tile j landed (this thread's copies)
+        fence_proxy_async();
+        __syncthreads();                          // everyone's; tile j+1-ST's wgmma all retired
+        if (j + 1 < n_tiles) {
+            v3_load_tile<BN, HD, NT>(sK + nxt * KV_BYTES, k_g, (j + 1) * BN, T, stride);
+            v3_load_tile<BN, HD, NT>(sV + nxt * KV_BYTES, v_g, (j + 1) * BN, T, stride);
+        }
+        cp_async_commit();
+        const int n0 = j * BN;
+        if (wm0 < T && n0 <= wm0 + 63) {          // warpgroup-uniform: some key <= some row
+            const u32 k_s = sK + buf * KV_BYTES, v_s = sV + buf * KV_BYTES;
+            wg_fence_regs<BN / 2>(s);
+            wg_fence_regs<BN / 2>(dp);
+            wgmma_fence();
+            if constexpr (RA) v3_product_rk<HD>(s, qa, k_s);        // S = Q K^T
+            else v3_product_kk<BN, HD>(s, sQ + wg * 8192, BM, k_s);
+            wgmma_commit();
+            if constexpr (RA) v3_product_rk<HD>(dp, oa, v_s);       // dP = dO V^T
+            else v3_product_kk<BN, HD>(dp, sO + wg * 8192, BM, v_s);
+            wgmma_commit();
+            wgmma_wait<1>();                      // S (and the previous tile's dQ) retired
+            wg_fence_regs<BN / 2>(s);
+            // P = exp(S * scale - lse), 0 where key > row
+            const bool mask = n0 + BN - 1 > wm0;
+            #pragma unroll
+            for (int jj = 0; jj < NS; jj++) {
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float p = fast_exp2(fmaf(s[4 * jj + e], sl2, e < 2 ? nl0 : nl1));
+                    if (mask && n0 + 8 * jj + 2 * t4 + (e & 1) > (e < 2 ? row0 : row1)) p = 0.f;
+                    s[4 * jj + e] = p;
+                }
+            }
+            wgmma_wait<0>();
+            wg_fence_regs<BN / 2>(dp);
+            #pragma unroll
+            for (int jj = 0; jj < NS; jj++) {
+                s[4 * jj + 0] *= dp[4 * jj + 0] - D0;
+                s[4 * jj + 1] *= dp[4 * jj + 1] - D0;
+                s[4 * jj + 2] *= dp[4 * jj + 2] - D1;
+                s[4 * jj + 3] *= dp[4 * jj + 3] - D1;
+            }
+            u32 sa[BN / 16][4];
+            v3_to_frags<BN>(sa, s);
+            v3_product_rs<BN, HD>(dq, sa, k_s);                    // dQ += dS K
+            wgmma_commit();
+            if constexpr (!OVL) {                 // else: retired after the next S
+                wgmma_wait<0>();
+                wg_fence_regs<HD / 2>(dq);
+            }
+        } else {
+            wgmma_wait<0>();
+        }
+    }
+    wgmma_wait<0>();
+    wg_fence_regs<HD / 2>(dq);
+    cp_async_wait<0>();
+    v3_store_acc<HD>(dqkv + (size_t)b * T * stride + h * HD, dq, scale, row0, T, stride, t4);
 }
 
-#define V3_DKDV_BODY(HD, NWG, BM, MINB, RA, P) \
-    flash_bwd_dkdv_v3<HD, NWG, BM, MINB, RA, P>(dqkv, qkv, dout, lse, D, T, NH, scale, n_heads, counter)
-#define V3_DQ_BODY(HD, NWG, BN, MINB, RA, P) \
-    flash_bwd_dq_v3<HD, NWG, BN, MINB, false, RA, P>(dqkv, nullptr, qkv, dout, nullptr, lse, D, T, NH, scale, n_heads, \
-                                                     counter)
+#define V3_DKDV_BODY(HD, NWG, BM, MINB, RA) \
+    flash_bwd_dkdv_v3<HD, NWG, BM, MINB, RA>(dqkv, qkv, dout, lse, D, T, NH, scale)
+#define V3_DQ_BODY(HD, NWG, BN, MINB, RA) \
+    flash_bwd_dq_v3<HD, NWG, BN, MINB, false, RA>(dqkv, nullptr, qkv, dout, nullptr, lse, D, T, NH, scale)
 #define V3_DQF_BODY(HD, NWG, BN, MINB) \
-    flash_bwd_dq_v3<HD, NWG, BN, MINB, true, false, false>(dqkv, D, qkv, dout, out, lse, nullptr, T, NH, scale, 0, \
-                                                          nullptr)
+    flash_bwd_dq_v3<HD, NWG, BN, MINB, true, false>(dqkv, D, qkv, dout, out, lse, nullptr, T, NH, scale)
 #else
-#define V3_DKDV_BODY(HD, NWG, BM, MINB, RA, P) __trap()    // not sm_90a: Python never launches this
-#define V3_DQ_BODY(HD, NWG, BN, MINB, RA, P) __trap()
+#define V3_DKDV_BODY(HD, NWG, BM, MINB, RA) __trap()    // not sm_90a: Python never launches this
+#define V3_DQ_BODY(HD, NWG, BN, MINB, RA) __trap()
 #define V3_DQF_BODY(HD, NWG, BN, MINB) __trap()
 #endif
 
@@ -513,43 +438,19 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
     attention_backward_dkdv_kernel_v3_hd##HD##_g##NWG##_m##BM##SUF##_bf16(bf16* dqkv,          \
             const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
             int T, int NH, float scale) {                                                      \
-        constexpr int n_heads = 0;                /* the grid says: (B*NH, tiles) */           \
-        int* const counter = nullptr;                                                          \
-        V3_DKDV_BODY(HD, NWG, BM, MINB, RA, false);                                            \
+        V3_DKDV_BODY(HD, NWG, BM, MINB, RA);                                                         \
     }
 #define FLASH_V3_DQ_(HD, NWG, BN, MINB, RA, SUF)                                                     \
     extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \
     attention_backward_dq_kernel_v3_hd##HD##_g##NWG##_n##BN##SUF##_bf16(bf16* dqkv,            \
             const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
             int T, int NH, float scale) {                                                      \
-        constexpr int n_heads = 0;                                                             \
-        int* const counter = nullptr;                                                          \
-        V3_DQ_BODY(HD, NWG, BN, MINB, RA, false);                                              \
-    }
-// Persistent twins (kernel names end in _p_bf16): one block per SM (grid (SMs, 1)), n_heads = B*NH
-// items per tile rank, counter: one int, zero at launch (the items after the first gridDim.x);
-// gpucore/ops/attention.py launches them for the default configs.
-#define FLASH_V3_DKDV_P_(HD, NWG, BM, MINB, RA, SUF)                                                 \
-    extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \
-    attention_backward_dkdv_kernel_v3_hd##HD##_g##NWG##_m##BM##SUF##_p_bf16(bf16* dqkv,        \
-            const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
-            int T, int NH, float scale, int n_heads, int* counter) {                           \
-        V3_DKDV_BODY(HD, NWG, BM, MINB, RA, true);                                             \
-    }
-#define FLASH_V3_DQ_P_(HD, NWG, BN, MINB, RA, SUF)                                                   \
-    extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \
-    attention_backward_dq_kernel_v3_hd##HD##_g##NWG##_n##BN##SUF##_p_bf16(bf16* dqkv,          \
-            const bf16* qkv, const bf16* dout, const float* lse, const float* D,               \
-            int T, int NH, float scale, int n_heads, int* counter) {                           \
-        V3_DQ_BODY(HD, NWG, BN, MINB, RA, true);                                               \
+        V3_DQ_BODY(HD, NWG, BN, MINB, RA);                                                           \
     }
 #define FLASH_V3_DKDV(HD, NWG, BM, MINB) FLASH_V3_DKDV_(HD, NWG, BM, MINB, false, )
 #define FLASH_V3_DKDV_RA(HD, NWG, BM, MINB) FLASH_V3_DKDV_(HD, NWG, BM, MINB, true, _ra)
 #define FLASH_V3_DQ(HD, NWG, BN, MINB) FLASH_V3_DQ_(HD, NWG, BN, MINB, false, )
 #define FLASH_V3_DQ_RA(HD, NWG, BN, MINB) FLASH_V3_DQ_(HD, NWG, BN, MINB, true, _ra)
-#define FLASH_V3_DKDV_RA_P(HD, NWG, BM, MINB) FLASH_V3_DKDV_P_(HD, NWG, BM, MINB, true, _ra)
-#define FLASH_V3_DQ_P(HD, NWG, BN, MINB) FLASH_V3_DQ_P_(HD, NWG, BN, MINB, false, )
-#define FLASH_V3_DQ_RA_P(HD, NWG, BN, MINB) FLASH_V3_DQ_P_(HD, NWG, BN, MINB, true, _ra)
 
 // dq with fused D (a ladder rung: gpucore/ladder/attention.py, dq config (NWG, BN, V3_FD = 1)): writes D (B, NH, T) as well, so
 // the preprocess kernel is gone and the dK/dV pass runs after this one.
@@ -576,6 +477,3 @@ FLASH_V3_DQ(128, 1, 64, 2)
 FLASH_V3_DQF(64, 2, 128, 1)
 FLASH_V3_DQF(64, 2, 64, 1)
 FLASH_V3_DQF(128, 2, 64, 1)
-FLASH_V3_DKDV_RA_P(64, 2, 64, 1)
-FLASH_V3_DQ_P(64, 2, 64, 1)
-FLASH_V3_DQ_RA_P(64, 2, 64, 1)
