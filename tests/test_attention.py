@@ -388,6 +388,20 @@ def test_v3_tables_match_kernel_instantiations():
     check_v3_bwd_config_limits(DEFAULT_V3_DKDV, DEFAULT_V3_DQ)
 
 
+def test_v3_onepass_sizes_and_bad_head_dim():
+    """The one-pass backward's shared memory (the kernel header's 84,480 bytes: two blocks per SM
+    fit sm_90's 228 KB), its f32 dQ scratch in scratch_bytes when the setting is on, and a head
+    dim it has no kernel for refused before any launch."""
+    assert attn.v3_onepass_smem(64) == 84480 and 2 * attn.v3_onepass_smem(64) <= 228 * 1024
+    with settings.using(attention_v3_onepass=True):
+        assert attn.scratch_bytes(2, 100, 3, 64, BF16, 3, backward=True) == 4 * 2 * 3 * 100 + 4 * 2 * 3 * 64 * 128
+    with settings.using(attention_v3_onepass=False):
+        assert attn.scratch_bytes(2, 100, 3, 64, BF16, 3, backward=True) == 4 * 2 * 3 * 100
+    qkv = np.zeros((1, 4, 3 * 128), BF16)
+    with pytest.raises(ValueError, match="head dim"):
+        attn.backward_v3_onepass(None, qkv, None, None, 1, None)
+
+
 def test_v3_backward_version_argument_on_numpy(rng):
     qkv = make_qkv(rng, 1, 5, 2, 4)
     out, lse = gpucore.attention_forward(qkv, 2)
@@ -396,6 +410,16 @@ def test_v3_backward_version_argument_on_numpy(rng):
     assert rel_err(gpucore.attention_backward(dout, qkv, out, lse, 2, version=3), ref) < 1e-6
     with pytest.raises(ValueError, match="version"):
         gpucore.attention_backward(dout, qkv, out, lse, 2, version=4)
+
+
+@pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
+def test_v3_onepass_kernel_compiles_for_sm90a_without_spills():
+    src = runtime.KERNEL_DIR / "attention" / "flash_v3_bwd1.cu"
+    rows = kernel_rows("90a", "attention/flash_v3_bwd1.cu")
+    assert rows and not [r for r in rows if not r["ok"]], rows
+    log = runtime.compile_cubin(src, "90a", verbose_ptxas=True).log
+    assert "serialized" not in log, [ln for ln in log.splitlines() if "serialized" in ln]
+    assert {f"attention_backward_onepass_kernel_v3_hd{hd}_bf16" for hd in attn.ONEPASS_HD} <= {r["kernel"] for r in rows}
 
 
 @pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
@@ -463,6 +487,35 @@ def test_gpu_backward_v3_streams_same_bits(rng, hd):
     for streams in (False, True):
         with settings.using(attention_v3_streams=streams):
             assert v3_backward_bits(qkv, dout, out, lse, NH) == one
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[3] == 64] + [(3, 4, 1000, 64)],
+                         ids=lambda s: "B{}-NH{}-T{}-hd{}".format(*s))
+def test_gpu_backward_v3_onepass(rng, shape):
+    """The one-pass backward (attention/flash_v3_bwd1.cu) against the float64 reference: dq, dk, dv
+    within bf16 tolerance at T from 1 to 1024 (tails of every kind), NaN-poisoned output."""
+    need_sm90()
+    B, NH, T, hd = shape
+    check_v3_backward(rng, B, NH, T, hd,
+                      lambda do, qkv, o, l, dqkv: attn.backward_v3_onepass(do, qkv, o, l, NH, dqkv))
+
+
+@pytest.mark.cuda
+def test_gpu_backward_v3_onepass_deterministic_and_default(rng):
+    """Same bits run after run; settings.attention_v3_onepass routes attention_backward's v3 path
+    there (same bits as calling it directly), and off it is the two-pass backward (close to it)."""
+    need_sm90()
+    NH, qkv, dout, out, lse = v3_backward_case(rng, 64, B=3, NH=5, T=333)
+    one = v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_onepass)
+    assert v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_onepass) == one
+    with settings.using(attention_v3_onepass=True):
+        via = to_cpu(gpucore.attention_backward(dout, qkv, out, lse, NH, version=3)).tobytes()
+    assert via == one
+    with settings.using(attention_v3_onepass=False):
+        two = to_cpu(gpucore.attention_backward(dout, qkv, out, lse, NH, version=3)).astype(np.float32)
+    got = np.frombuffer(one, dtype=BF16).astype(np.float32).reshape(two.shape)
+    assert rel_err(got, two) < 1e-2
 
 
 @pytest.mark.cuda

@@ -466,13 +466,41 @@ def backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_config=None, dq_config=None,
     main.wait_event(joined)      # whatever the caller queues next (and D's release) sees dQ done
 
 
+ONEPASS_HD = (64,)          # head dims of attention/flash_v3_bwd1.cu (the one-pass backward)
+
+
+def v3_onepass_smem(hd):
+    """Dynamic shared memory of a one-pass backward block: K, V, 3 stages of Q and dO, 2 dS^T tiles
+    (all 64 x hd bf16), 3 x 64 lse and D, + 1024 for the swizzle alignment."""
+    return 1024 + (2 + 2 * 3 + 2) * 64 * hd * 2 + 2 * 3 * 64 * 4
+
+
+def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv):
+    """v3 one-pass backward (attention/flash_v3_bwd1.cu, hd 64): v2's preprocess (D), then one
+    block per (batch, head) computing dK, dV and dQ together, dQ summed over the KV tiles in order
+    in an f32 scratch (B*NH, hd, T rounded up to 64): 5 tile products per tile pair instead of
+    the two-pass backward's 7, deterministic."""
+    cp = runtime.cupy
+    B, T, C3 = qkv.shape
+    hd = C3 // 3 // NH
+    if hd not in ONEPASS_HD:
+        raise ValueError(f"qkv: the one-pass backward needs head dim in {ONEPASS_HD}, got {hd}")
+    D = _preprocess(dout, out, NH)
+    dqacc = cp.empty((B * NH, hd, -(-T // 64) * 64), dtype=F32)
+    k = runtime.get_kernel("attention/flash_v3_bwd1", f"attention_backward_onepass_kernel_v3_hd{hd}_bf16",
+                           options=v3_compile_options(), arch=V3_ARCH)
+    runtime.launch(k, B * NH, 128, (dqkv, dqacc, qkv, dout, lse, D, np.int32(T), np.int32(NH),
+                                    np.float32(1.0 / math.sqrt(hd))), shared_mem=v3_onepass_smem(hd))
+
+
 def scratch_bytes(B, T, NH, hd, dtype, version, backward=False) -> int:
     """Bytes of temporary device memory one call allocates (outputs excluded)."""
     dtype = dtypes.normalize(dtype)
     it = dtype.itemsize
     n_tt = B * NH * T * T
     if version in (2, 3):
-        return 4 * B * NH * T if backward else 0
+        onepass = version == 3 and backward and settings.current().attention_v3_onepass and hd in ONEPASS_HD
+        return (4 * B * NH * T + (4 * B * NH * hd * -(-T // 64) * 64 if onepass else 0)) if backward else 0
     qkvp = 3 * B * T * NH * hd * it
     att = n_tt * 4 + (0 if dtype == F32 else n_tt * it)
     if not backward:
@@ -539,7 +567,9 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None):
                            _misaligned((("qkv", qkv), ("dout", dout), ("out", out), ("dqkv", dqkv))))
     if B * T == 0:
         return dqkv
-    if version == 3:
+    if version == 3 and settings.current().attention_v3_onepass and hd in ONEPASS_HD:
+        backward_v3_onepass(dout, qkv, out, lse, NH, dqkv)
+    elif version == 3:
         backward_v3(dout, qkv, out, lse, NH, dqkv)
     elif version == 2:
         backward_v2(dout, qkv, out, lse, NH, dqkv)

@@ -1,0 +1,94 @@
+/*
+ * attention/flash_v3_bwd.cuh -- device helpers of the Hopper (wgmma, sm_90a) attention backward
+ * kernels: attention/flash_v3_bwd.cu (the two-pass dK/dV + dQ backward) and
+ * attention/flash_v3_bwd1.cu (the one-pass backward). Include after attention/flash_v3.cuh.
+ * Moved here from flash_v3_bwd.cu unchanged (__forceinline__: same instruction streams).
+ */
+#pragma once
+#include "attention/flash.cuh"
+#include "wgmma.cuh"
+#include "attention/flash_v3.cuh"
+
+// One accumulator row of a warpgroup product -> global bf16 (times `mul`), rows >= T skipped.
+// d holds HD/8 n8 blocks in the wgmma D layout; row0 is this thread's row g, row0 + 8 its row g+8.
+template <int HD>
+__device__ __forceinline__ void v3_store_acc(bf16* g, const float* d, float mul, int row0, int T, int stride,
+                                             int t4) {
+    #pragma unroll
+    for (int j = 0; j < HD / 8; j++) {
+        const int col = 8 * j + 2 * t4;
+        if (row0 < T)
+            *reinterpret_cast<u32*>(g + (size_t)row0 * stride + col) = pack_bf16x2_rn(d[4 * j] * mul, d[4 * j + 1] * mul);
+        if (row0 + 8 < T)
+            *reinterpret_cast<u32*>(g + (size_t)(row0 + 8) * stride + col) =
+                pack_bf16x2_rn(d[4 * j + 2] * mul, d[4 * j + 3] * mul);
+    }
+}
+
+// sum over N (a multiple of 8) columns of x[off..] * y[off..] (16-byte aligned), 0 if !valid.
+template <int N>
+__device__ __forceinline__ float v3_row_dot(const bf16* x, const bf16* y, size_t off, bool valid) {
+    float acc = 0.f;
+    if (valid) {
+        #pragma unroll
+        for (int c = 0; c < N; c += 8) {
+            const Pack16<bf16> a = load16(x + off + c);
+            const Pack16<bf16> o = load16(y + off + c);
+            #pragma unroll
+            for (int k = 0; k < 8; k++) acc = fmaf(to_float(a.v[k]), to_float(o.v[k]), acc);
+        }
+    }
+    return acc;
+}
+
+// Register-A fragments (wgmma.cuh's layout) of the 64 x HD rows starting at tile row r0 - g of a
+// swizzled (ROWS, HD) bf16 tile at generic address `tile`: this thread's rows r0 and r0 + 8.
+// k-step ks covers columns 16ks..16ks+15 = 16-byte chunks 2(ks%4), 2(ks%4)+1 of column block ks/4.
+template <int ROWS, int HD>
+__device__ __forceinline__ void v3_tile_frags(u32 (&f)[HD / 16][4], const unsigned char* tile, int r0, int t4) {
+    #pragma unroll
+    for (int ks = 0; ks < HD / 16; ks++) {
+        const unsigned char* blk = tile + (ks >> 2) * (ROWS * 128) + 4 * t4;
+        const int c = 2 * (ks & 3);
+        f[ks][0] = *reinterpret_cast<const u32*>(blk + wg_swz128(r0, c));
+        f[ks][1] = *reinterpret_cast<const u32*>(blk + wg_swz128(r0 + 8, c));
+        f[ks][2] = *reinterpret_cast<const u32*>(blk + wg_swz128(r0, c + 1));
+        f[ks][3] = *reinterpret_cast<const u32*>(blk + wg_swz128(r0 + 8, c + 1));
+    }
+}
+
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// D (64 x 64) = A (64 x HD, fragments held in registers) @ B^T (B: 64 x HD K-major at b, column
+// blocks 64 * 128 apart). The RA ("register A") variants use it for S^T = K Q^T, dP^T = V dO^T
+// (dK/dV pass) and S = Q K^T, dP = dO V^T (dQ pass): only B is read from shared memory, which
+// halves the smem operand traffic of these N = 64 products. No commit.
+template <int HD>
+__device__ __forceinline__ void v3_product_rk(float* d, const u32 (&a)[HD / 16][4], u32 b) {
+    #pragma unroll
+    for (int ks = 0; ks < HD / 16; ks++)
+        wgmma_m64n64k16_rs_kk(d, a[ks], smem_desc(b + (ks >> 2) * (64 * 128) + (ks & 3) * 32, 16, 1024), ks > 0);
+}
+
+// D (64 x N) = A (64 x HD, K-major at a + wgrow bytes, column blocks arows * 128 apart)
+//            @ B^T (B: N x HD K-major at b, column blocks N * 128 apart). No commit.
+template <int N, int HD>
+__device__ __forceinline__ void v3_product_kk(float* d, u32 a, int arows, u32 b) {
+    #pragma unroll
+    for (int ks = 0; ks < HD / 16; ks++) {
+        const u32 off_a = (ks >> 2) * (arows * 128) + (ks & 3) * 32;
+        const u32 off_b = (ks >> 2) * (N * 128) + (ks & 3) * 32;
+        v3_mma_ss<N>(d, smem_desc(a + off_a, 16, 1024), smem_desc(b + off_b, 16, 1024), ks > 0);
+    }
+}
+
+// d (64 x HD) += A (64 x KN, fragments f) @ B (KN x HD, MN-major tile at b with KN rows). No commit.
+template <int KN, int HD>
+__device__ __forceinline__ void v3_product_rs(float* d, u32 (&f)[KN / 16][4], u32 b) {
+    wg_fence_regs<KN / 4>(&f[0][0]);
+    wgmma_fence();
+    #pragma unroll
+    for (int k = 0; k < KN / 16; k++) v3_mma_rs<HD>(d, f[k], smem_desc(b + k * 2048, KN * 128, 1024), 1);
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL

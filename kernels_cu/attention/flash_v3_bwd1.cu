@@ -1,0 +1,268 @@
+/*
+ * attention/flash_v3_bwd1.cu -- causal attention backward in ONE pass on Hopper's wgmma (v3, sm_90a).
+ *
+ * Op and math: attention/flash_v3_bwd.cu's (same inputs: qkv (B, T, 3C) bf16, dout (B, T, C) bf16,
+ * lse and D = rowsum(dout * out) (B, NH, T) f32 from v2's preprocess kernel; same output: dqkv
+ * (B, T, 3C) bf16 written [=], every element of every row t < T once). HD = 64.
+ *
+ * Why: the two-pass backward computes S and dP twice (7 tile products per tile pair, where
+ * FlashAttention's one pass does 5) to stay deterministic without atomics. Here one block owns a
+ * whole head, so dQ can be summed in a fixed order without atomics or semaphores:
+ *   block = one (batch, head), one warpgroup (128 threads, 2 blocks per SM); for each KV tile j of
+ *   64 keys (in order) and each Q tile i >= j of 64 queries (in order):
+ *     S^T  = K Q^T, dP^T = V dO^T            (smem x smem, K-major)
+ *     P^T  = exp2(S^T * scale*log2e - lse*log2e), 0 where key > query or query >= T
+ *     dV  += P^T dO, dS^T = P^T (dP^T - D), dK += dS^T Q   (as the dK/dV pass)
+ *     dQ^T_i (+)= K^T dS^T                   (dS^T staged in smem; both operands MN-major)
+ *   dQ^T of Q tile i is summed over j = 0..i in that order in an f32 scratch (HD, Tp) per head in
+ *   global memory (L2-resident while the block works on the head), read-modify-written by the one
+ *   thread that owns each element (program order: no fences, no atomics); at j = i, its last
+ *   contribution, the sum goes to dqkv as bf16 (times scale) instead. Same bits run after run.
+ *   dK, dV of KV tile j are stored when its Q loop ends.
+ * Pipelining (one warpgroup): per tile, after the loop-top barrier: S^T group; wait<0> (S^T, and
+ * the previous tile's dV, dK, dQ^T groups) -> dP^T group, running on -> the previous tile's dQ^T
+ * read-modify-written -> P^T -> dV group -> wait<1>
+ * (dP^T) -> dS^T -> dK group; dS^T to smem (double buffered by tile parity) -> fence.proxy.async
+ * + barrier -> dQ^T group; dV, dK and dQ^T run on into the next tile. Q/dO/lse/D stream through a 3-stage cp.async ring (the stage a running group
+ * reads is never the one prefetched), prefetched one tile ahead, across KV tiles too.
+ *
+ * Shared memory: K, V (64 x HD), 3 stages of Q, dO (64 x HD), 2 dS^T tiles (64 keys x 64 queries),
+ * all 128B-swizzled (wgmma.cuh), 3 x 64 lse and D: 84,480 bytes with the alignment slack.
+ * Compiled for anything but sm_90a the kernel traps; Python launches it only on sm_90 devices.
+ */
+#include "attention/flash.cuh"
+#include "wgmma.cuh"
+#include "attention/flash_v3.cuh"
+#include "attention/flash_v3_bwd.cuh"   // v3_store_acc, v3_product_kk / rs
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// The read-modify-write of Q tile i's dQ^T, in two halves (HALF 0 = query columns 0..31 of the
+// tile, 1 = 32..63: fewer live registers). It runs after a wait<0>: ptxas serialises every wgmma
+// of a kernel whose accumulator is read where it cannot prove the group retired, and a wait<1>
+// across the loop's back edge is such a place. This thread's elements: rows = head dims 16*w4 + g (+8), columns =
+// queries 8jj + 2t4 (+1), in the head's f32 scratch qacc (HD, Tp).
+// Load: the previous partial sums (zero for the first KV tile).
+template <int HALF>
+__device__ __forceinline__ void v3_dq_load(float2 (&old)[8], const float* qacc, int i, bool first, int Tp,
+                                           int w4, int g, int t4) {
+    #pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int jj = 4 * HALF + (k >> 1), r = k & 1;
+        const float2* p = reinterpret_cast<const float2*>(qacc + (size_t)(16 * w4 + g + 8 * r) * Tp + 64 * i + 8 * jj + 2 * t4);
+        old[k] = first ? make_float2(0.f, 0.f) : *p;
+    }
+}
+// Store: old + this KV tile's part back to the scratch, or at the last KV tile (last) the sum times
+// `scale` to dq_g (rows t < T, bf16).
+template <int HALF>
+__device__ __forceinline__ void v3_dq_store(float* qacc, bf16* dq_g, const float2 (&old)[8], const float* dq, int i,
+                                            bool last, float scale, int T, int Tp, int stride, int w4, int g, int t4) {
+    #pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int jj = 4 * HALF + (k >> 1), r = k & 1;
+        const int hd = 16 * w4 + g + 8 * r, q = 64 * i + 8 * jj + 2 * t4;
+        const float2 v = make_float2(old[k].x + dq[4 * jj + 2 * r], old[k].y + dq[4 * jj + 2 * r + 1]);
+        if (last) {
+            if (q < T) dq_g[(size_t)q * stride + hd] = float_to_bf16(v.x * scale);
+            if (q + 1 < T) dq_g[(size_t)(q + 1) * stride + hd] = float_to_bf16(v.y * scale);
+        } else {
+            *reinterpret_cast<float2*>(qacc + (size_t)hd * Tp + q) = v;
+        }
+    }
+}
+
+template <int HD>
+__device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, const bf16* qkv, const bf16* dout,
+                                                     const float* lse, const float* Dv, int T, int NH, float scale) {
+    static_assert(HD == 64, "one-pass backward: head dim 64");
+    constexpr int BM = 64, BN = 64, NT = 128, ST = 3;
+    constexpr int KV_BYTES = BN * HD * 2, Q_BYTES = BM * HD * 2, DS_BYTES = BN * BM * 2;
+    constexpr int NQ = BM / 8;                    // n8 blocks of S^T (queries)
+    extern __shared__ unsigned char smem_v3[];
+    const u32 raw = smem_u32_asm(smem_v3);
+    const u32 sK = (raw + 1023u) & ~1023u;        // swizzle atoms need 1024-byte alignment
+    const u32 sV = sK + KV_BYTES;
+    const u32 sQ = sV + KV_BYTES;                 // ST stages
+    const u32 sO = sQ + ST * Q_BYTES;             // ST stages (dout)
+    const u32 sS = sO + ST * Q_BYTES;             // 2 dS^T tiles (by tile parity)
+    unsigned char* sS_gen = smem_v3 + (sS - raw);
+    float* sL = reinterpret_cast<float*>(smem_v3 + (sS + 2 * DS_BYTES - raw));  // ST x BM lse
+    float* sD = sL + ST * BM;                                                   // ST x BM D
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int w4 = warp, g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    const int C = NH * HD, stride = 3 * C;
+    const int nt = ceil_div(T, BM), Tp = nt * BM;
+    const bf16* q_g = qkv + (size_t)b * T * stride + h * HD;
+    const bf16* do_g = dout + (size_t)b * T * C + h * HD;
+    const float* l_g = lse + (size_t)bh * T;
+    const float* d_g = Dv + (size_t)bh * T;
+    bf16* dq_g = dqkv + (size_t)b * T * stride + h * HD;
+    float* qacc = dqacc + (size_t)bh * HD * Tp;
+    const float sl2 = scale * FA_LOG2E;
+
+    auto load_q_tile = [&](int st, int r) {
+        v3_load_tile<BM, HD, NT>(sQ + st * Q_BYTES, q_g, r, T, stride);
+        v3_load_tile<BM, HD, NT>(sO + st * Q_BYTES, do_g, r, T, C);
+        load_vec_async<BM, NT>(sL + st * BM, l_g, r, T);
+        load_vec_async<BM, NT>(sD + st * BM, d_g, r, T);
+    };
+    v3_load_tile<BN, HD, NT>(sK, q_g + C, 0, T, stride);
+    v3_load_tile<BN, HD, NT>(sV, q_g + 2 * C, 0, T, stride);
+    load_q_tile(0, 0);
+    cp_async_commit();
+
+    float dk[HD / 2], dv[HD / 2], st[BM / 2], dpt[BM / 2], dq[HD / 2];
+    #pragma unroll
+    for (int e = 0; e < BM / 2; e++) st[e] = dpt[e] = 0.f;
+    #pragma unroll
+    for (int e = 0; e < HD / 2; e++) dq[e] = 0.f;
+    int tc = 0;                                   // tiles done: ring stage tc % ST, dS^T buffer tc & 1
+    int pend_i = -1, pend_j = 0;                  // the dQ^T group in flight: its Q tile and KV tile
+
+    for (int j = 0; j < nt; j++) {
+        const int n0 = j * BN;
+        const int key0 = n0 + 16 * w4 + g;        // this thread's keys: key0, key0 + 8
+        #pragma unroll
+        for (int e = 0; e < HD / 2; e++) dk[e] = dv[e] = 0.f;
+        wg_fence_regs<HD / 2>(dk);
+        wg_fence_regs<HD / 2>(dv);
+        for (int i = j; i < nt; i++, tc++) {
+            const int buf = tc % ST, nxt = (tc + 1) % ST;
+            cp_async_wait<0>();                   // this thread's copies of tile i (and K/V) landed
+            fence_proxy_async();                  // ... visible to wgmma (async proxy)
+            __syncthreads();                      // ... everyone's; every warp is past tile tc-1's
+                                                  // wait<1>: tile tc-2's groups are retired
+            if (i + 1 < nt) load_q_tile(nxt, (i + 1) * BM);
+            else if (j + 1 < nt) load_q_tile(nxt, (j + 1) * BM);   // the next KV tile's first Q tile
+            cp_async_commit();
+            const int m0 = i * BM;
+            const u32 q_s = sQ + buf * Q_BYTES, o_s = sO + buf * Q_BYTES;
+            const float* l_s = sL + buf * BM;
+            const float* d_s = sD + buf * BM;
+            wg_fence_regs<BM / 2>(st);
+            wg_fence_regs<BM / 2>(dpt);
+            wgmma_fence();
+            v3_product_kk<BM, HD>(st, sK, BN, q_s);               // S^T = K Q^T
+            wgmma_commit();
+            wgmma_wait<0>();                      // S^T and the previous tile's dV, dK, dQ^T retired
+            wg_fence_regs<BM / 2>(st);
+            wg_fence_regs<HD / 2>(dq);
+            wgmma_fence();
+            v3_product_kk<BM, HD>(dpt, sV, BN, o_s);              // dP^T = V dO^T, runs on
+            wgmma_commit();
+            if (pend_i >= 0) {                    // the previous tile's dQ^T into the scratch / dqkv
+                const bool first = pend_j == 0, last = pend_j == pend_i;
+                float2 old[8];
+                v3_dq_load<0>(old, qacc, pend_i, first, Tp, w4, g, t4);
+                v3_dq_store<0>(qacc, dq_g, old, dq, pend_i, last, scale, T, Tp, stride, w4, g, t4);
+                v3_dq_load<1>(old, qacc, pend_i, first, Tp, w4, g, t4);
+                v3_dq_store<1>(qacc, dq_g, old, dq, pend_i, last, scale, T, Tp, stride, w4, g, t4);
+            }
+            // P^T = exp(S^T * scale - lse[query]); 0 where key > query or query >= T
+            const bool mask = n0 + 63 > m0 || m0 + BM > T;
+            #pragma unroll
+            for (int jq = 0; jq < NQ; jq++) {
+                const float2 l2 = *reinterpret_cast<const float2*>(l_s + 8 * jq + 2 * t4);
+                const float nl[2] = {-l2.x * FA_LOG2E, -l2.y * FA_LOG2E};
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float p = fast_exp2(fmaf(st[4 * jq + e], sl2, nl[e & 1]));
+                    if (mask) {
+                        const int qa = m0 + 8 * jq + 2 * t4 + (e & 1);
+                        if (key0 + 8 * (e >> 1) > qa || qa >= T) p = 0.f;
+                    }
+                    st[4 * jq + e] = p;
+                }
+            }
+            {
+                u32 pa[BM / 16][4];
+                v3_to_frags<BM>(pa, st);
+                v3_product_rs<BM, HD>(dv, pa, o_s);               // dV += P^T dO
+                wgmma_commit();
+                wgmma_wait<1>();                                   // dP^T ready, dV may run on
+            }
+            wg_fence_regs<BM / 2>(dpt);
+            // dS^T = P^T (dP^T - D[query]), into dpt
+            #pragma unroll
+            for (int jq = 0; jq < NQ; jq++) {
+                const float2 d2 = *reinterpret_cast<const float2*>(d_s + 8 * jq + 2 * t4);
+                dpt[4 * jq + 0] = st[4 * jq + 0] * (dpt[4 * jq + 0] - d2.x);
+                dpt[4 * jq + 1] = st[4 * jq + 1] * (dpt[4 * jq + 1] - d2.y);
+                dpt[4 * jq + 2] = st[4 * jq + 2] * (dpt[4 * jq + 2] - d2.x);
+                dpt[4 * jq + 3] = st[4 * jq + 3] * (dpt[4 * jq + 3] - d2.y);
+            }
+            const u32 s_s = sS + (tc & 1) * DS_BYTES;
+            {
+                u32 sa[BM / 16][4];
+                v3_to_frags<BM>(sa, dpt);
+                v3_product_rs<BM, HD>(dk, sa, q_s);               // dK += dS^T Q
+                wgmma_commit();
+                // dS^T (keys x queries) into smem, swizzled like any (64, 64) tile: the A fragment
+                // of k-step k holds rows r, r+8 (keys) x columns 16k + 2t4 (+1), 16k + 8 + 2t4 (+1)
+                // (v3_tile_frags' inverse). Tile tc-2's dQ^T, the last reader of this buffer, retired.
+                unsigned char* blk = sS_gen + (tc & 1) * DS_BYTES + 4 * t4;
+                const int r = 16 * w4 + g;
+                #pragma unroll
+                for (int k = 0; k < BM / 16; k++) {
+                    *reinterpret_cast<u32*>(blk + wg_swz128(r, 2 * k)) = sa[k][0];
+                    *reinterpret_cast<u32*>(blk + wg_swz128(r + 8, 2 * k)) = sa[k][1];
+                    *reinterpret_cast<u32*>(blk + wg_swz128(r, 2 * k + 1)) = sa[k][2];
+                    *reinterpret_cast<u32*>(blk + wg_swz128(r + 8, 2 * k + 1)) = sa[k][3];
+                }
+            }
+            fence_proxy_async();                  // dS^T stores visible to wgmma ...
+            __syncthreads();                      // ... from all four warps
+            wg_fence_regs<HD / 2>(dq);
+            wgmma_fence();
+            #pragma unroll
+            for (int ks = 0; ks < BN / 16; ks++)  // dQ^T = K^T dS^T: k-steps over the 64 keys
+                wgmma_m64n64k16_ss_mnmn(dq, smem_desc(sK + ks * 2048, BN * 128, 1024),
+                                        smem_desc(s_s + ks * 2048, BN * 128, 1024), ks > 0);
+            wgmma_commit();
+            pend_i = i;
+            pend_j = j;
+        }
+        wgmma_wait<0>();                          // this KV tile's dK, dV and last dQ^T
+        wg_fence_regs<HD / 2>(dk);
+        wg_fence_regs<HD / 2>(dv);
+        wg_fence_regs<HD / 2>(dq);
+        {
+            float2 old[8];
+            const bool first = pend_j == 0, last = pend_j == pend_i;
+            v3_dq_load<0>(old, qacc, pend_i, first, Tp, w4, g, t4);
+            v3_dq_store<0>(qacc, dq_g, old, dq, pend_i, last, scale, T, Tp, stride, w4, g, t4);
+            v3_dq_load<1>(old, qacc, pend_i, first, Tp, w4, g, t4);
+            v3_dq_store<1>(qacc, dq_g, old, dq, pend_i, last, scale, T, Tp, stride, w4, g, t4);
+        }
+        pend_i = -1;
+        bf16* dk_g = dqkv + (size_t)b * T * stride + C + h * HD;
+        v3_store_acc<HD>(dk_g, dk, scale, key0, T, stride, t4);
+        v3_store_acc<HD>(dk_g + C, dv, 1.f, key0, T, stride, t4);
+        if (j + 1 < nt) {
+            __syncthreads();                      // every warp's wgmma on sK / sV retired
+            v3_load_tile<BN, HD, NT>(sK, q_g + C, n0 + BN, T, stride);
+            v3_load_tile<BN, HD, NT>(sV, q_g + 2 * C, n0 + BN, T, stride);
+            cp_async_commit();
+        }
+    }
+    cp_async_wait<0>();
+}
+
+#define V3_BWD1_BODY(HD) flash_bwd_onepass_v3<HD>(dqkv, dqacc, qkv, dout, lse, D, T, NH, scale)
+#else
+#define V3_BWD1_BODY(HD) __trap()    // not sm_90a: Python never launches this
+#endif
+
+// grid (B * NH), 128 threads, 2 blocks per SM; dqacc: f32 scratch (B * NH, HD, ceil(T / 64) * 64),
+// no initial value needed.
+#define FLASH_V3_BWD1(HD)                                                                          \
+    extern "C" __global__ void __launch_bounds__(128, 2)                                          \
+    attention_backward_onepass_kernel_v3_hd##HD##_bf16(bf16* dqkv, float* dqacc, const bf16* qkv, \
+            const bf16* dout, const float* lse, const float* D, int T, int NH, float scale) {       \
+        V3_BWD1_BODY(HD);                                                                          \
+    }
+
+FLASH_V3_BWD1(64)
