@@ -470,9 +470,10 @@ ONEPASS_HD = (64,)          # head dims of attention/flash_v3_bwd1.cu (the one-p
 
 
 def v3_onepass_smem(hd):
-    """Dynamic shared memory of a one-pass backward block: K, V, 3 stages of Q and dO, 2 dS^T tiles
-    (all 64 x hd bf16), 3 x 64 lse and D, + 1024 for the swizzle alignment."""
-    return 1024 + (2 + 2 * 3 + 2) * 64 * hd * 2 + 2 * 3 * 64 * 4
+    """Dynamic shared memory of a one-pass backward block: K, V, 3 stages of Q and dO, the dS^T
+    tile (all 64 x hd bf16), 2 staged dQ^T partial-sum tiles (hd x 64 f32, rows of 68 floats),
+    3 x 64 lse and D, + 1024 for the swizzle alignment."""
+    return 1024 + (2 + 2 * 3 + 1) * 64 * hd * 2 + 2 * hd * 68 * 4 + 2 * 3 * 64 * 4
 
 
 def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv):

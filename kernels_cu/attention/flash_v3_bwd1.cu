@@ -15,9 +15,10 @@
  *     dV  += P^T dO, dS^T = P^T (dP^T - D), dK += dS^T Q   (as the dK/dV pass)
  *     dQ^T_i (+)= K^T dS^T                   (dS^T staged in smem; both operands MN-major)
  *   dQ^T of Q tile i is summed over j = 0..i in that order in an f32 scratch (HD, Tp) per head in
- *   global memory (L2-resident while the block works on the head), read-modify-written by the one
- *   thread that owns each element (program order: no fences, no atomics); at j = i, its last
- *   contribution, the sum goes to dqkv as bf16 (times scale) instead. Same bits run after run.
+ *   global memory: the partial sums are copied into shared memory one tile ahead (cp.async), the
+ *   owning thread adds its part and stores them back (barriers between a store and the next copy
+ *   of the same tile: no atomics); at j = i, its last contribution, the sum goes to dqkv as bf16
+ *   (times scale) instead. Same bits run after run.
  *   dK, dV of KV tile j are stored when its Q loop ends.
  * Pipelining (one warpgroup): per tile, after the loop-top barrier: S^T group; wait<0> (S^T, and
  * the previous tile's dV, dK, dQ^T groups) -> dP^T group, running on -> the previous tile's dQ^T
@@ -26,8 +27,9 @@
  * + barrier -> dQ^T group; dV, dK and dQ^T run on into the next tile. Q/dO/lse/D stream through a 3-stage cp.async ring (the stage a running group
  * reads is never the one prefetched), prefetched one tile ahead, across KV tiles too.
  *
- * Shared memory: K, V (64 x HD), 3 stages of Q, dO (64 x HD), 2 dS^T tiles (64 keys x 64 queries),
- * all 128B-swizzled (wgmma.cuh), 3 x 64 lse and D: 84,480 bytes with the alignment slack.
+ * Shared memory: K, V (64 x HD), 3 stages of Q, dO (64 x HD), the dS^T tile (64 keys x 64 queries),
+ * all 128B-swizzled (wgmma.cuh); 2 staged dQ^T partial-sum tiles (HD x 64 f32, rows padded to 68
+ * floats); 3 x 64 lse and D: 111,104 bytes with the alignment slack (two blocks per SM).
  * Compiled for anything but sm_90a the kernel traps; Python launches it only on sm_90 devices.
  */
 #include "attention/flash.cuh"
@@ -35,39 +37,57 @@
 #include "attention/flash_v3.cuh"
 #include "attention/flash_v3_bwd.cuh"   // v3_store_acc, v3_product_kk / rs
 
+// Probe switch (tools/probes/attention_onepass.py): 1 skips the dQ^T read-modify-write, 2 also the
+// dQ^T product and its dS^T staging (wrong dq; timing only).
+#ifndef V3_BWD1_SKIP
+#define V3_BWD1_SKIP 0
+#endif
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// The read-modify-write of Q tile i's dQ^T, in two halves (HALF 0 = query columns 0..31 of the
-// tile, 1 = 32..63: fewer live registers). It runs after a wait<0>: ptxas serialises every wgmma
-// of a kernel whose accumulator is read where it cannot prove the group retired, and a wait<1>
-// across the loop's back edge is such a place. This thread's elements: rows = head dims 16*w4 + g (+8), columns =
-// queries 8jj + 2t4 (+1), in the head's f32 scratch qacc (HD, Tp).
-// Load: the previous partial sums (zero for the first KV tile).
-template <int HALF>
-__device__ __forceinline__ void v3_dq_load(float2 (&old)[8], const float* qacc, int i, bool first, int Tp,
-                                           int w4, int g, int t4) {
+// The read-modify-write of Q tile i's dQ^T. The previous partial sums (HD x 64 f32 of the head's
+// scratch qacc (HD, Tp)) are copied into shared memory a tile ahead (v3_dq_prefetch, cp.async:
+// the global round trip overlaps a whole tile of work; ncu-free measurement: reading them with
+// ordinary loads where they are needed cost 1.6 ms of a 2.4 ms kernel), then v3_dq_store adds this
+// KV tile's part from the accumulator (rows = head dims 16*w4 + g (+8), columns = queries
+// 8jj + 2t4 (+1)) in two halves (fewer live registers). Its reads come after a wait<0>: ptxas
+// serialises every wgmma of a kernel whose accumulator is read where it cannot prove the group
+// retired, and a wait<1> across the loop's back edge is such a place.
+constexpr int V3_DQ_PITCH = 68;                   // floats per row of the staged tile: 2-way bank conflicts at most
+
+__device__ __forceinline__ void v3_dq_prefetch(u32 s_old, const float* qacc, int i, int Tp) {
     #pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const int jj = 4 * HALF + (k >> 1), r = k & 1;
-        const float2* p = reinterpret_cast<const float2*>(qacc + (size_t)(16 * w4 + g + 8 * r) * Tp + 64 * i + 8 * jj + 2 * t4);
-        old[k] = first ? make_float2(0.f, 0.f) : *p;
+    for (int k = 0; k < 8; k++) {                 // 64 rows x 16 chunks of 16 bytes, 8 per thread
+        const int c = threadIdx.x + 128 * k, row = c >> 4, ch = c & 15;
+        cp_async16(s_old + (row * V3_DQ_PITCH + 4 * ch) * 4, qacc + (size_t)row * Tp + 64 * i + 4 * ch, 16);
     }
 }
-// Store: old + this KV tile's part back to the scratch, or at the last KV tile (last) the sum times
-// `scale` to dq_g (rows t < T, bf16).
-template <int HALF>
-__device__ __forceinline__ void v3_dq_store(float* qacc, bf16* dq_g, const float2 (&old)[8], const float* dq, int i,
-                                            bool last, float scale, int T, int Tp, int stride, int w4, int g, int t4) {
+
+// Stores old + this KV tile's part back to the scratch (first: old = 0), or at the last KV tile
+// (last) the sum times `scale` to dq_g (rows t < T, bf16).
+__device__ __forceinline__ void v3_dq_store(float* qacc, bf16* dq_g, const float* s_old, const float* dq, int i,
+                                            bool first, bool last, float scale, int T, int Tp, int stride,
+                                            int w4, int g, int t4) {
     #pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const int jj = 4 * HALF + (k >> 1), r = k & 1;
-        const int hd = 16 * w4 + g + 8 * r, q = 64 * i + 8 * jj + 2 * t4;
-        const float2 v = make_float2(old[k].x + dq[4 * jj + 2 * r], old[k].y + dq[4 * jj + 2 * r + 1]);
-        if (last) {
-            if (q < T) dq_g[(size_t)q * stride + hd] = float_to_bf16(v.x * scale);
-            if (q + 1 < T) dq_g[(size_t)(q + 1) * stride + hd] = float_to_bf16(v.y * scale);
-        } else {
-            *reinterpret_cast<float2*>(qacc + (size_t)hd * Tp + q) = v;
+    for (int half = 0; half < 2; half++) {
+        float2 old[8];
+        #pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const int jj = 4 * half + (k >> 1), r = k & 1;
+            old[k] = first ? make_float2(0.f, 0.f)
+                           : *reinterpret_cast<const float2*>(s_old + (16 * w4 + g + 8 * r) * V3_DQ_PITCH + 8 * jj + 2 * t4);
+        }
+        #pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const int jj = 4 * half + (k >> 1), r = k & 1;
+            const int hd = 16 * w4 + g + 8 * r, q = 64 * i + 8 * jj + 2 * t4;
+            const float2 v = make_float2(old[k].x + dq[4 * jj + 2 * r], old[k].y + dq[4 * jj + 2 * r + 1]);
+            if (last) {
+                if (q < T) dq_g[(size_t)q * stride + hd] = float_to_bf16(v.x * scale);
+                if (q + 1 < T) dq_g[(size_t)(q + 1) * stride + hd] = float_to_bf16(v.y * scale);
+            } else {
+                *reinterpret_cast<float2*>(qacc + (size_t)hd * Tp + q) = v;
+            }
         }
     }
 }
@@ -85,9 +105,12 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     const u32 sV = sK + KV_BYTES;
     const u32 sQ = sV + KV_BYTES;                 // ST stages
     const u32 sO = sQ + ST * Q_BYTES;             // ST stages (dout)
-    const u32 sS = sO + ST * Q_BYTES;             // 2 dS^T tiles (by tile parity)
+    const u32 sS = sO + ST * Q_BYTES;             // the dS^T tile
     unsigned char* sS_gen = smem_v3 + (sS - raw);
-    float* sL = reinterpret_cast<float*>(smem_v3 + (sS + 2 * DS_BYTES - raw));  // ST x BM lse
+    const u32 sA = sS + DS_BYTES;                 // 2 staged dQ^T partial-sum tiles (by tile parity)
+    constexpr int A_BYTES = HD * V3_DQ_PITCH * 4;
+    const float* sA_gen = reinterpret_cast<const float*>(smem_v3 + (sA - raw));
+    float* sL = reinterpret_cast<float*>(smem_v3 + (sA + 2 * A_BYTES - raw));   // ST x BM lse
     float* sD = sL + ST * BM;                                                   // ST x BM D
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -137,6 +160,9 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                                                   // wait<1>: tile tc-2's groups are retired
             if (i + 1 < nt) load_q_tile(nxt, (i + 1) * BM);
             else if (j + 1 < nt) load_q_tile(nxt, (j + 1) * BM);   // the next KV tile's first Q tile
+            // this tile's dQ^T is read-modify-written at the next tile (or after the loop): its
+            // partial sums so far, into the staging buffer the previous tile's RMW has finished with
+            if (V3_BWD1_SKIP < 1 && j > 0) v3_dq_prefetch(sA + ((tc + 1) & 1) * A_BYTES, qacc, i, Tp);
             cp_async_commit();
             const int m0 = i * BM;
             const u32 q_s = sQ + buf * Q_BYTES, o_s = sO + buf * Q_BYTES;
@@ -153,14 +179,9 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             wgmma_fence();
             v3_product_kk<BM, HD>(dpt, sV, BN, o_s);              // dP^T = V dO^T, runs on
             wgmma_commit();
-            if (pend_i >= 0) {                    // the previous tile's dQ^T into the scratch / dqkv
-                const bool first = pend_j == 0, last = pend_j == pend_i;
-                float2 old[8];
-                v3_dq_load<0>(old, qacc, pend_i, first, Tp, w4, g, t4);
-                v3_dq_store<0>(qacc, dq_g, old, dq, pend_i, last, scale, T, Tp, stride, w4, g, t4);
-                v3_dq_load<1>(old, qacc, pend_i, first, Tp, w4, g, t4);
-                v3_dq_store<1>(qacc, dq_g, old, dq, pend_i, last, scale, T, Tp, stride, w4, g, t4);
-            }
+            if (V3_BWD1_SKIP < 1 && pend_i >= 0)  // the previous tile's dQ^T into the scratch / dqkv
+                v3_dq_store(qacc, dq_g, sA_gen + (tc & 1) * (A_BYTES / 4), dq, pend_i, pend_j == 0,
+                            pend_j == pend_i, scale, T, Tp, stride, w4, g, t4);
             // P^T = exp(S^T * scale - lse[query]); 0 where key > query or query >= T
             const bool mask = n0 + 63 > m0 || m0 + BM > T;
             #pragma unroll
@@ -194,7 +215,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                 dpt[4 * jq + 2] = st[4 * jq + 2] * (dpt[4 * jq + 2] - d2.x);
                 dpt[4 * jq + 3] = st[4 * jq + 3] * (dpt[4 * jq + 3] - d2.y);
             }
-            const u32 s_s = sS + (tc & 1) * DS_BYTES;
+            const u32 s_s = sS;
             {
                 u32 sa[BM / 16][4];
                 v3_to_frags<BM>(sa, dpt);
@@ -202,8 +223,8 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                 wgmma_commit();
                 // dS^T (keys x queries) into smem, swizzled like any (64, 64) tile: the A fragment
                 // of k-step k holds rows r, r+8 (keys) x columns 16k + 2t4 (+1), 16k + 8 + 2t4 (+1)
-                // (v3_tile_frags' inverse). Tile tc-2's dQ^T, the last reader of this buffer, retired.
-                unsigned char* blk = sS_gen + (tc & 1) * DS_BYTES + 4 * t4;
+                // (v3_tile_frags' inverse). The last reader, tile tc-1's dQ^T, retired at the wait<0>.
+                unsigned char* blk = sS_gen + 4 * t4;
                 const int r = 16 * w4 + g;
                 #pragma unroll
                 for (int k = 0; k < BM / 16; k++) {
@@ -213,15 +234,17 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                     *reinterpret_cast<u32*>(blk + wg_swz128(r + 8, 2 * k + 1)) = sa[k][3];
                 }
             }
-            fence_proxy_async();                  // dS^T stores visible to wgmma ...
-            __syncthreads();                      // ... from all four warps
-            wg_fence_regs<HD / 2>(dq);
-            wgmma_fence();
-            #pragma unroll
-            for (int ks = 0; ks < BN / 16; ks++)  // dQ^T = K^T dS^T: k-steps over the 64 keys
-                wgmma_m64n64k16_ss_mnmn(dq, smem_desc(sK + ks * 2048, BN * 128, 1024),
-                                        smem_desc(s_s + ks * 2048, BN * 128, 1024), ks > 0);
-            wgmma_commit();
+            if (V3_BWD1_SKIP < 2) {
+                fence_proxy_async();              // dS^T stores visible to wgmma ...
+                __syncthreads();                  // ... from all four warps
+                wg_fence_regs<HD / 2>(dq);
+                wgmma_fence();
+                #pragma unroll
+                for (int ks = 0; ks < BN / 16; ks++)  // dQ^T = K^T dS^T: k-steps over the 64 keys
+                    wgmma_m64n64k16_ss_mnmn(dq, smem_desc(sK + ks * 2048, BN * 128, 1024),
+                                            smem_desc(s_s + ks * 2048, BN * 128, 1024), ks > 0);
+                wgmma_commit();
+            }
             pend_i = i;
             pend_j = j;
         }
@@ -229,14 +252,11 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         wg_fence_regs<HD / 2>(dk);
         wg_fence_regs<HD / 2>(dv);
         wg_fence_regs<HD / 2>(dq);
-        {
-            float2 old[8];
-            const bool first = pend_j == 0, last = pend_j == pend_i;
-            v3_dq_load<0>(old, qacc, pend_i, first, Tp, w4, g, t4);
-            v3_dq_store<0>(qacc, dq_g, old, dq, pend_i, last, scale, T, Tp, stride, w4, g, t4);
-            v3_dq_load<1>(old, qacc, pend_i, first, Tp, w4, g, t4);
-            v3_dq_store<1>(qacc, dq_g, old, dq, pend_i, last, scale, T, Tp, stride, w4, g, t4);
-        }
+        cp_async_wait<0>();                       // the staged partial sums (and the next Q tile)
+        __syncthreads();                          // ... everyone's copies
+        if (V3_BWD1_SKIP < 1)
+            v3_dq_store(qacc, dq_g, sA_gen + (tc & 1) * (A_BYTES / 4), dq, pend_i, pend_j == 0, pend_j == pend_i,
+                        scale, T, Tp, stride, w4, g, t4);
         pend_i = -1;
         bf16* dk_g = dqkv + (size_t)b * T * stride + C + h * HD;
         v3_store_acc<HD>(dk_g, dk, scale, key0, T, stride, t4);
