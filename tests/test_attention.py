@@ -389,10 +389,11 @@ def test_v3_tables_match_kernel_instantiations():
 
 
 def test_v3_onepass_sizes_and_bad_head_dim():
-    """The one-pass backward's shared memory (the kernel header's 111,104 bytes: two blocks per SM
-    fit sm_90's 228 KB), its f32 dQ scratch in scratch_bytes when the setting is on, and a head
-    dim it has no kernel for refused before any launch."""
-    assert attn.v3_onepass_smem(64) == 111104 and 2 * (attn.v3_onepass_smem(64) + 1024) <= 228 * 1024
+    """The one-pass backward's shared memory (one warpgroup: two blocks per SM fit sm_90's 228 KB;
+    two: one block), its f32 dQ scratch in scratch_bytes when the setting is on, and a head dim
+    or warpgroup count it has no kernel for refused before any launch."""
+    assert attn.v3_onepass_smem(64, 1) == 111104 and 2 * (attn.v3_onepass_smem(64, 1) + 1024) <= 228 * 1024
+    assert attn.v3_onepass_smem(64, 2) == 152064 and attn.v3_onepass_smem(64, 2) <= 227 * 1024
     with settings.using(attention_v3_onepass=True):
         assert attn.scratch_bytes(2, 100, 3, 64, BF16, 3, backward=True) == 4 * 2 * 3 * 100 + 4 * 2 * 3 * 64 * 128
     with settings.using(attention_v3_onepass=False):
@@ -400,6 +401,8 @@ def test_v3_onepass_sizes_and_bad_head_dim():
     qkv = np.zeros((1, 4, 3 * 128), BF16)
     with pytest.raises(ValueError, match="head dim"):
         attn.backward_v3_onepass(None, qkv, None, None, 1, None)
+    with pytest.raises(ValueError, match="warpgroups"):
+        attn.backward_v3_onepass(None, qkv, None, None, 2, None, wgs=3)
 
 
 def test_v3_backward_version_argument_on_numpy(rng):
@@ -419,7 +422,8 @@ def test_v3_onepass_kernel_compiles_for_sm90a_without_spills():
     assert rows and not [r for r in rows if not r["ok"]], rows
     log = runtime.compile_cubin(src, "90a", verbose_ptxas=True).log
     assert "serialized" not in log, [ln for ln in log.splitlines() if "serialized" in ln]
-    assert {f"attention_backward_onepass_kernel_v3_hd{hd}_bf16" for hd in attn.ONEPASS_HD} <= {r["kernel"] for r in rows}
+    assert ({f"attention_backward_onepass_kernel_v3_hd{hd}_g{g}_bf16" for hd in attn.ONEPASS_HD for g in attn.ONEPASS_WGS}
+            <= {r["kernel"] for r in rows})
 
 
 @pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
@@ -497,8 +501,9 @@ def test_gpu_backward_v3_onepass(rng, shape):
     within bf16 tolerance at T from 1 to 1024 (tails of every kind), NaN-poisoned output."""
     need_sm90()
     B, NH, T, hd = shape
-    check_v3_backward(rng, B, NH, T, hd,
-                      lambda do, qkv, o, l, dqkv: attn.backward_v3_onepass(do, qkv, o, l, NH, dqkv))
+    for wgs in attn.ONEPASS_WGS:
+        check_v3_backward(rng, B, NH, T, hd,
+                          lambda do, qkv, o, l, dqkv: attn.backward_v3_onepass(do, qkv, o, l, NH, dqkv, wgs=wgs))
 
 
 @pytest.mark.cuda
@@ -507,6 +512,9 @@ def test_gpu_backward_v3_onepass_deterministic_and_default(rng):
     there (same bits as calling it directly), and off it is the two-pass backward (close to it)."""
     need_sm90()
     NH, qkv, dout, out, lse = v3_backward_case(rng, 64, B=3, NH=5, T=333)
+    for wgs in attn.ONEPASS_WGS[1:]:
+        bits = v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_onepass, wgs=wgs)
+        assert v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_onepass, wgs=wgs) == bits
     one = v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_onepass)
     assert v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_onepass) == one
     with settings.using(attention_v3_onepass=True):

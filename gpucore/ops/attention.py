@@ -467,31 +467,37 @@ def backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_config=None, dq_config=None,
 
 
 ONEPASS_HD = (64,)          # head dims of attention/flash_v3_bwd1.cu (the one-pass backward)
+ONEPASS_WGS = (2, 1)        # its warpgroups per block (first = default): KV tiles of 64 * wgs keys
 
 
-def v3_onepass_smem(hd):
-    """Dynamic shared memory of a one-pass backward block: K, V, 3 stages of Q and dO, the dS^T
-    tile (all 64 x hd bf16), 2 staged dQ^T partial-sum tiles (hd x 64 f32, rows of 68 floats),
-    3 x 64 lse and D, + 1024 for the swizzle alignment."""
-    return 1024 + (2 + 2 * 3 + 1) * 64 * hd * 2 + 2 * hd * 68 * 4 + 2 * 3 * 64 * 4
+def v3_onepass_smem(hd, wgs):
+    """Dynamic shared memory of a one-pass backward block: K, V (64 wgs x hd), 3 stages of Q and
+    dO (64 x hd), the dS^T tile (64 wgs x 64), all bf16; 2 staged dQ^T partial-sum tiles (hd x 64
+    f32, rows of 68 floats); with 2 warpgroups the 16 KB exchange buffer; 3 x 64 lse and D;
+    + 1024 for the swizzle alignment."""
+    return (1024 + (2 * wgs + 2 * 3 + wgs) * 64 * hd * 2 + 2 * hd * 68 * 4 + (16384 if wgs == 2 else 0)
+            + 2 * 3 * 64 * 4)
 
 
-def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv):
+def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None):
     """v3 one-pass backward (attention/flash_v3_bwd1.cu, hd 64): v2's preprocess (D), then one
     block per (batch, head) computing dK, dV and dQ together, dQ summed over the KV tiles in order
     in an f32 scratch (B*NH, hd, T rounded up to 64): 5 tile products per tile pair instead of
-    the two-pass backward's 7, deterministic."""
+    the two-pass backward's 7, deterministic. wgs: warpgroups per block (ONEPASS_WGS)."""
     cp = runtime.cupy
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
     if hd not in ONEPASS_HD:
         raise ValueError(f"qkv: the one-pass backward needs head dim in {ONEPASS_HD}, got {hd}")
+    wgs = wgs or ONEPASS_WGS[0]
+    if wgs not in ONEPASS_WGS:
+        raise ValueError(f"wgs: {wgs} warpgroups per block; the kernels have {ONEPASS_WGS}")
     D = _preprocess(dout, out, NH)
     dqacc = cp.empty((B * NH, hd, -(-T // 64) * 64), dtype=F32)
-    k = runtime.get_kernel("attention/flash_v3_bwd1", f"attention_backward_onepass_kernel_v3_hd{hd}_bf16",
+    k = runtime.get_kernel("attention/flash_v3_bwd1", f"attention_backward_onepass_kernel_v3_hd{hd}_g{wgs}_bf16",
                            options=v3_compile_options(), arch=V3_ARCH)
-    runtime.launch(k, B * NH, 128, (dqkv, dqacc, qkv, dout, lse, D, np.int32(T), np.int32(NH),
-                                    np.float32(1.0 / math.sqrt(hd))), shared_mem=v3_onepass_smem(hd))
+    runtime.launch(k, B * NH, 128 * wgs, (dqkv, dqacc, qkv, dout, lse, D, np.int32(T), np.int32(NH),
+                                          np.float32(1.0 / math.sqrt(hd))), shared_mem=v3_onepass_smem(hd, wgs))
 
 
 def scratch_bytes(B, T, NH, hd, dtype, version, backward=False) -> int:

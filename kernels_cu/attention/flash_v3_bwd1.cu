@@ -8,8 +8,8 @@
  * Why: the two-pass backward computes S and dP twice (7 tile products per tile pair, where
  * FlashAttention's one pass does 5) to stay deterministic without atomics. Here one block owns a
  * whole head, so dQ can be summed in a fixed order without atomics or semaphores:
- *   block = one (batch, head), one warpgroup (128 threads, 2 blocks per SM); for each KV tile j of
- *   64 keys (in order) and each Q tile i >= j of 64 queries (in order):
+ *   block = one (batch, head), NWG warpgroups (below); for each KV tile j of 64 * NWG keys (in
+ *   order) and each Q tile i of 64 queries at or after the tile's first key (in order):
  *     S^T  = K Q^T, dP^T = V dO^T            (smem x smem, K-major)
  *     P^T  = exp2(S^T * scale*log2e - lse*log2e), 0 where key > query or query >= T
  *     dV  += P^T dO, dS^T = P^T (dP^T - D), dK += dS^T Q   (as the dK/dV pass)
@@ -20,16 +20,18 @@
  *   of the same tile: no atomics); at j = i, its last contribution, the sum goes to dqkv as bf16
  *   (times scale) instead. Same bits run after run.
  *   dK, dV of KV tile j are stored when its Q loop ends.
- * Pipelining (one warpgroup): per tile, after the loop-top barrier: S^T group; wait<0> (S^T, and
- * the previous tile's dV, dK, dQ^T groups) -> dP^T group, running on -> the previous tile's dQ^T
- * read-modify-written -> P^T -> dV group -> wait<1>
- * (dP^T) -> dS^T -> dK group; dS^T to smem (double buffered by tile parity) -> fence.proxy.async
- * + barrier -> dQ^T group; dV, dK and dQ^T run on into the next tile. Q/dO/lse/D stream through a 3-stage cp.async ring (the stage a running group
- * reads is never the one prefetched), prefetched one tile ahead, across KV tiles too.
+ * Pipelining (per warpgroup): per tile, after the loop-top barrier: S^T group; wait<0> (S^T, and
+ * the previous tile's dV, dK, dQ^T groups) -> the previous tile's dQ^T read-modify-written (its
+ * old partial sums staged in smem) -> dP^T group, running on -> P^T -> dV group -> wait<1>
+ * (dP^T) -> dS^T -> dK group; dS^T to smem (its last reader, the previous dQ^T, retired at the
+ * wait<0>) -> fence.proxy.async + barrier -> dQ^T group; dV, dK and dQ^T run on into the next
+ * tile. Q/dO/lse/D stream through a 3-stage cp.async ring (the stage a running group reads is
+ * never the one prefetched), prefetched one tile ahead, across KV tiles too.
  *
- * Shared memory: K, V (64 x HD), 3 stages of Q, dO (64 x HD), the dS^T tile (64 keys x 64 queries),
- * all 128B-swizzled (wgmma.cuh); 2 staged dQ^T partial-sum tiles (HD x 64 f32, rows padded to 68
- * floats); 3 x 64 lse and D: 111,104 bytes with the alignment slack (two blocks per SM).
+ * Shared memory: K, V (64 NWG x HD), 3 stages of Q, dO (64 x HD), the dS^T tile (64 NWG keys x 64
+ * queries), all 128B-swizzled (wgmma.cuh); 2 staged dQ^T partial-sum tiles (HD x 64 f32, rows
+ * padded to 68 floats); with NWG 2 a 16 KB exchange buffer; 3 x 64 lse and D
+ * (gpucore/ops/attention.py: v3_onepass_smem).
  * Compiled for anything but sm_90a the kernel traps; Python launches it only on sm_90 devices.
  */
 #include "attention/flash.cuh"
@@ -55,21 +57,25 @@
 // retired, and a wait<1> across the loop's back edge is such a place.
 constexpr int V3_DQ_PITCH = 68;                   // floats per row of the staged tile: 2-way bank conflicts at most
 
+template <int NT>
 __device__ __forceinline__ void v3_dq_prefetch(u32 s_old, const float* qacc, int i, int Tp) {
     #pragma unroll
-    for (int k = 0; k < 8; k++) {                 // 64 rows x 16 chunks of 16 bytes, 8 per thread
-        const int c = threadIdx.x + 128 * k, row = c >> 4, ch = c & 15;
+    for (int k = 0; k < 1024 / NT; k++) {         // 64 rows x 16 chunks of 16 bytes
+        const int c = threadIdx.x + NT * k, row = c >> 4, ch = c & 15;
         cp_async16(s_old + (row * V3_DQ_PITCH + 4 * ch) * 4, qacc + (size_t)row * Tp + 64 * i + 4 * ch, 16);
     }
 }
 
-// Stores old + this KV tile's part back to the scratch (first: old = 0), or at the last KV tile
+// Stores old + (this thread's part dq [+ the other warpgroup's part x, from the exchange buffer,
+// element e of lane L at x[32 e + L]]) back to the scratch (first: old = 0), or at the last KV tile
 // (last) the sum times `scale` to dq_g (rows t < T, bf16).
-__device__ __forceinline__ void v3_dq_store(float* qacc, bf16* dq_g, const float* s_old, const float* dq, int i,
-                                            bool first, bool last, float scale, int T, int Tp, int stride,
-                                            int w4, int g, int t4) {
+template <bool X>
+__device__ __forceinline__ void v3_dq_store(float* qacc, bf16* dq_g, const float* s_old, const float* dq,
+                                            const float* x, int i, bool first, bool last, float scale, int T,
+                                            int Tp, int stride, int w4, int lane) {
+    const int g = lane >> 2, t4 = lane & 3;
     #pragma unroll
-    for (int half = 0; half < 2; half++) {
+    for (int half = 0; half < 2; half++) {        // two halves: fewer live registers
         float2 old[8];
         #pragma unroll
         for (int k = 0; k < 8; k++) {
@@ -79,9 +85,14 @@ __device__ __forceinline__ void v3_dq_store(float* qacc, bf16* dq_g, const float
         }
         #pragma unroll
         for (int k = 0; k < 8; k++) {
-            const int jj = 4 * half + (k >> 1), r = k & 1;
+            const int jj = 4 * half + (k >> 1), r = k & 1, e = 4 * jj + 2 * r;
             const int hd = 16 * w4 + g + 8 * r, q = 64 * i + 8 * jj + 2 * t4;
-            const float2 v = make_float2(old[k].x + dq[4 * jj + 2 * r], old[k].y + dq[4 * jj + 2 * r + 1]);
+            float p0 = dq[e], p1 = dq[e + 1];
+            if constexpr (X) {                    // commutative: the same bits whichever warpgroup adds
+                p0 += x[32 * e + lane];
+                p1 += x[32 * (e + 1) + lane];
+            }
+            const float2 v = make_float2(old[k].x + p0, old[k].y + p1);
             if (last) {
                 if (q < T) dq_g[(size_t)q * stride + hd] = float_to_bf16(v.x * scale);
                 if (q + 1 < T) dq_g[(size_t)(q + 1) * stride + hd] = float_to_bf16(v.y * scale);
@@ -92,12 +103,18 @@ __device__ __forceinline__ void v3_dq_store(float* qacc, bf16* dq_g, const float
     }
 }
 
-template <int HD>
+// NWG warpgroups (1: 64 keys per KV tile, 2 blocks per SM; 2: 128 keys, warpgroup w owning keys
+// 64w.., 1 block per SM, half the dQ^T read-modify-write traffic per product). With 2, the two
+// warpgroups' dQ^T parts (each over its own 64 keys, all HD x 64 elements) meet through shared
+// memory: for head-dim rows 0..31 (warps 0, 1) warpgroup 1 hands its part to warpgroup 0, for
+// rows 32..63 warpgroup 0 to warpgroup 1; the receiver adds and writes.
+template <int HD, int NWG>
 __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, const bf16* qkv, const bf16* dout,
                                                      const float* lse, const float* Dv, int T, int NH, float scale) {
     static_assert(HD == 64, "one-pass backward: head dim 64");
-    constexpr int BM = 64, BN = 64, NT = 128, ST = 3;
+    constexpr int BM = 64, BN = 64 * NWG, NT = 128 * NWG, ST = 3;
     constexpr int KV_BYTES = BN * HD * 2, Q_BYTES = BM * HD * 2, DS_BYTES = BN * BM * 2;
+    constexpr int A_BYTES = HD * V3_DQ_PITCH * 4, X_BYTES = NWG == 2 ? 4 * 32 * 32 * 4 : 0;
     constexpr int NQ = BM / 8;                    // n8 blocks of S^T (queries)
     extern __shared__ unsigned char smem_v3[];
     const u32 raw = smem_u32_asm(smem_v3);
@@ -105,19 +122,22 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     const u32 sV = sK + KV_BYTES;
     const u32 sQ = sV + KV_BYTES;                 // ST stages
     const u32 sO = sQ + ST * Q_BYTES;             // ST stages (dout)
-    const u32 sS = sO + ST * Q_BYTES;             // the dS^T tile
+    const u32 sS = sO + ST * Q_BYTES;             // the dS^T tile (BN keys x BM queries)
     unsigned char* sS_gen = smem_v3 + (sS - raw);
     const u32 sA = sS + DS_BYTES;                 // 2 staged dQ^T partial-sum tiles (by tile parity)
-    constexpr int A_BYTES = HD * V3_DQ_PITCH * 4;
     const float* sA_gen = reinterpret_cast<const float*>(smem_v3 + (sA - raw));
-    float* sL = reinterpret_cast<float*>(smem_v3 + (sA + 2 * A_BYTES - raw));   // ST x BM lse
-    float* sD = sL + ST * BM;                                                   // ST x BM D
+    float* sX = reinterpret_cast<float*>(smem_v3 + (sA + 2 * A_BYTES - raw));   // NWG 2: 4 warps x 32 x 32
+    float* sL = reinterpret_cast<float*>(smem_v3 + (sA + 2 * A_BYTES + X_BYTES - raw));   // ST x BM lse
+    float* sD = sL + ST * BM;                                                            // ST x BM D
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int w4 = warp, g = lane >> 2, t4 = lane & 3;
+    const int wg = warp >> 2, w4 = warp & 3, g = lane >> 2, t4 = lane & 3;
+    // NWG 2: the warp that sends its dQ^T part (rows 16 w4..) and the one that receives it
+    const bool sender = NWG == 2 && (wg == 1) == (w4 < 2);
+    float* xbuf = sX + w4 * 32 * 32;              // this warp pair's exchange slots
     const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
     const int C = NH * HD, stride = 3 * C;
-    const int nt = ceil_div(T, BM), Tp = nt * BM;
+    const int nt = ceil_div(T, BM), Tp = nt * BM, nkv = ceil_div(T, BN);
     const bf16* q_g = qkv + (size_t)b * T * stride + h * HD;
     const bf16* do_g = dout + (size_t)b * T * C + h * HD;
     const float* l_g = lse + (size_t)bh * T;
@@ -132,6 +152,23 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         load_vec_async<BM, NT>(sL + st * BM, l_g, r, T);
         load_vec_async<BM, NT>(sD + st * BM, d_g, r, T);
     };
+    // The read-modify-write of Q tile pi's dQ^T (KV tile pj's parts in the accumulators, all
+    // retired), the staged partial sums at `old`. NWG 2: senders write their part, a barrier, the
+    // receivers add it (the barrier is block-wide: every thread calls this).
+    auto dq_rmw = [&](const float* dq, int pi, int pj, const float* old) {
+        const bool first = pj == 0, last = pj == pi * BM / BN;   // last: the diagonal KV tile
+        if constexpr (NWG == 2) {
+            if (sender) {
+                #pragma unroll
+                for (int e = 0; e < 32; e++) xbuf[32 * e + lane] = dq[e];
+            }
+            __syncthreads();
+            if (!sender)
+                v3_dq_store<true>(qacc, dq_g, old, dq, xbuf, pi, first, last, scale, T, Tp, stride, w4, lane);
+        } else {
+            v3_dq_store<false>(qacc, dq_g, old, dq, nullptr, pi, first, last, scale, T, Tp, stride, w4, lane);
+        }
+    };
     v3_load_tile<BN, HD, NT>(sK, q_g + C, 0, T, stride);
     v3_load_tile<BN, HD, NT>(sV, q_g + 2 * C, 0, T, stride);
     load_q_tile(0, 0);
@@ -142,27 +179,29 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     for (int e = 0; e < BM / 2; e++) st[e] = dpt[e] = 0.f;
     #pragma unroll
     for (int e = 0; e < HD / 2; e++) dq[e] = 0.f;
-    int tc = 0;                                   // tiles done: ring stage tc % ST, dS^T buffer tc & 1
+    int tc = 0;                                   // tiles done: ring stage tc % ST, staging buffer tc & 1
     int pend_i = -1, pend_j = 0;                  // the dQ^T group in flight: its Q tile and KV tile
 
-    for (int j = 0; j < nt; j++) {
+    for (int j = 0; j < nkv; j++) {
         const int n0 = j * BN;
-        const int key0 = n0 + 16 * w4 + g;        // this thread's keys: key0, key0 + 8
+        const int wk0 = n0 + 64 * wg;             // this warpgroup's first key
+        const int key0 = wk0 + 16 * w4 + g;       // this thread's keys: key0, key0 + 8
         #pragma unroll
         for (int e = 0; e < HD / 2; e++) dk[e] = dv[e] = 0.f;
         wg_fence_regs<HD / 2>(dk);
         wg_fence_regs<HD / 2>(dv);
-        for (int i = j; i < nt; i++, tc++) {
+        const int i_first = n0 / BM;
+        for (int i = i_first; i < nt; i++, tc++) {
             const int buf = tc % ST, nxt = (tc + 1) % ST;
             cp_async_wait<0>();                   // this thread's copies of tile i (and K/V) landed
             fence_proxy_async();                  // ... visible to wgmma (async proxy)
             __syncthreads();                      // ... everyone's; every warp is past tile tc-1's
-                                                  // wait<1>: tile tc-2's groups are retired
+                                                  // reads of the staging and exchange buffers
             if (i + 1 < nt) load_q_tile(nxt, (i + 1) * BM);
-            else if (j + 1 < nt) load_q_tile(nxt, (j + 1) * BM);   // the next KV tile's first Q tile
+            else if (j + 1 < nkv) load_q_tile(nxt, (j + 1) * BN);  // the next KV tile's first Q tile
             // this tile's dQ^T is read-modify-written at the next tile (or after the loop): its
             // partial sums so far, into the staging buffer the previous tile's RMW has finished with
-            if (V3_BWD1_SKIP < 1 && j > 0) v3_dq_prefetch(sA + ((tc + 1) & 1) * A_BYTES, qacc, i, Tp);
+            if (V3_BWD1_SKIP < 1 && j > 0) v3_dq_prefetch<NT>(sA + ((tc + 1) & 1) * A_BYTES, qacc, i, Tp);
             cp_async_commit();
             const int m0 = i * BM;
             const u32 q_s = sQ + buf * Q_BYTES, o_s = sO + buf * Q_BYTES;
@@ -171,19 +210,18 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             wg_fence_regs<BM / 2>(st);
             wg_fence_regs<BM / 2>(dpt);
             wgmma_fence();
-            v3_product_kk<BM, HD>(st, sK, BN, q_s);               // S^T = K Q^T
+            v3_product_kk<BM, HD>(st, sK + wg * 8192, BN, q_s);   // S^T = K Q^T
             wgmma_commit();
             wgmma_wait<0>();                      // S^T and the previous tile's dV, dK, dQ^T retired
             wg_fence_regs<BM / 2>(st);
             wg_fence_regs<HD / 2>(dq);
-            wgmma_fence();
-            v3_product_kk<BM, HD>(dpt, sV, BN, o_s);              // dP^T = V dO^T, runs on
-            wgmma_commit();
             if (V3_BWD1_SKIP < 1 && pend_i >= 0)  // the previous tile's dQ^T into the scratch / dqkv
-                v3_dq_store(qacc, dq_g, sA_gen + (tc & 1) * (A_BYTES / 4), dq, pend_i, pend_j == 0,
-                            pend_j == pend_i, scale, T, Tp, stride, w4, g, t4);
+                dq_rmw(dq, pend_i, pend_j, sA_gen + (tc & 1) * (A_BYTES / 4));
+            wgmma_fence();
+            v3_product_kk<BM, HD>(dpt, sV + wg * 8192, BN, o_s);  // dP^T = V dO^T, runs on
+            wgmma_commit();
             // P^T = exp(S^T * scale - lse[query]); 0 where key > query or query >= T
-            const bool mask = n0 + 63 > m0 || m0 + BM > T;
+            const bool mask = wk0 + 63 > m0 || m0 + BM > T;
             #pragma unroll
             for (int jq = 0; jq < NQ; jq++) {
                 const float2 l2 = *reinterpret_cast<const float2*>(l_s + 8 * jq + 2 * t4);
@@ -215,17 +253,16 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                 dpt[4 * jq + 2] = st[4 * jq + 2] * (dpt[4 * jq + 2] - d2.x);
                 dpt[4 * jq + 3] = st[4 * jq + 3] * (dpt[4 * jq + 3] - d2.y);
             }
-            const u32 s_s = sS;
             {
                 u32 sa[BM / 16][4];
                 v3_to_frags<BM>(sa, dpt);
                 v3_product_rs<BM, HD>(dk, sa, q_s);               // dK += dS^T Q
                 wgmma_commit();
-                // dS^T (keys x queries) into smem, swizzled like any (64, 64) tile: the A fragment
+                // dS^T (keys x queries) into smem, swizzled like any (BN, 64) tile: the A fragment
                 // of k-step k holds rows r, r+8 (keys) x columns 16k + 2t4 (+1), 16k + 8 + 2t4 (+1)
                 // (v3_tile_frags' inverse). The last reader, tile tc-1's dQ^T, retired at the wait<0>.
                 unsigned char* blk = sS_gen + 4 * t4;
-                const int r = 16 * w4 + g;
+                const int r = 64 * wg + 16 * w4 + g;
                 #pragma unroll
                 for (int k = 0; k < BM / 16; k++) {
                     *reinterpret_cast<u32*>(blk + wg_swz128(r, 2 * k)) = sa[k][0];
@@ -236,13 +273,13 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             }
             if (V3_BWD1_SKIP < 2) {
                 fence_proxy_async();              // dS^T stores visible to wgmma ...
-                __syncthreads();                  // ... from all four warps
+                __syncthreads();                  // ... from all four warps of the warpgroup
                 wg_fence_regs<HD / 2>(dq);
                 wgmma_fence();
                 #pragma unroll
-                for (int ks = 0; ks < BN / 16; ks++)  // dQ^T = K^T dS^T: k-steps over the 64 keys
-                    wgmma_m64n64k16_ss_mnmn(dq, smem_desc(sK + ks * 2048, BN * 128, 1024),
-                                            smem_desc(s_s + ks * 2048, BN * 128, 1024), ks > 0);
+                for (int ks = 0; ks < 4; ks++)    // dQ^T = K^T dS^T over this warpgroup's 64 keys
+                    wgmma_m64n64k16_ss_mnmn(dq, smem_desc(sK + wg * 8192 + ks * 2048, 64 * 128, 1024),
+                                            smem_desc(sS + wg * 8192 + ks * 2048, 64 * 128, 1024), ks > 0);
                 wgmma_commit();
             }
             pend_i = i;
@@ -254,14 +291,12 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         wg_fence_regs<HD / 2>(dq);
         cp_async_wait<0>();                       // the staged partial sums (and the next Q tile)
         __syncthreads();                          // ... everyone's copies
-        if (V3_BWD1_SKIP < 1)
-            v3_dq_store(qacc, dq_g, sA_gen + (tc & 1) * (A_BYTES / 4), dq, pend_i, pend_j == 0, pend_j == pend_i,
-                        scale, T, Tp, stride, w4, g, t4);
+        if (V3_BWD1_SKIP < 1) dq_rmw(dq, pend_i, pend_j, sA_gen + (tc & 1) * (A_BYTES / 4));
         pend_i = -1;
         bf16* dk_g = dqkv + (size_t)b * T * stride + C + h * HD;
         v3_store_acc<HD>(dk_g, dk, scale, key0, T, stride, t4);
         v3_store_acc<HD>(dk_g + C, dv, 1.f, key0, T, stride, t4);
-        if (j + 1 < nt) {
+        if (j + 1 < nkv) {
             __syncthreads();                      // every warp's wgmma on sK / sV retired
             v3_load_tile<BN, HD, NT>(sK, q_g + C, n0 + BN, T, stride);
             v3_load_tile<BN, HD, NT>(sV, q_g + 2 * C, n0 + BN, T, stride);
@@ -271,18 +306,20 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     cp_async_wait<0>();
 }
 
-#define V3_BWD1_BODY(HD) flash_bwd_onepass_v3<HD>(dqkv, dqacc, qkv, dout, lse, D, T, NH, scale)
+#define V3_BWD1_BODY(HD, NWG) flash_bwd_onepass_v3<HD, NWG>(dqkv, dqacc, qkv, dout, lse, D, T, NH, scale)
 #else
-#define V3_BWD1_BODY(HD) __trap()    // not sm_90a: Python never launches this
+#define V3_BWD1_BODY(HD, NWG) __trap()    // not sm_90a: Python never launches this
 #endif
 
-// grid (B * NH), 128 threads, 2 blocks per SM; dqacc: f32 scratch (B * NH, HD, ceil(T / 64) * 64),
-// no initial value needed.
-#define FLASH_V3_BWD1(HD)                                                                          \
-    extern "C" __global__ void __launch_bounds__(128, 2)                                          \
-    attention_backward_onepass_kernel_v3_hd##HD##_bf16(bf16* dqkv, float* dqacc, const bf16* qkv, \
-            const bf16* dout, const float* lse, const float* D, int T, int NH, float scale) {       \
-        V3_BWD1_BODY(HD);                                                                          \
+// grid (B * NH), 128 * NWG threads, 2 / NWG blocks per SM; dqacc: f32 scratch (B * NH, HD,
+// ceil(T / 64) * 64), no initial value needed.
+#define FLASH_V3_BWD1(HD, NWG)                                                                     \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, 2 / NWG)                              \
+    attention_backward_onepass_kernel_v3_hd##HD##_g##NWG##_bf16(bf16* dqkv, float* dqacc,         \
+            const bf16* qkv, const bf16* dout, const float* lse, const float* D, int T, int NH,     \
+            float scale) {                                                                         \
+        V3_BWD1_BODY(HD, NWG);                                                                     \
     }
 
-FLASH_V3_BWD1(64)
+FLASH_V3_BWD1(64, 2)
+FLASH_V3_BWD1(64, 1)

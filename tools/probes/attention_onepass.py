@@ -17,12 +17,13 @@ for B, NH in ((64, 12), (16, 25)):
     dout = cp.asarray(rng.standard_normal((B, T, NH * hd)).astype(np.float32).astype(gpucore.bfloat16))
     out, lse = gpucore.attention_forward(qkv, NH)
     dqkv = cp.empty_like(qkv)
-    rows = [("two-pass (default)", lambda: attn.backward_v3(dout, qkv, out, lse, NH, dqkv)),
-            ("one-pass", lambda: attn.backward_v3_onepass(dout, qkv, out, lse, NH, dqkv))]
+    rows = [("two-pass (default)", lambda: attn.backward_v3(dout, qkv, out, lse, NH, dqkv))]
+    rows += [(f"one-pass, {g} warpgroup(s)", lambda g=g: attn.backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=g))
+             for g in attn.ONEPASS_WGS]
     ms = time_interleaved([f for _, f in rows], rounds=9)
     flops = 2.5 * 4.0 * B * NH * T * T * hd / 2
     for (name, _), t in zip(rows, ms):
-        print(f"B={B} NH={NH}  {name:<20} {t:7.3f} ms  {flops / t / 1e9:6.1f} TFLOP/s")
+        print(f"B={B} NH={NH}  {name:<26} {t:7.3f} ms  {flops / t / 1e9:6.1f} TFLOP/s")
 
 # What the one-pass kernel's time is made of: the same kernel compiled without the dQ^T
 # read-modify-write (skip 1) and also without the dQ^T product and dS^T staging (skip 2).
@@ -37,13 +38,14 @@ D = attn._preprocess(dout, out, NH)
 dqacc = cp.empty((B * NH, hd, T), dtype=np.float32)
 
 
-def launcher(skip):
-    k = runtime.get_kernel("attention/flash_v3_bwd1", "attention_backward_onepass_kernel_v3_hd64_bf16",
+def launcher(skip, g):
+    k = runtime.get_kernel("attention/flash_v3_bwd1", f"attention_backward_onepass_kernel_v3_hd64_g{g}_bf16",
                            options=attn.v3_compile_options() + (f"-DV3_BWD1_SKIP={skip}",), arch=attn.V3_ARCH)
-    return lambda: runtime.launch(k, B * NH, 128, (dqkv, dqacc, qkv, dout, lse, D, np.int32(T), np.int32(NH),
-                                                   np.float32(0.125)), shared_mem=attn.v3_onepass_smem(hd))
+    return lambda: runtime.launch(k, B * NH, 128 * g, (dqkv, dqacc, qkv, dout, lse, D, np.int32(T), np.int32(NH),
+                                                       np.float32(0.125)), shared_mem=attn.v3_onepass_smem(hd, g))
 
 
-ms = time_interleaved([launcher(0), launcher(1), launcher(2)], rounds=9)
-for name, t in zip(("kernel alone", "without the dQ RMW", "without dQ product + RMW"), ms):
-    print(f"B={B} NH={NH}  one-pass {name:<28} {t:7.3f} ms")
+for g in attn.ONEPASS_WGS:
+    ms = time_interleaved([launcher(0, g), launcher(1, g), launcher(2, g)], rounds=9)
+    for name, t in zip(("kernel alone", "without the dQ RMW", "without dQ product + RMW"), ms):
+        print(f"B={B} NH={NH}  one-pass g{g} {name:<28} {t:7.3f} ms")
