@@ -182,4 +182,16 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss_mnmn(float* d, u64 desc_a, u6
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+// The same with N = 32 (16 accumulator registers per thread), e.g. one warpgroup's half of the
+// queries in dQ^T = K^T dS^T: B's start may then sit 64 bytes into a 128-byte swizzled row.
+__device__ __forceinline__ void wgmma_m64n32k16_ss_mnmn(float* d, u64 desc_a, u64 desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "%16, %17, p, 1, 1, 1, 1;\n}\n"
+        : WG_D8(0), WG_D8(8)
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

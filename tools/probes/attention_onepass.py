@@ -38,14 +38,17 @@ D = attn._preprocess(dout, out, NH)
 dqacc = cp.empty((B * NH, hd, T), dtype=np.float32)
 
 
-def launcher(skip, g):
+def launcher(skip, g, part=0):
     k = runtime.get_kernel("attention/flash_v3_bwd1", f"attention_backward_onepass_kernel_v3_hd64_g{g}_bf16",
-                           options=attn.v3_compile_options() + (f"-DV3_BWD1_SKIP={skip}",), arch=attn.V3_ARCH)
+                           options=attn.v3_compile_options() + (f"-DV3_BWD1_SKIP={skip}", f"-DV3_BWD1_PART={part}"),
+                           arch=attn.V3_ARCH)
     return lambda: runtime.launch(k, B * NH, 128 * g, (dqkv, dqacc, qkv, dout, lse, D, np.int32(T), np.int32(NH),
                                                        np.float32(0.125)), shared_mem=attn.v3_onepass_smem(hd, g))
 
 
 for g in attn.ONEPASS_WGS:
-    ms = time_interleaved([launcher(0, g), launcher(1, g), launcher(2, g)], rounds=9)
-    for name, t in zip(("kernel alone", "without the dQ RMW", "without dQ product + RMW"), ms):
-        print(f"B={B} NH={NH}  one-pass g{g} {name:<28} {t:7.3f} ms")
+    ms = time_interleaved([launcher(0, g), launcher(1, g), launcher(2, g), launcher(0, g, 1), launcher(0, g, 2)],
+                          rounds=9)
+    for name, t in zip(("kernel alone", "without the dQ RMW", "without dQ product + RMW",
+                        "RMW without the staging copies", "RMW without its global stores"), ms):
+        print(f"B={B} NH={NH}  one-pass g{g} {name:<32} {t:7.3f} ms")
