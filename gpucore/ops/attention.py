@@ -467,7 +467,7 @@ def backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_config=None, dq_config=None,
 
 
 ONEPASS_HD = (64,)          # head dims of attention/flash_v3_bwd1.cu (the one-pass backward)
-ONEPASS_WGS = (2, 1)        # its warpgroups per block (first = default): KV tiles of 64 * wgs keys
+ONEPASS_WGS = (2,)          # its warpgroups per block (first = default): KV tiles of 64 * wgs keys
 
 
 def v3_onepass_smem(hd, wgs):

@@ -200,11 +200,11 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             wgmma_wait<0>();                      // S^T and the previous tile's dV, dK, dQ^T retired
             wg_fence_regs<BM / 2>(st);
             wg_fence_regs<QN / 2>(dq);
-            if (V3_BWD1_SKIP < 1 && pend_i >= 0)  // the previous tile's dQ^T into the scratch / dqkv
-                dq_rmw(dq, pend_i, pend_j, sA_gen + (tc & 1) * (A_BYTES / 4));
             wgmma_fence();
             v3_product_kk<BM, HD>(dpt, sV + wg * 8192, BN, o_s);  // dP^T = V dO^T, runs on
             wgmma_commit();
+            if (V3_BWD1_SKIP < 1 && pend_i >= 0)  // the previous tile's dQ^T into the scratch / dqkv
+                dq_rmw(dq, pend_i, pend_j, sA_gen + (tc & 1) * (A_BYTES / 4));
             // P^T = exp(S^T * scale - lse[query]); 0 where key > query or query >= T
             const bool mask = wk0 + 63 > m0 || m0 + BM > T;
             #pragma unroll
@@ -310,4 +310,3 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     }
 
 FLASH_V3_BWD1(64, 2)
-FLASH_V3_BWD1(64, 1)
