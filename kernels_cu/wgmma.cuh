@@ -182,6 +182,21 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss_mnmn(float* d, u64 desc_a, u6
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+// Bulk copy shared -> global through the async proxy (PTX ISA "cp.async.bulk"): `bytes` (a multiple
+// of 16, both addresses 16-byte aligned) from shared address src to dst, in the thread's current
+// bulk group; commit closes the group; wait_read<N> waits until at most N groups still READ shared
+// memory (the source may then be overwritten), wait_done<N> until their writes are complete.
+// Shared-memory writes the copy reads need fence_proxy_async() and a barrier before it.
+__device__ __forceinline__ void bulk_store_s2g(void* dst, u32 src, u32 bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_done() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
+
 // The same with N = 32 (16 accumulator registers per thread), e.g. one warpgroup's half of the
 // queries in dQ^T = K^T dS^T: B's start may then sit 64 bytes into a 128-byte swizzled row.
 __device__ __forceinline__ void wgmma_m64n32k16_ss_mnmn(float* d, u64 desc_a, u64 desc_b, int scale_d) {

@@ -14,11 +14,12 @@
  *     P^T  = exp2(S^T * scale*log2e - lse*log2e), 0 where key > query or query >= T
  *     dV  += P^T dO, dS^T = P^T (dP^T - D), dK += dS^T Q   (as the dK/dV pass)
  *     dQ^T_i (+)= K^T dS^T                   (dS^T staged in smem; both operands MN-major)
- *   dQ^T of Q tile i is summed over j = 0..i in that order in an f32 scratch (HD, Tp) per head in
+ *   dQ^T of Q tile i is summed over the KV tiles in order in an f32 scratch (HD, Tp) per head in
  *   global memory: the partial sums are copied into shared memory one tile ahead (cp.async), the
- *   owning thread adds its part and stores them back (barriers between a store and the next copy
- *   of the same tile: no atomics); at j = i, its last contribution, the sum goes to dqkv as bf16
- *   (times scale) instead. Same bits run after run.
+ *   owning thread adds its part there, and one bulk copy per row (cp.async.bulk, async proxy)
+ *   writes the tile back while the block goes on; the next KV tile's copies of it wait for those
+ *   writes to complete. At the last (diagonal) KV tile the sum goes to dqkv as bf16 (times scale)
+ *   instead. No atomics; same bits run after run.
  *   dK, dV of KV tile j are stored when its Q loop ends.
  * Pipelining (per warpgroup): per tile, after the loop-top barrier: S^T group; wait<0> (S^T, and
  * the previous tile's dV, dK, dQ^T groups) -> the previous tile's dQ^T read-modify-written (its
@@ -69,11 +70,12 @@ __device__ __forceinline__ void v3_dq_prefetch(u32 s_old, const float* qacc, int
     }
 }
 
-// Stores old + this thread's part dq (NJ n8 blocks: head-dim rows 16 w4 + g (+8), query columns
-// c0 + 8 jj + 2 t4 (+1) of the tile) back to the scratch (first: old = 0), or at the last KV tile
-// (last) the sum times `scale` to dq_g (rows t < T, bf16).
+// old + this thread's part dq (NJ n8 blocks: head-dim rows 16 w4 + g (+8), query columns
+// c0 + 8 jj + 2 t4 (+1) of the tile; first: old = 0) back into the staging tile, from where
+// v3_dq_bulk_store copies it to the scratch; at the last KV tile (last) the sum times `scale` to
+// dq_g (rows t < T, bf16) instead.
 template <int NJ>
-__device__ __forceinline__ void v3_dq_store(float* qacc, bf16* dq_g, const float* s_old, const float* dq, int i,
+__device__ __forceinline__ void v3_dq_store(float* qacc, bf16* dq_g, float* s_old, const float* dq, int i,
                                             int c0, bool first, bool last, float scale, int T, int Tp, int stride,
                                             int w4, int lane) {
     const int g = lane >> 2, t4 = lane & 3;
@@ -96,11 +98,22 @@ __device__ __forceinline__ void v3_dq_store(float* qacc, bf16* dq_g, const float
             } else if (last) {
                 if (q < T) dq_g[(size_t)q * stride + hd] = float_to_bf16(v.x * scale);
                 if (q + 1 < T) dq_g[(size_t)(q + 1) * stride + hd] = float_to_bf16(v.y * scale);
-            } else {
-                *reinterpret_cast<float2*>(qacc + (size_t)hd * Tp + q) = v;
+            } else {                              // back into the staging tile: bulk-stored later
+                *reinterpret_cast<float2*>(s_old + (16 * w4 + g + 8 * r) * V3_DQ_PITCH + c0 + 8 * jj + 2 * t4) = v;
             }
         }
     }
+}
+
+// The staged tile (HD rows of 64 f32, V3_DQ_PITCH apart) -> qacc's Q tile i: one 256-byte bulk copy
+// per row by the lanes of warp 0, one bulk group. Before: fence_proxy_async + a barrier.
+__device__ __forceinline__ void v3_dq_bulk_store(float* qacc, u32 s_tile, int i, int Tp, int lane) {
+    #pragma unroll
+    for (int k = 0; k < 2; k++) {
+        const int row = lane + 32 * k;
+        bulk_store_s2g(qacc + (size_t)row * Tp + 64 * i, s_tile + row * V3_DQ_PITCH * 4, 256);
+    }
+    bulk_commit();
 }
 
 // NWG warpgroups (1: 64 keys per KV tile, 2 blocks per SM; 2: 128 keys, warpgroup w owning keys
@@ -125,7 +138,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     const u32 sS = sO + ST * Q_BYTES;             // the dS^T tile (BN keys x BM queries)
     unsigned char* sS_gen = smem_v3 + (sS - raw);
     const u32 sA = sS + DS_BYTES;                 // 2 staged dQ^T partial-sum tiles (by tile parity)
-    const float* sA_gen = reinterpret_cast<const float*>(smem_v3 + (sA - raw));
+    float* sA_gen = reinterpret_cast<float*>(smem_v3 + (sA - raw));
     float* sL = reinterpret_cast<float*>(smem_v3 + (sA + 2 * A_BYTES - raw));   // ST x BM lse
     float* sD = sL + ST * BM;                                                            // ST x BM D
 
@@ -150,7 +163,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     };
     // The read-modify-write of Q tile pi's dQ^T (KV tile pj's part in the accumulator, retired),
     // the staged partial sums at `old`; this warpgroup's query columns QN * wg...
-    auto dq_rmw = [&](const float* dq, int pi, int pj, const float* old) {
+    auto dq_rmw = [&](const float* dq, int pi, int pj, float* old) {
         v3_dq_store<QN / 8>(qacc, dq_g, old, dq, pi, QN * wg, pj == 0, pj == pi * BM / BN, scale, T, Tp, stride,
                             w4, lane);
     };
@@ -165,7 +178,8 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     #pragma unroll
     for (int e = 0; e < QN / 2; e++) dq[e] = 0.f;
     int tc = 0;                                   // tiles done: ring stage tc % ST, staging buffer tc & 1
-    int pend_i = -1, pend_j = 0;                  // the dQ^T group in flight: its Q tile and KV tile
+    int pend_i = -1;                              // the Q tile of the dQ^T group in flight (of KV tile j:
+                                                  // the pending tile never crosses a KV tile)
 
     for (int j = 0; j < nkv; j++) {
         const int n0 = j * BN;
@@ -179,9 +193,10 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         for (int i = i_first; i < nt; i++, tc++) {
             const int buf = tc % ST, nxt = (tc + 1) % ST;
             cp_async_wait<0>();                   // this thread's copies of tile i (and K/V) landed
+            if (warp == 0) bulk_wait_read<0>();   // tile tc-1's bulk store has read its staging tile
             fence_proxy_async();                  // ... visible to wgmma (async proxy)
             __syncthreads();                      // ... everyone's; every warp is past tile tc-1's
-                                                  // reads of the staging and exchange buffers
+                                                  // reads of the staging buffer
             if (i + 1 < nt) load_q_tile(nxt, (i + 1) * BM);
             else if (j + 1 < nkv) load_q_tile(nxt, (j + 1) * BN);  // the next KV tile's first Q tile
             // this tile's dQ^T is read-modify-written at the next tile (or after the loop): its
@@ -200,11 +215,11 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             wgmma_wait<0>();                      // S^T and the previous tile's dV, dK, dQ^T retired
             wg_fence_regs<BM / 2>(st);
             wg_fence_regs<QN / 2>(dq);
+            if (V3_BWD1_SKIP < 1 && pend_i >= 0)  // the previous tile's dQ^T into the staging tile / dqkv
+                dq_rmw(dq, pend_i, j, sA_gen + (tc & 1) * (A_BYTES / 4));
             wgmma_fence();
             v3_product_kk<BM, HD>(dpt, sV + wg * 8192, BN, o_s);  // dP^T = V dO^T, runs on
             wgmma_commit();
-            if (V3_BWD1_SKIP < 1 && pend_i >= 0)  // the previous tile's dQ^T into the scratch / dqkv
-                dq_rmw(dq, pend_i, pend_j, sA_gen + (tc & 1) * (A_BYTES / 4));
             // P^T = exp(S^T * scale - lse[query]); 0 where key > query or query >= T
             const bool mask = wk0 + 63 > m0 || m0 + BM > T;
             #pragma unroll
@@ -257,7 +272,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                 }
             }
             if (V3_BWD1_SKIP < 2) {
-                fence_proxy_async();              // dS^T stores visible to wgmma ...
+                fence_proxy_async();              // dS^T (and staged dQ^T) stores visible to the async proxy ...
                 __syncthreads();                  // ... from every warp (dQ^T reads all BN keys)
                 wg_fence_regs<QN / 2>(dq);
                 wgmma_fence();
@@ -269,9 +284,11 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                     else wgmma_m64n32k16_ss_mnmn(dq, da, db, ks > 0);
                 }
                 wgmma_commit();
+                // the staged sums of the previous tile (not its last KV tile) to the scratch
+                if (V3_BWD1_SKIP < 1 && V3_BWD1_PART == 0 && warp == 0 && pend_i >= 0 && j != pend_i * BM / BN)
+                    v3_dq_bulk_store(qacc, sA + (tc & 1) * A_BYTES, pend_i, Tp, lane);
             }
             pend_i = i;
-            pend_j = j;
         }
         wgmma_wait<0>();                          // this KV tile's dK, dV and last dQ^T
         wg_fence_regs<HD / 2>(dk);
@@ -279,7 +296,17 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         wg_fence_regs<QN / 2>(dq);
         cp_async_wait<0>();                       // the staged partial sums (and the next Q tile)
         __syncthreads();                          // ... everyone's copies
-        if (V3_BWD1_SKIP < 1) dq_rmw(dq, pend_i, pend_j, sA_gen + (tc & 1) * (A_BYTES / 4));
+        if (V3_BWD1_SKIP < 1) {
+            dq_rmw(dq, pend_i, j, sA_gen + (tc & 1) * (A_BYTES / 4));
+            if (V3_BWD1_PART == 0 && j != pend_i * BM / BN) {
+                fence_proxy_async();
+                __syncthreads();
+                if (warp == 0) v3_dq_bulk_store(qacc, sA + (tc & 1) * A_BYTES, pend_i, Tp, lane);
+            }
+        }
+        // The next KV tile's staging copies read what this one's bulk stores wrote: complete them
+        // (warp 0 issued them all), then the barrier below publishes that.
+        if (warp == 0) bulk_wait_done<0>();
         pend_i = -1;
         bf16* dk_g = dqkv + (size_t)b * T * stride + C + h * HD;
         v3_store_acc<HD>(dk_g, dk, scale, key0, T, stride, t4);
