@@ -127,6 +127,9 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     constexpr int BM = 64, BN = 64 * NWG, NT = 128 * NWG, ST = 3;
     constexpr int KV_BYTES = BN * HD * 2, Q_BYTES = BM * HD * 2, DS_BYTES = BN * BM * 2;
     constexpr int A_BYTES = HD * V3_DQ_PITCH * 4;
+    // staging tiles, by tile counter: tile tc's sums are copied in at tc-1, added to at tc and bulk-
+    // stored from at tc; the copy for tc+2 reuses the buffer at tc+2 (the bulk store had a tile)
+    constexpr int SA = 3;
     constexpr int QN = 64 / NWG;                  // query columns of this warpgroup's dQ^T
     constexpr int NQ = BM / 8;                    // n8 blocks of S^T (queries)
     extern __shared__ unsigned char smem_v3[];
@@ -137,9 +140,9 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     const u32 sO = sQ + ST * Q_BYTES;             // ST stages (dout)
     const u32 sS = sO + ST * Q_BYTES;             // the dS^T tile (BN keys x BM queries)
     unsigned char* sS_gen = smem_v3 + (sS - raw);
-    const u32 sA = sS + DS_BYTES;                 // 2 staged dQ^T partial-sum tiles (by tile parity)
+    const u32 sA = sS + DS_BYTES;                 // SA staged dQ^T partial-sum tiles
     float* sA_gen = reinterpret_cast<float*>(smem_v3 + (sA - raw));
-    float* sL = reinterpret_cast<float*>(smem_v3 + (sA + 2 * A_BYTES - raw));   // ST x BM lse
+    float* sL = reinterpret_cast<float*>(smem_v3 + (sA + SA * A_BYTES - raw));  // ST x BM lse
     float* sD = sL + ST * BM;                                                            // ST x BM D
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -177,7 +180,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     for (int e = 0; e < BM / 2; e++) st[e] = dpt[e] = 0.f;
     #pragma unroll
     for (int e = 0; e < QN / 2; e++) dq[e] = 0.f;
-    int tc = 0;                                   // tiles done: ring stage tc % ST, staging buffer tc & 1
+    int tc = 0;                                   // tiles done: ring stage tc % ST, staging buffer tc % SA
     int pend_i = -1;                              // the Q tile of the dQ^T group in flight (of KV tile j:
                                                   // the pending tile never crosses a KV tile)
 
@@ -193,7 +196,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         for (int i = i_first; i < nt; i++, tc++) {
             const int buf = tc % ST, nxt = (tc + 1) % ST;
             cp_async_wait<0>();                   // this thread's copies of tile i (and K/V) landed
-            if (warp == 0) bulk_wait_read<0>();   // tile tc-1's bulk store has read its staging tile
+            if (warp == 0) bulk_wait_read<1>();   // tile tc-2's bulk store has read its staging tile
             fence_proxy_async();                  // ... visible to wgmma (async proxy)
             __syncthreads();                      // ... everyone's; every warp is past tile tc-1's
                                                   // reads of the staging buffer
@@ -201,7 +204,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             else if (j + 1 < nkv) load_q_tile(nxt, (j + 1) * BN);  // the next KV tile's first Q tile
             // this tile's dQ^T is read-modify-written at the next tile (or after the loop): its
             // partial sums so far, into the staging buffer the previous tile's RMW has finished with
-            if (V3_BWD1_SKIP < 1 && V3_BWD1_PART != 1 && j > 0) v3_dq_prefetch<NT>(sA + ((tc + 1) & 1) * A_BYTES, qacc, i, Tp);
+            if (V3_BWD1_SKIP < 1 && V3_BWD1_PART != 1 && j > 0) v3_dq_prefetch<NT>(sA + (tc + 1) % SA * A_BYTES, qacc, i, Tp);
             cp_async_commit();
             const int m0 = i * BM;
             const u32 q_s = sQ + buf * Q_BYTES, o_s = sO + buf * Q_BYTES;
@@ -216,7 +219,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             wg_fence_regs<BM / 2>(st);
             wg_fence_regs<QN / 2>(dq);
             if (V3_BWD1_SKIP < 1 && pend_i >= 0)  // the previous tile's dQ^T into the staging tile / dqkv
-                dq_rmw(dq, pend_i, j, sA_gen + (tc & 1) * (A_BYTES / 4));
+                dq_rmw(dq, pend_i, j, sA_gen + tc % SA * (A_BYTES / 4));
             wgmma_fence();
             v3_product_kk<BM, HD>(dpt, sV + wg * 8192, BN, o_s);  // dP^T = V dO^T, runs on
             wgmma_commit();
@@ -286,7 +289,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                 wgmma_commit();
                 // the staged sums of the previous tile (not its last KV tile) to the scratch
                 if (V3_BWD1_SKIP < 1 && V3_BWD1_PART == 0 && warp == 0 && pend_i >= 0 && j != pend_i * BM / BN)
-                    v3_dq_bulk_store(qacc, sA + (tc & 1) * A_BYTES, pend_i, Tp, lane);
+                    v3_dq_bulk_store(qacc, sA + tc % SA * A_BYTES, pend_i, Tp, lane);
             }
             pend_i = i;
         }
@@ -297,11 +300,11 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         cp_async_wait<0>();                       // the staged partial sums (and the next Q tile)
         __syncthreads();                          // ... everyone's copies
         if (V3_BWD1_SKIP < 1) {
-            dq_rmw(dq, pend_i, j, sA_gen + (tc & 1) * (A_BYTES / 4));
+            dq_rmw(dq, pend_i, j, sA_gen + tc % SA * (A_BYTES / 4));
             if (V3_BWD1_PART == 0 && j != pend_i * BM / BN) {
                 fence_proxy_async();
                 __syncthreads();
-                if (warp == 0) v3_dq_bulk_store(qacc, sA + (tc & 1) * A_BYTES, pend_i, Tp, lane);
+                if (warp == 0) v3_dq_bulk_store(qacc, sA + tc % SA * A_BYTES, pend_i, Tp, lane);
             }
         }
         // The next KV tile's staging copies read what this one's bulk stores wrote: complete them
