@@ -473,8 +473,8 @@ ONEPASS_WGS = (2,)          # its warpgroups per block (first = default): KV til
 def v3_onepass_smem(hd, wgs):
     """Dynamic shared memory of a one-pass backward block: K, V (64 wgs x hd), 3 stages of Q and
     dO (64 x hd), the dS^T tile (64 wgs x 64), all bf16; 3 staged dQ^T partial-sum tiles (hd x 64
-    f32, rows of 68 floats); 3 x 64 lse and D; + 1024 for the swizzle alignment."""
-    return 1024 + (2 * wgs + 2 * 3 + wgs) * 64 * hd * 2 + 3 * hd * 68 * 4 + 2 * 3 * 64 * 4
+    f32); 3 x 64 lse and D; + 1024 for the swizzle alignment."""
+    return 1024 + (2 * wgs + 2 * 3 + wgs) * 64 * hd * 2 + 3 * hd * 64 * 4 + 2 * 3 * 64 * 4
 
 
 def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None):
@@ -491,7 +491,7 @@ def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None):
     if wgs not in ONEPASS_WGS:
         raise ValueError(f"wgs: {wgs} warpgroups per block; the kernels have {ONEPASS_WGS}")
     D = _preprocess(dout, out, NH)
-    dqacc = cp.empty((B * NH, hd, -(-T // 64) * 64), dtype=F32)
+    dqacc = cp.empty((B * NH, -(-T // 64), hd, 64), dtype=F32)      # per head, a tile per 64 queries
     k = runtime.get_kernel("attention/flash_v3_bwd1", f"attention_backward_onepass_kernel_v3_hd{hd}_g{wgs}_bf16",
                            options=v3_compile_options(), arch=V3_ARCH)
     runtime.launch(k, B * NH, 128 * wgs, (dqkv, dqacc, qkv, dout, lse, D, np.int32(T), np.int32(NH),

@@ -14,10 +14,10 @@
  *     P^T  = exp2(S^T * scale*log2e - lse*log2e), 0 where key > query or query >= T
  *     dV  += P^T dO, dS^T = P^T (dP^T - D), dK += dS^T Q   (as the dK/dV pass)
  *     dQ^T_i (+)= K^T dS^T                   (dS^T staged in smem; both operands MN-major)
- *   dQ^T of Q tile i is summed over the KV tiles in order in an f32 scratch (HD, Tp) per head in
- *   global memory: the partial sums are copied into shared memory one tile ahead (cp.async), the
- *   owning thread adds its part there, and one bulk copy per row (cp.async.bulk, async proxy)
- *   writes the tile back while the block goes on; the next KV tile's copies of it wait for those
+ *   dQ^T of Q tile i is summed over the KV tiles in order in an f32 scratch per head in global
+ *   memory (a 16 KB tile per Q tile): the partial sums are copied into shared memory one tile ahead
+ *   (cp.async), the owning thread adds its part there, and one bulk copy (cp.async.bulk, async
+ *   proxy) writes the tile back while the block goes on; the next KV tile's copies of it wait for those
  *   writes to complete. At the last (diagonal) KV tile the sum goes to dqkv as bf16 (times scale)
  *   instead. No atomics; same bits run after run.
  *   dK, dV of KV tile j are stored when its Q loop ends.
@@ -51,32 +51,36 @@
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// The read-modify-write of Q tile i's dQ^T. The previous partial sums (HD x 64 f32 of the head's
-// scratch qacc (HD, Tp)) are copied into shared memory a tile ahead (v3_dq_prefetch, cp.async:
-// the global round trip overlaps a whole tile of work; ncu-free measurement: reading them with
-// ordinary loads where they are needed cost 1.6 ms of a 2.4 ms kernel), then v3_dq_store adds this
-// KV tile's part from the accumulator (rows = head dims 16*w4 + g (+8), columns = queries
-// 8jj + 2t4 (+1)) in two halves (fewer live registers). Its reads come after a wait<0>: ptxas
+// The read-modify-write of Q tile i's dQ^T. Its partial sums are copied into shared memory a tile
+// ahead (v3_dq_prefetch, cp.async); v3_dq_store adds this KV tile's part from the accumulator
+// there; a bulk copy writes the tile back (measured on an H200: per-thread loads where the sums
+// are needed cost 1.6 ms of a 2.4 ms kernel; per-thread stores and one 256-byte bulk copy per row
+// were slower than one 16 KB bulk copy per tile). Its reads come after a wait<0>: ptxas
 // serialises every wgmma of a kernel whose accumulator is read where it cannot prove the group
 // retired, and a wait<1> across the loop's back edge is such a place.
-constexpr int V3_DQ_PITCH = 68;                   // floats per row of the staged tile: 2-way bank conflicts at most
+// The f32 scratch holds, per head, one 16 KB tile per Q tile (HD rows x 64 queries of dQ^T), laid
+// out as the staging tile in shared memory so that one bulk copy moves it: element (hd, q) of a
+// tile at v3_dq_off(hd, q) (q even; q + 1 follows), the float2 pairs of a row permuted by hd & 7 so
+// the read-modify-write's accesses hit 2 banks each at most.
+__device__ __forceinline__ int v3_dq_off(int hd, int q) { return hd * 64 + ((((q >> 1) ^ ((hd & 7) << 2))) << 1); }
 
+// Q tile i's partial sums (the scratch tile at qtile) -> the staging tile at shared address s_old.
 template <int NT>
-__device__ __forceinline__ void v3_dq_prefetch(u32 s_old, const float* qacc, int i, int Tp) {
+__device__ __forceinline__ void v3_dq_prefetch(u32 s_old, const float* qtile) {
     #pragma unroll
-    for (int k = 0; k < 1024 / NT; k++) {         // 64 rows x 16 chunks of 16 bytes
-        const int c = threadIdx.x + NT * k, row = c >> 4, ch = c & 15;
-        cp_async16(s_old + (row * V3_DQ_PITCH + 4 * ch) * 4, qacc + (size_t)row * Tp + 64 * i + 4 * ch, 16);
+    for (int k = 0; k < 1024 / NT; k++) {         // 16 KB = 1024 chunks of 16 bytes
+        const int c = threadIdx.x + NT * k;
+        cp_async16(s_old + 16 * c, qtile + 4 * c, 16);
     }
 }
 
 // old + this thread's part dq (NJ n8 blocks: head-dim rows 16 w4 + g (+8), query columns
-// c0 + 8 jj + 2 t4 (+1) of the tile; first: old = 0) back into the staging tile, from where
-// v3_dq_bulk_store copies it to the scratch; at the last KV tile (last) the sum times `scale` to
-// dq_g (rows t < T, bf16) instead.
+// c0 + 8 jj + 2 t4 (+1) of the tile; first: old = 0) back into the staging tile s_old, from where a
+// bulk copy moves it to the scratch; at the last KV tile (last) the sum times `scale` to dq_g
+// (rows t < T of Q tile i, bf16) instead.
 template <int NJ>
 __device__ __forceinline__ void v3_dq_store(float* qacc, bf16* dq_g, float* s_old, const float* dq, int i,
-                                            int c0, bool first, bool last, float scale, int T, int Tp, int stride,
+                                            int c0, bool first, bool last, float scale, int T, int stride,
                                             int w4, int lane) {
     const int g = lane >> 2, t4 = lane & 3;
     #pragma unroll
@@ -86,12 +90,12 @@ __device__ __forceinline__ void v3_dq_store(float* qacc, bf16* dq_g, float* s_ol
         for (int k = 0; k < 8; k++) {
             const int jj = 4 * half + (k >> 1), r = k & 1;
             old[k] = first ? make_float2(0.f, 0.f)
-                           : *reinterpret_cast<const float2*>(s_old + (16 * w4 + g + 8 * r) * V3_DQ_PITCH + c0 + 8 * jj + 2 * t4);
+                           : *reinterpret_cast<const float2*>(s_old + v3_dq_off(16 * w4 + g + 8 * r, c0 + 8 * jj + 2 * t4));
         }
         #pragma unroll
         for (int k = 0; k < 8; k++) {
             const int jj = 4 * half + (k >> 1), r = k & 1, e = 4 * jj + 2 * r;
-            const int hd = 16 * w4 + g + 8 * r, q = 64 * i + c0 + 8 * jj + 2 * t4;
+            const int hd = 16 * w4 + g + 8 * r, ql = c0 + 8 * jj + 2 * t4, q = 64 * i + ql;
             const float2 v = make_float2(old[k].x + dq[e], old[k].y + dq[e + 1]);
             if (V3_BWD1_PART == 2) {
                 if (v.x == 123.f) qacc[0] = v.y;  // keeps the arithmetic, stores (almost) nothing
@@ -99,21 +103,10 @@ __device__ __forceinline__ void v3_dq_store(float* qacc, bf16* dq_g, float* s_ol
                 if (q < T) dq_g[(size_t)q * stride + hd] = float_to_bf16(v.x * scale);
                 if (q + 1 < T) dq_g[(size_t)(q + 1) * stride + hd] = float_to_bf16(v.y * scale);
             } else {                              // back into the staging tile: bulk-stored later
-                *reinterpret_cast<float2*>(s_old + (16 * w4 + g + 8 * r) * V3_DQ_PITCH + c0 + 8 * jj + 2 * t4) = v;
+                *reinterpret_cast<float2*>(s_old + v3_dq_off(hd, ql)) = v;
             }
         }
     }
-}
-
-// The staged tile (HD rows of 64 f32, V3_DQ_PITCH apart) -> qacc's Q tile i: one 256-byte bulk copy
-// per row by the lanes of warp 0, one bulk group. Before: fence_proxy_async + a barrier.
-__device__ __forceinline__ void v3_dq_bulk_store(float* qacc, u32 s_tile, int i, int Tp, int lane) {
-    #pragma unroll
-    for (int k = 0; k < 2; k++) {
-        const int row = lane + 32 * k;
-        bulk_store_s2g(qacc + (size_t)row * Tp + 64 * i, s_tile + row * V3_DQ_PITCH * 4, 256);
-    }
-    bulk_commit();
 }
 
 // NWG warpgroups (1: 64 keys per KV tile, 2 blocks per SM; 2: 128 keys, warpgroup w owning keys
@@ -126,7 +119,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     static_assert(HD == 64, "one-pass backward: head dim 64");
     constexpr int BM = 64, BN = 64 * NWG, NT = 128 * NWG, ST = 3;
     constexpr int KV_BYTES = BN * HD * 2, Q_BYTES = BM * HD * 2, DS_BYTES = BN * BM * 2;
-    constexpr int A_BYTES = HD * V3_DQ_PITCH * 4;
+    constexpr int A_BYTES = HD * 64 * 4;
     // staging tiles, by tile counter: tile tc's sums are copied in at tc-1, added to at tc and bulk-
     // stored from at tc; the copy for tc+2 reuses the buffer at tc+2 (the bulk store had a tile)
     constexpr int SA = 3;
@@ -155,7 +148,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     const float* l_g = lse + (size_t)bh * T;
     const float* d_g = Dv + (size_t)bh * T;
     bf16* dq_g = dqkv + (size_t)b * T * stride + h * HD;
-    float* qacc = dqacc + (size_t)bh * HD * Tp;
+    float* qacc = dqacc + (size_t)bh * HD * Tp;   // nt tiles of HD x 64 (v3_dq_off)
     const float sl2 = scale * FA_LOG2E;
 
     auto load_q_tile = [&](int st, int r) {
@@ -167,7 +160,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     // The read-modify-write of Q tile pi's dQ^T (KV tile pj's part in the accumulator, retired),
     // the staged partial sums at `old`; this warpgroup's query columns QN * wg...
     auto dq_rmw = [&](const float* dq, int pi, int pj, float* old) {
-        v3_dq_store<QN / 8>(qacc, dq_g, old, dq, pi, QN * wg, pj == 0, pj == pi * BM / BN, scale, T, Tp, stride,
+        v3_dq_store<QN / 8>(qacc, dq_g, old, dq, pi, QN * wg, pj == 0, pj == pi * BM / BN, scale, T, stride,
                             w4, lane);
     };
     v3_load_tile<BN, HD, NT>(sK, q_g + C, 0, T, stride);
@@ -196,7 +189,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         for (int i = i_first; i < nt; i++, tc++) {
             const int buf = tc % ST, nxt = (tc + 1) % ST;
             cp_async_wait<0>();                   // this thread's copies of tile i (and K/V) landed
-            if (warp == 0) bulk_wait_read<1>();   // tile tc-2's bulk store has read its staging tile
+            if (threadIdx.x == 0) bulk_wait_read<1>();   // tile tc-2's bulk store has read its staging tile
             fence_proxy_async();                  // ... visible to wgmma (async proxy)
             __syncthreads();                      // ... everyone's; every warp is past tile tc-1's
                                                   // reads of the staging buffer
@@ -204,7 +197,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             else if (j + 1 < nkv) load_q_tile(nxt, (j + 1) * BN);  // the next KV tile's first Q tile
             // this tile's dQ^T is read-modify-written at the next tile (or after the loop): its
             // partial sums so far, into the staging buffer the previous tile's RMW has finished with
-            if (V3_BWD1_SKIP < 1 && V3_BWD1_PART != 1 && j > 0) v3_dq_prefetch<NT>(sA + (tc + 1) % SA * A_BYTES, qacc, i, Tp);
+            if (V3_BWD1_SKIP < 1 && V3_BWD1_PART != 1 && j > 0) v3_dq_prefetch<NT>(sA + (tc + 1) % SA * A_BYTES, qacc + i * HD * 64);
             cp_async_commit();
             const int m0 = i * BM;
             const u32 q_s = sQ + buf * Q_BYTES, o_s = sO + buf * Q_BYTES;
@@ -288,8 +281,10 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                 }
                 wgmma_commit();
                 // the staged sums of the previous tile (not its last KV tile) to the scratch
-                if (V3_BWD1_SKIP < 1 && V3_BWD1_PART == 0 && warp == 0 && pend_i >= 0 && j != pend_i * BM / BN)
-                    v3_dq_bulk_store(qacc, sA + tc % SA * A_BYTES, pend_i, Tp, lane);
+                if (V3_BWD1_SKIP < 1 && V3_BWD1_PART == 0 && threadIdx.x == 0 && pend_i >= 0 && j != pend_i * BM / BN) {
+                    bulk_store_s2g(qacc + pend_i * HD * 64, sA + tc % SA * A_BYTES, A_BYTES);
+                    bulk_commit();
+                }
             }
             pend_i = i;
         }
@@ -304,12 +299,15 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             if (V3_BWD1_PART == 0 && j != pend_i * BM / BN) {
                 fence_proxy_async();
                 __syncthreads();
-                if (warp == 0) v3_dq_bulk_store(qacc, sA + tc % SA * A_BYTES, pend_i, Tp, lane);
+                if (threadIdx.x == 0) {
+                    bulk_store_s2g(qacc + pend_i * HD * 64, sA + tc % SA * A_BYTES, A_BYTES);
+                    bulk_commit();
+                }
             }
         }
         // The next KV tile's staging copies read what this one's bulk stores wrote: complete them
-        // (warp 0 issued them all), then the barrier below publishes that.
-        if (warp == 0) bulk_wait_done<0>();
+        // (thread 0 issued them all), then the barrier below publishes that.
+        if (threadIdx.x == 0) bulk_wait_done<0>();
         pend_i = -1;
         bf16* dk_g = dqkv + (size_t)b * T * stride + C + h * HD;
         v3_store_acc<HD>(dk_g, dk, scale, key0, T, stride, t4);

@@ -35,7 +35,7 @@ dout = cp.asarray(rng.standard_normal((B, T, NH * hd)).astype(np.float32).astype
 out, lse = gpucore.attention_forward(qkv, NH)
 dqkv = cp.empty_like(qkv)
 D = attn._preprocess(dout, out, NH)
-dqacc = cp.empty((B * NH, hd, T), dtype=np.float32)
+dqacc = cp.empty((B * NH, T // 64, hd, 64), dtype=np.float32)
 
 
 def launcher(skip, g, part=0):
