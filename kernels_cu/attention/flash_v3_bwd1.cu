@@ -22,9 +22,9 @@
  *   instead. No atomics; same bits run after run.
  *   dK, dV of KV tile j are stored when its Q loop ends.
  * Pipelining (per warpgroup): per tile, after the loop-top barrier: S^T group; wait<0> (S^T, and
- * the previous tile's dV, dK, dQ^T groups) -> the previous tile's dQ^T read-modify-written (its
- * old partial sums staged in smem) -> dP^T group, running on -> P^T -> dV group -> wait<1>
- * (dP^T) -> dS^T -> dK group; dS^T to smem (its last reader, the previous dQ^T, retired at the
+ * the previous tile's dV, dK, dQ^T groups) -> dP^T group, running on -> P^T -> dV group ->
+ * wait<1> (dP^T) -> dS^T -> dK group -> the previous tile's dQ^T read-modify-written (its old
+ * partial sums staged in smem) while dV and dK run; dS^T to smem (its last reader, the previous dQ^T, retired at the
  * wait<0>) -> fence.proxy.async + barrier -> dQ^T group; dV, dK and dQ^T run on into the next
  * tile. Q/dO/lse/D stream through a 3-stage cp.async ring (the stage a running group reads is
  * never the one prefetched), prefetched one tile ahead, across KV tiles too.
@@ -211,8 +211,6 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             wgmma_wait<0>();                      // S^T and the previous tile's dV, dK, dQ^T retired
             wg_fence_regs<BM / 2>(st);
             wg_fence_regs<QN / 2>(dq);
-            if (V3_BWD1_SKIP < 1 && pend_i >= 0)  // the previous tile's dQ^T into the staging tile / dqkv
-                dq_rmw(dq, pend_i, j, sA_gen + tc % SA * (A_BYTES / 4));
             wgmma_fence();
             v3_product_kk<BM, HD>(dpt, sV + wg * 8192, BN, o_s);  // dP^T = V dO^T, runs on
             wgmma_commit();
@@ -254,6 +252,9 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                 v3_to_frags<BM>(sa, dpt);
                 v3_product_rs<BM, HD>(dk, sa, q_s);               // dK += dS^T Q
                 wgmma_commit();
+                // the previous tile's dQ^T (retired at the wait<0>) into the staging tile / dqkv,
+                // while dV and dK run
+                if (V3_BWD1_SKIP < 1 && pend_i >= 0) dq_rmw(dq, pend_i, j, sA_gen + tc % SA * (A_BYTES / 4));
                 // dS^T (keys x queries) into smem, swizzled like any (BN, 64) tile: the A fragment
                 // of k-step k holds rows r, r+8 (keys) x columns 16k + 2t4 (+1), 16k + 8 + 2t4 (+1)
                 // (v3_tile_frags' inverse). The last reader, tile tc-1's dQ^T, retired at the wait<0>.
