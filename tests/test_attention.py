@@ -393,15 +393,33 @@ def test_v3_onepass_sizes_and_bad_head_dim():
     two: one block), its f32 dQ scratch in scratch_bytes when the setting is on, and a head dim
     or warpgroup count it has no kernel for refused before any launch."""
     assert attn.v3_onepass_smem(64, 2) == 150016 and attn.v3_onepass_smem(64, 2) <= 227 * 1024
-    with settings.using(attention_v3_onepass=True):
+    with settings.using(attention_v3_onepass="on"):
         assert attn.scratch_bytes(2, 100, 3, 64, BF16, 3, backward=True) == 4 * 2 * 3 * 100 + 4 * 2 * 3 * 64 * 128
-    with settings.using(attention_v3_onepass=False):
+    with settings.using(attention_v3_onepass="off"):
         assert attn.scratch_bytes(2, 100, 3, 64, BF16, 3, backward=True) == 4 * 2 * 3 * 100
     qkv = np.zeros((1, 4, 3 * 128), BF16)
     with pytest.raises(ValueError, match="head dim"):
         attn.backward_v3_onepass(None, qkv, None, None, 1, None)
     with pytest.raises(ValueError, match="warpgroups"):
         attn.backward_v3_onepass(None, qkv, None, None, 2, None, wgs=3)
+
+
+def test_v3_onepass_auto_rule():
+    """settings.attention_v3_onepass "auto" takes the one-pass backward only where its blocks (one
+    per batch x head) fill the last wave of the SMs (ONEPASS_MIN_WAVE_FILL): d12 B=64 and d24 B=32
+    on 132 SMs yes, d48 B=16 (400 heads), small batches and hd 128 no; "on" / "off" force it (hd 64
+    only); any other value is refused."""
+    assert attn.onepass_applies(64, 12, 64, 132, "auto")          # 768 heads: 97% of 6 waves
+    assert attn.onepass_applies(32, 16, 64, 132, "auto")          # 512: 97% of 4
+    assert not attn.onepass_applies(16, 25, 64, 132, "auto")      # 400: 76% of 4
+    assert not attn.onepass_applies(8, 12, 64, 132, "auto")       # 96: one short wave
+    assert not attn.onepass_applies(64, 12, 128, 132, "auto")     # no hd-128 kernel
+    assert attn.onepass_applies(8, 12, 64, 132, "on") and not attn.onepass_applies(8, 12, 128, 132, "on")
+    assert not attn.onepass_applies(64, 12, 64, 132, "off")
+    with pytest.raises(ValueError, match="auto, on or off"):
+        attn.onepass_applies(64, 12, 64, 132, "yes")
+    with settings.using(attention_v3_onepass="off"):
+        assert not attn.onepass_applies(64, 12, 64, 132)
 
 
 def test_v3_backward_version_argument_on_numpy(rng):
@@ -507,8 +525,8 @@ def test_gpu_backward_v3_onepass(rng, shape):
 
 @pytest.mark.cuda
 def test_gpu_backward_v3_onepass_deterministic_and_default(rng):
-    """Same bits run after run; settings.attention_v3_onepass routes attention_backward's v3 path
-    there (same bits as calling it directly), and off it is the two-pass backward (close to it)."""
+    """Same bits run after run; settings.attention_v3_onepass "on" routes attention_backward's v3
+    path there (same bits as calling it directly), and "off" to the two-pass backward (close to it)."""
     need_sm90()
     NH, qkv, dout, out, lse = v3_backward_case(rng, 64, B=3, NH=5, T=333)
     for wgs in attn.ONEPASS_WGS[1:]:
@@ -516,10 +534,10 @@ def test_gpu_backward_v3_onepass_deterministic_and_default(rng):
         assert v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_onepass, wgs=wgs) == bits
     one = v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_onepass)
     assert v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_onepass) == one
-    with settings.using(attention_v3_onepass=True):
+    with settings.using(attention_v3_onepass="on"):
         via = to_cpu(gpucore.attention_backward(dout, qkv, out, lse, NH, version=3)).tobytes()
     assert via == one
-    with settings.using(attention_v3_onepass=False):
+    with settings.using(attention_v3_onepass="off"):
         two = to_cpu(gpucore.attention_backward(dout, qkv, out, lse, NH, version=3)).astype(np.float32)
     got = np.frombuffer(one, dtype=BF16).astype(np.float32).reshape(two.shape)
     assert rel_err(got, two) < 1e-2

@@ -468,6 +468,23 @@ def backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_config=None, dq_config=None,
 
 ONEPASS_HD = (64,)          # head dims of attention/flash_v3_bwd1.cu (the one-pass backward)
 ONEPASS_WGS = (2,)          # its warpgroups per block (first = default): KV tiles of 64 * wgs keys
+# settings.attention_v3_onepass "auto" takes the one-pass backward where its one block per (batch,
+# head), one per SM, fills the last wave this well: a block is a whole head, so a short last wave
+# idles SMs for a head's whole time. H200, bf16 T=1024: d12 B=64 (768 heads over 132 SMs, 97%)
+# trains 1.2% faster with it; d48 B=16 (400 heads, 76%) 2.1% slower (tools/notes/attention.md).
+ONEPASS_MIN_WAVE_FILL = 0.95
+
+
+def onepass_applies(B, NH, hd, sms, mode=None) -> bool:
+    """Whether the v3 backward of a (B, NH, hd) call takes the one-pass kernel on a GPU of `sms`
+    multiprocessors; mode (None: settings.attention_v3_onepass) "auto", "on" or "off"."""
+    mode = settings.current().attention_v3_onepass if mode is None else mode
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"attention_v3_onepass: expected auto, on or off, got {mode!r}")
+    if mode == "off" or hd not in ONEPASS_HD:
+        return False
+    heads = B * NH
+    return mode == "on" or heads / (-(-heads // sms) * sms) >= ONEPASS_MIN_WAVE_FILL
 
 
 def v3_onepass_smem(hd, wgs):
@@ -498,13 +515,22 @@ def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None):
                                           np.float32(1.0 / math.sqrt(hd))), shared_mem=v3_onepass_smem(hd, wgs))
 
 
+def _sms() -> int:
+    """Multiprocessors of the current GPU; 132 (an H100 / H200) where there is none (plans made on
+    the CPU)."""
+    try:
+        return runtime.sm_count()
+    except Exception:  # noqa: BLE001 - no CUDA device here
+        return 132
+
+
 def scratch_bytes(B, T, NH, hd, dtype, version, backward=False) -> int:
     """Bytes of temporary device memory one call allocates (outputs excluded)."""
     dtype = dtypes.normalize(dtype)
     it = dtype.itemsize
     n_tt = B * NH * T * T
     if version in (2, 3):
-        onepass = version == 3 and backward and settings.current().attention_v3_onepass and hd in ONEPASS_HD
+        onepass = version == 3 and backward and onepass_applies(B, NH, hd, _sms())
         return (4 * B * NH * T + (4 * B * NH * hd * -(-T // 64) * 64 if onepass else 0)) if backward else 0
     qkvp = 3 * B * T * NH * hd * it
     att = n_tt * 4 + (0 if dtype == F32 else n_tt * it)
@@ -572,7 +598,7 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None):
                            _misaligned((("qkv", qkv), ("dout", dout), ("out", out), ("dqkv", dqkv))))
     if B * T == 0:
         return dqkv
-    if version == 3 and settings.current().attention_v3_onepass and hd in ONEPASS_HD:
+    if version == 3 and onepass_applies(B, NH, hd, runtime.sm_count()):
         backward_v3_onepass(dout, qkv, out, lse, NH, dqkv)
     elif version == 3:
         backward_v3(dout, qkv, out, lse, NH, dqkv)
