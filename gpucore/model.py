@@ -416,7 +416,8 @@ class GPT2:
     def memory_plan(self, B: int, T: int) -> dict[str, int]:
         keep = resolve_keep_gelu(self.keep_gelu_request, self.config, B, T, self.dtype, self.xp,
                                  fp8=self.fp8 is not None)
-        return memory_plan(self.config, B, T, self.dtype, keep_gelu=keep, fp8=self.fp8 is not None)
+        return memory_plan(self.config, B, T, self.dtype, keep_gelu=keep, fp8=self.fp8 is not None,
+                           fp8_lm_head=self.fp8.lm_head if self.fp8 is not None else None)
 
     # -------------------------------------------------------------- forward
 

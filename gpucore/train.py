@@ -55,7 +55,7 @@ import numpy as np
 from .startup import (TrainError, check_gpu_memory, check_host_memory, check_metrics_file, check_output_dir, choose_device,
                       format_plan, gpu_name, oom_error_types, oom_message, os_reason, peak_flops, resolve_backend,
                       trim_metrics)
-from . import step_graph
+from . import settings, step_graph
 from .checkpoint import (CHECKPOINT_GLOB, CheckpointError, checkpoint_path, prune_checkpoints,
                          read_training_checkpoint, remove_stale_temp_files, save_training_checkpoint)
 
@@ -356,14 +356,29 @@ def check_output_paths(args: TrainArgs, setup: RunSetup, echo) -> None:
         echo(f"removed {p} (the temporary file of a save that was killed)")
 
 
+def saved_fp8_lm_head(cfg, arrays) -> bool | None:
+    """Whether an FP8 checkpoint's run had the FP8 LM head: its scaling state holds 12 tensors per
+    layer, plus 3 for the head. None when the checkpoint has no FP8 state."""
+    if arrays is None or "fp8_scale" not in arrays:
+        return None
+    return len(arrays["fp8_scale"]) == 12 * cfg.num_layers + 3
+
+
 def build_model(args: TrainArgs, setup: RunSetup):
     """(model, optimizer, rng), restored from the checkpoint when resuming."""
     from .model import GPT2
     from .optim import AdamW, ScheduleFreeAdamW
     resuming = setup.resume_arrays is not None
     initialised = setup.init_flat is not None
-    model = GPT2(setup.cfg, xp=setup.xp, dtype=setup.dtype,
-                 seed=None if resuming or initialised else args.seed, keep_gelu=setup.keep_gelu, fp8=setup.fp8)
+    # A resumed FP8 run keeps the LM-head precision it was saved with, whatever settings.fp8_lm_head
+    # says now (the scaling state's size differs; a mismatch used to stop the resume).
+    head = saved_fp8_lm_head(setup.cfg, setup.resume_arrays) if resuming and setup.fp8 else None
+    with settings.using(**({} if head is None else {"fp8_lm_head": head})):
+        model = GPT2(setup.cfg, xp=setup.xp, dtype=setup.dtype,
+                     seed=None if resuming or initialised else args.seed, keep_gelu=setup.keep_gelu, fp8=setup.fp8)
+    if head is not None and head != settings.current().fp8_lm_head:
+        echo(f"resuming with the FP8 LM head {'on' if head else 'off'}, as the checkpoint was saved "
+             f"(settings.fp8_lm_head says {'on' if settings.current().fp8_lm_head else 'off'})")
     model.allocate_grads()
     model.allocate_activations(setup.B, setup.T)
     kw = dict(betas=(args.beta1, args.beta2), weight_decay=args.weight_decay, max_grad_norm=args.grad_clip or None)

@@ -543,6 +543,19 @@ def test_model_fp8_lm_head_numpy_close_to_bf16():
     assert float(s.scale[12 * L + 2]) == dlogits_fp8_scale(1.0 / x.size)
 
 
+def test_resume_keeps_the_checkpoints_fp8_lm_head():
+    """A training resumed from an FP8 checkpoint takes the LM head's precision from the checkpoint
+    (its scaling state: 12 tensors per layer, + 3 with the FP8 head), whatever settings.fp8_lm_head
+    says now."""
+    from gpucore.fp8_linear import Fp8Linears
+    from gpucore.train import saved_fp8_lm_head
+    cfg = GPT2Config.from_preset("micro")
+    for head in (False, True):
+        st = Fp8Linears(cfg, np, mode="adaptive", lm_head=head).scaling.state()
+        assert saved_fp8_lm_head(cfg, {"fp8_scale": st["scale"]}) is head
+    assert saved_fp8_lm_head(cfg, {"params": np.zeros(3)}) is None and saved_fp8_lm_head(cfg, None) is None
+
+
 def test_model_fp8_lm_head_plans_its_scratch_and_checks_resumed_state():
     from gpucore.model import memory_plan
     from gpucore.fp8_linear import Fp8Linears
