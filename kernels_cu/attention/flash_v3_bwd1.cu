@@ -8,31 +8,35 @@
  * Why: the two-pass backward computes S and dP twice (7 tile products per tile pair, where
  * FlashAttention's one pass does 5) to stay deterministic without atomics. Here one block owns a
  * whole head, so dQ can be summed in a fixed order without atomics or semaphores:
- *   block = one (batch, head), NWG warpgroups (below); for each KV tile j of 64 * NWG keys (in
- *   order) and each Q tile i of 64 queries at or after the tile's first key (in order):
+ *   block = one (batch, head), NWG = 2 warpgroups, one block per SM; for each KV tile j of 128
+ *   keys (in order; warpgroup w owns keys 64w..64w+63) and each Q tile i of 64 queries at or after
+ *   the tile's first key (in order):
  *     S^T  = K Q^T, dP^T = V dO^T            (smem x smem, K-major)
  *     P^T  = exp2(S^T * scale*log2e - lse*log2e), 0 where key > query or query >= T
  *     dV  += P^T dO, dS^T = P^T (dP^T - D), dK += dS^T Q   (as the dK/dV pass)
- *     dQ^T_i (+)= K^T dS^T                   (dS^T staged in smem; both operands MN-major)
+ *     dQ^T_i (+)= K^T dS^T over all 128 keys, warpgroup w for queries 32w..32w+31 (dS^T staged in
+ *                 smem; both operands MN-major; m64n32, B starting 64 bytes into swizzled rows)
  *   dQ^T of Q tile i is summed over the KV tiles in order in an f32 scratch per head in global
- *   memory (a 16 KB tile per Q tile): the partial sums are copied into shared memory one tile ahead
- *   (cp.async), the owning thread adds its part there, and one bulk copy (cp.async.bulk, async
- *   proxy) writes the tile back while the block goes on; the next KV tile's copies of it wait for those
- *   writes to complete. At the last (diagonal) KV tile the sum goes to dqkv as bf16 (times scale)
- *   instead. No atomics; same bits run after run.
- *   dK, dV of KV tile j are stored when its Q loop ends.
+ *   memory (a 16 KB tile per Q tile): the partial sums are copied into shared memory one tile
+ *   ahead (cp.async), the owning thread adds its part there, and one bulk copy (cp.async.bulk,
+ *   async proxy) writes the tile back while the block goes on; the next KV tile's copies of it
+ *   wait for those writes to complete. At the last (diagonal) KV tile the sum goes to dqkv as
+ *   bf16 (times scale) instead. No atomics; same bits run after run. dK, dV of KV tile j are
+ *   stored when its Q loop ends.
  * Pipelining (per warpgroup): per tile, after the loop-top barrier: S^T group; wait<0> (S^T, and
  * the previous tile's dV, dK, dQ^T groups) -> dP^T group, running on -> P^T -> dV group ->
- * wait<1> (dP^T) -> dS^T -> dK group -> the previous tile's dQ^T read-modify-written (its old
- * partial sums staged in smem) while dV and dK run; dS^T to smem (its last reader, the previous dQ^T, retired at the
- * wait<0>) -> fence.proxy.async + barrier -> dQ^T group; dV, dK and dQ^T run on into the next
- * tile. Q/dO/lse/D stream through a 3-stage cp.async ring (the stage a running group reads is
- * never the one prefetched), prefetched one tile ahead, across KV tiles too.
+ * wait<1> (dP^T) -> dS^T -> dK group -> the previous tile's dQ^T read-modify-written in smem
+ * while dV and dK run; dS^T to smem (its last reader, the previous dQ^T, retired at the wait<0>)
+ * -> fence.proxy.async + barrier -> the previous tile's bulk store, the dQ^T group; dV, dK and
+ * dQ^T run on into the next tile. Q/dO/lse/D stream through a 3-stage cp.async ring (the stage a
+ * running group reads is never the one prefetched), prefetched one tile ahead, across KV tiles too.
+ * Measured: tools/notes/attention.md (H200, d12 B=64: 1.20 vs the two-pass 1.25 ms); a block is a
+ * whole head, so gpucore/ops/attention.py takes this kernel only where B*NH fills the SMs' waves.
+ * (The 1-warpgroup instantiation, 2 blocks per SM, lost and spills at 255 registers: not built.)
  *
- * Shared memory: K, V (64 NWG x HD), 3 stages of Q, dO (64 x HD), the dS^T tile (64 NWG keys x 64
- * queries), all 128B-swizzled (wgmma.cuh); 2 staged dQ^T partial-sum tiles (HD x 64 f32, rows
- * padded to 68 floats); with NWG 2 a 16 KB exchange buffer; 3 x 64 lse and D
- * (gpucore/ops/attention.py: v3_onepass_smem).
+ * Shared memory: K, V (128 x HD), 3 stages of Q, dO (64 x HD), the dS^T tile (128 keys x 64
+ * queries), all 128B-swizzled (wgmma.cuh); 3 staged dQ^T partial-sum tiles (16 KB each); 3 x 64
+ * lse and D: 150,016 bytes with the alignment slack (gpucore/ops/attention.py: v3_onepass_smem).
  * Compiled for anything but sm_90a the kernel traps; Python launches it only on sm_90 devices.
  */
 #include "attention/flash.cuh"
@@ -90,7 +94,8 @@ __device__ __forceinline__ void v3_dq_store(float* qacc, bf16* dq_g, float* s_ol
         for (int k = 0; k < 8; k++) {
             const int jj = 4 * half + (k >> 1), r = k & 1;
             old[k] = first ? make_float2(0.f, 0.f)
-                           : *reinterpret_cast<const float2*>(s_old + v3_dq_off(16 * w4 + g + 8 * r, c0 + 8 * jj + 2 * t4));
+                           : *reinterpret_cast<const float2*>(
+                                 s_old + v3_dq_off(16 * w4 + g + 8 * r, c0 + 8 * jj + 2 * t4));
         }
         #pragma unroll
         for (int k = 0; k < 8; k++) {
@@ -197,7 +202,8 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             else if (j + 1 < nkv) load_q_tile(nxt, (j + 1) * BN);  // the next KV tile's first Q tile
             // this tile's dQ^T is read-modify-written at the next tile (or after the loop): its
             // partial sums so far, into the staging buffer the previous tile's RMW has finished with
-            if (V3_BWD1_SKIP < 1 && V3_BWD1_PART != 1 && j > 0) v3_dq_prefetch<NT>(sA + (tc + 1) % SA * A_BYTES, qacc + i * HD * 64);
+            if (V3_BWD1_SKIP < 1 && V3_BWD1_PART != 1 && j > 0)
+                v3_dq_prefetch<NT>(sA + (tc + 1) % SA * A_BYTES, qacc + i * HD * 64);
             cp_async_commit();
             const int m0 = i * BM;
             const u32 q_s = sQ + buf * Q_BYTES, o_s = sO + buf * Q_BYTES;
