@@ -11,9 +11,8 @@ else -- parameters, activations, attention, layernorm, the LM head, the loss, ma
               dx = g8 @ W8T^T                  (N, K)
               dW += g8T @ x8T^T                (M, K)
 
-The LM head (settings.fp8_lm_head, opt-in: three seeds measured its quality within bf16's own
-seed-to-seed spread, but its scratch puts the FP8 plan above bf16's when the GELU outputs are
-recomputed: tools/notes/fp8.md) can run in FP8
+The LM head (settings.fp8_lm_head, on by default: three seeds measured its quality within bf16's
+own seed-to-seed spread, tools/notes/fp8.md) runs in FP8
 too: logits = lnf8 @ wte8^T per chunk (E4M3, fast accumulation), and the backward's
 dlnf = dlogits8 @ wte8T^T, where the fused classifier writes dlogits8 (E5M2, a fixed power-of-two
 scale: |dlogits| <= grad_scale) beside the bf16 dlogits; dwte stays a bf16 GEMM (it would need

@@ -185,8 +185,10 @@ def activation_specs(cfg: GPT2Config, B: int, T: int, dtype, keep_gelu: bool = F
         ("residual3", (L, B, T, C), dtype),        # residual2 + MLP branch: layer output
         ("lnf", (B, T, C), dtype), ("lnf_mean", (B, T), f32), ("lnf_rstd", (B, T), f32),
         ("losses", (B, T), f32),
-        ("fch_gelu", (L, B, T, 4 * C) if keep_gelu and not fp8 else (B, T, 4 * C), dtype),   # gelu(fch):
-                                                   # kept, or scratch recomputed by the backward
+        # gelu(fch): kept, or scratch recomputed by the backward. FP8 linears keep it as x8t, and the
+        # forward's GELU scratch (written only where a cast needs the bf16 values first: current
+        # scaling, a tensor's first step) is the backward's idle dbig (GPT2.forward).
+        *([] if fp8 else [("fch_gelu", (L, B, T, 4 * C) if keep_gelu else (B, T, 4 * C), dtype)]),
         ("proj", (B, T, C), dtype),                # scratch: attproj / fcproj matmul outputs
         ("logits", (head_chunk_rows(cfg, B * T, dtype), Vp), dtype),  # scratch: one LM-head chunk
     ]
@@ -487,7 +489,10 @@ class GPT2:
             lin(l, ATTPROJ, _2d(a.atty[l]), p.attprojw[l], p.attprojb[l], _2d(a.proj), x8t=x8t(ATTPROJ))
             ln2_call = LayerNormCall(_2d(residual), _2d(a.proj), p.ln2w[l], p.ln2b[l], _2d(a.residual2[l]),
                                      _2d(ln2(l)), a.ln2_mean[l].reshape(-1), a.ln2_rstd[l].reshape(-1))
-            fch_gelu = a.fch_gelu[l] if a.fch_gelu.ndim == 4 else a.fch_gelu
+            if self.fp8 is not None:    # GELU scratch: the backward's dbig is idle in the forward
+                fch_gelu = self.grad_acts.dbig
+            else:
+                fch_gelu = a.fch_gelu[l] if a.fch_gelu.ndim == 4 else a.fch_gelu
             # bf16: GELU in the fc GEMM's epilogue. FP8: fcproj's input cast makes GELU(fch) itself.
             fc_gelu = _2d(fch_gelu) if self.fp8 is None else None
             self._ln_linear(l, FC, ln2_call, p.fcw[l], p.fcb[l], _2d(a.fch[l]), fc_gelu, x8t=x8t(FC))
@@ -626,10 +631,10 @@ class GPT2:
         for l in reversed(range(L)):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
             # MLP branch: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
-            if a.fch_gelu.ndim == 4:
+            if self.fp8 is not None:
+                fch_gelu = a.fch[l]        # a placeholder, not read: x8t was kept, or is recast from GELU(fch)
+            elif a.fch_gelu.ndim == 4:
                 fch_gelu = a.fch_gelu[l]
-            elif self.fp8 is not None:
-                fch_gelu = a.fch_gelu      # not read: its FP8 copy was kept, or is recast from GELU(fch)
             else:
                 fch_gelu = gelu(a.fch[l], out=a.fch_gelu)     # recompute (not stored per layer)
             lin_bwd(l, FCPROJ, _2d(dres), _2d(fch_gelu), p.fcprojw[l], _2d(dfch), g.fcprojw[l],
