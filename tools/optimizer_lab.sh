@@ -5,10 +5,10 @@
 #     sfadamw      schedule-free AdamW, same peak lr and warmup, no decay (evaluates its average x)
 #     bf16-sr      AdamW, bf16 weights without the fp32 copy, stochastic rounding
 #     bf16-kahan   AdamW, bf16 weights without the fp32 copy, bf16 Kahan compensation
-#     fp8          AdamW, --dtype fp8 (the linears' GEMMs in FP8, adaptive scaling, the default: issue 16)
+#     fp8          AdamW, --dtype fp8 with the LM head in bf16 (the linears' GEMMs in FP8, adaptive scaling)
 #     fp8-current  the same with current scaling
 #     fp8-delayed  the same with delayed scaling (RUNS="adamw fp8 fp8-current fp8-delayed" to compare)
-#     fp8-head     fp8 with the LM head's logits and dlnf GEMMs in FP8 too (settings.fp8_lm_head)
+#     fp8-head     fp8 with the LM head's logits and dlnf GEMMs in FP8 too (settings.fp8_lm_head: --dtype fp8's default)
 #   (SEED: the weight-init and sampling seed, default 1337; the data order is the same for every seed)
 #   on a corpus larger than Tiny Shakespeare: the Python standard library's .py sources (the
 #   first CORPUS_MB megabytes, files in sorted order) tokenized by `gpucore prepro`.
@@ -47,9 +47,12 @@ for run in $RUNS; do
     sfadamw)    extra=(--optimizer sfadamw) ;;
     bf16-sr)    extra=(--final-lr-frac 0.1 --master-weights sr) ;;
     bf16-kahan) extra=(--final-lr-frac 0.1 --master-weights kahan) ;;
-    fp8)        extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive) ;;
-    fp8-current) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling current) ;;
-    fp8-delayed) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling delayed) ;;
+    fp8)        extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
+                settings=${settings:+$settings,}fp8_lm_head=0 ;;
+    fp8-current) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling current)
+                settings=${settings:+$settings,}fp8_lm_head=0 ;;
+    fp8-delayed) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling delayed)
+                settings=${settings:+$settings,}fp8_lm_head=0 ;;
     fp8-head)   extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
                 settings=${settings:+$settings,}fp8_lm_head=1 ;;
   esac
