@@ -18,6 +18,9 @@ The production path (version=None), picked per call by `pick_version`:
                  D = rowsum(dout * out) by v2's preprocess (attention/flash_bwd.cu), then the dK/dV
                  pass (V3_DKDV_CONFIG[hd]; at hd 64 the register-A kernel, V3_RA) and the dQ pass
                  (V3_DQ_CONFIG[hd]) on a side stream beside it (setting attention_v3_streams).
+                 Or, at hd 64 where its blocks fill the SMs' waves (settings.attention_v3_onepass,
+                 onepass_applies), kernels_cu/attention/flash_v3_bwd1.cu: ONE pass, a block per
+                 (batch, head) summing dQ over the KV tiles in order (backward_v3_onepass).
      Both walk the heads in groups of settings.attention_head_group (block order, compiled in
      with -DV3_HEAD_GROUP).
   2  elsewhere, same conditions but any GPU (or v3 switched off): FlashAttention-2 on mma.sync,
@@ -497,8 +500,8 @@ def v3_onepass_smem(hd, wgs):
 def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None):
     """v3 one-pass backward (attention/flash_v3_bwd1.cu, hd 64): v2's preprocess (D), then one
     block per (batch, head) computing dK, dV and dQ together, dQ summed over the KV tiles in order
-    in an f32 scratch (B*NH, hd, T rounded up to 64): 5 tile products per tile pair instead of
-    the two-pass backward's 7, deterministic. wgs: warpgroups per block (ONEPASS_WGS)."""
+    in an f32 scratch (B*NH, ceil(T/64), hd, 64): 5 tile products per tile pair instead of the
+    two-pass backward's 7, deterministic. wgs: warpgroups per block (ONEPASS_WGS)."""
     cp = runtime.cupy
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
