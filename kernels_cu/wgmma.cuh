@@ -168,20 +168,6 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs_kk(float* d, const u32 (&a)[4
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
-// _ss_mnmn: A and B both from shared memory, both MN-major (imm-trans-a = imm-trans-b = 1):
-//   D (64 x 64) (+)= A (64 x 16) @ B (16 x 64) with A stored (16, 64) row-major (its transpose is
-//   what sits in smem, M contiguous) and B stored (16, 64) row-major, e.g. dQ^T = K^T dS^T from the
-//   K tile and dS^T, both (keys, 64) tiles. Descriptors as MN-major B (header): k-step + 2048 B.
-__device__ __forceinline__ void wgmma_m64n64k16_ss_mnmn(float* d, u64 desc_a, u64 desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, 1, 1;\n}\n"
-        : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
 // Bulk copy shared -> global through the async proxy (PTX ISA "cp.async.bulk"): `bytes` (a multiple
 // of 16, both addresses 16-byte aligned) from shared address src to dst, in the thread's current
 // bulk group; commit closes the group; wait_read<N> waits until at most N groups still READ shared
@@ -197,8 +183,11 @@ __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.w
 template <int N>
 __device__ __forceinline__ void bulk_wait_done() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-// The same with N = 32 (16 accumulator registers per thread), e.g. one warpgroup's half of the
-// queries in dQ^T = K^T dS^T: B's start may then sit 64 bytes into a 128-byte swizzled row.
+// _ss_mnmn: A and B both from shared memory, both MN-major (imm-trans-a = imm-trans-b = 1):
+//   D (64 x 32) (+)= A (64 x 16) @ B (16 x 32) with A stored (16, 64) row-major (its transpose is
+//   what sits in smem, M contiguous) and B stored (16, >= 32) row-major, e.g. one warpgroup's half
+//   of the queries in dQ^T = K^T dS^T from the K tile and dS^T, both (keys, 64) tiles. Descriptors
+//   as MN-major B (header): k-step + 2048 B; B's start may sit 64 bytes into a swizzled row.
 __device__ __forceinline__ void wgmma_m64n32k16_ss_mnmn(float* d, u64 desc_a, u64 desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"

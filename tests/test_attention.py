@@ -432,26 +432,28 @@ def test_v3_backward_version_argument_on_numpy(rng):
         gpucore.attention_backward(dout, qkv, out, lse, 2, version=4)
 
 
+def _sm90a_kernels_compiled(name):
+    """The kernel names of attention/<name> compiled for sm_90a, after asserting every kernel
+    compiled without spills and no wgmma was serialised (ptxas info C7510..C7515: e.g. too few
+    registers -- correct but slow)."""
+    rows = kernel_rows("90a", f"attention/{name}")
+    assert rows and not [r for r in rows if not r["ok"]], rows
+    log = runtime.compile_cubin(runtime.KERNEL_DIR / "attention" / name, "90a", verbose_ptxas=True).log
+    assert "serialized" not in log, [ln for ln in log.splitlines() if "serialized" in ln]
+    return {r["kernel"] for r in rows}
+
+
 @pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
 def test_v3_onepass_kernel_compiles_for_sm90a_without_spills():
-    src = runtime.KERNEL_DIR / "attention" / "flash_v3_bwd1.cu"
-    rows = kernel_rows("90a", "attention/flash_v3_bwd1.cu")
-    assert rows and not [r for r in rows if not r["ok"]], rows
-    log = runtime.compile_cubin(src, "90a", verbose_ptxas=True).log
-    assert "serialized" not in log, [ln for ln in log.splitlines() if "serialized" in ln]
+    names = _sm90a_kernels_compiled("flash_v3_bwd1.cu")
     assert ({f"attention_backward_onepass_kernel_v3_hd{hd}_g{g}_bf16" for hd in attn.ONEPASS_HD for g in attn.ONEPASS_WGS}
-            <= {r["kernel"] for r in rows})
+            <= names)
 
 
 @pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
 def test_v3_backward_kernels_compile_for_sm90a_without_spills():
-    src = runtime.KERNEL_DIR / "attention" / "flash_v3_bwd.cu"
-    rows = kernel_rows("90a", "attention/flash_v3_bwd.cu")
-    assert rows and not [r for r in rows if not r["ok"]], rows
-    # ptxas info C7510..C7515: wgmma serialised (e.g. too few registers) -- correct but slow
-    log = runtime.compile_cubin(src, "90a", verbose_ptxas=True).log
-    assert "serialized" not in log, [ln for ln in log.splitlines() if "serialized" in ln]
-    assert v3_bwd_names(DEFAULT_V3_DKDV, DEFAULT_V3_DQ, attn.V3_VARIANT_SUFFIX) <= {r["kernel"] for r in rows}
+    names = _sm90a_kernels_compiled("flash_v3_bwd.cu")
+    assert v3_bwd_names(DEFAULT_V3_DKDV, DEFAULT_V3_DQ, attn.V3_VARIANT_SUFFIX) <= names
 
 
 @pytest.mark.cuda

@@ -50,7 +50,6 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
                                                   const float* Dv, int T, int NH, float scale) {
     constexpr int BN = 64 * NWG, NT = 128 * NWG;
     constexpr int KV_BYTES = BN * HD * 2, Q_BYTES = BM * HD * 2;
-    constexpr int NQ = BM / 8;                    // n8 blocks of S^T (queries)
     // hd 64: dK's wgmma group runs on into the next tile (3 stages; needs the 255-register budget)
     constexpr bool OVL = HD == 64;
     static_assert(!OVL || NWG * MINB <= 2, "hd 64 runs the 3-stage overlapped loop (ops/attention.py sizes smem so)");
@@ -135,21 +134,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
             wgmma_wait<1>();                      // S^T (and the previous tile's dV, dK) retired
             wg_fence_regs<BM / 2>(st);
             // P^T = exp(S^T * scale - lse[query]); 0 where key > query or query >= T
-            const bool mask = wk0 + 63 > m0 || m0 + BM > T;
-            #pragma unroll
-            for (int j = 0; j < NQ; j++) {
-                const float2 l2 = *reinterpret_cast<const float2*>(l_s + 8 * j + 2 * t4);
-                const float nl[2] = {-l2.x * FA_LOG2E, -l2.y * FA_LOG2E};
-                #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float p = fast_exp2(fmaf(st[4 * j + e], sl2, nl[e & 1]));
-                    if (mask) {
-                        const int qa = m0 + 8 * j + 2 * t4 + (e & 1);
-                        if (key0 + 8 * (e >> 1) > qa || qa >= T) p = 0.f;
-                    }
-                    st[4 * j + e] = p;
-                }
-            }
+            v3_pt_from_st<BM>(st, l_s, sl2, wk0 + 63 > m0 || m0 + BM > T, key0, m0, T, t4);
             {
                 u32 pa[BM / 16][4];
                 v3_to_frags<BM>(pa, st);
@@ -159,15 +144,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
                 else wgmma_wait<1>();                              // dP^T ready, dV may run on
             }
             wg_fence_regs<BM / 2>(dpt);
-            // dS^T = P^T (dP^T - D[query]), into dpt
-            #pragma unroll
-            for (int j = 0; j < NQ; j++) {
-                const float2 d2 = *reinterpret_cast<const float2*>(d_s + 8 * j + 2 * t4);
-                dpt[4 * j + 0] = st[4 * j + 0] * (dpt[4 * j + 0] - d2.x);
-                dpt[4 * j + 1] = st[4 * j + 1] * (dpt[4 * j + 1] - d2.y);
-                dpt[4 * j + 2] = st[4 * j + 2] * (dpt[4 * j + 2] - d2.x);
-                dpt[4 * j + 3] = st[4 * j + 3] * (dpt[4 * j + 3] - d2.y);
-            }
+            v3_dst_from_pt<BM>(dpt, st, d_s, t4);           // dS^T = P^T (dP^T - D[query])
             {
                 u32 sa[BM / 16][4];
                 v3_to_frags<BM>(sa, dpt);

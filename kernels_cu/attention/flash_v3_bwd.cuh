@@ -58,6 +58,43 @@ __device__ __forceinline__ void v3_tile_frags(u32 (&f)[HD / 16][4], const unsign
 }
 
 
+// The dK/dV side's pointwise work on a 64-key x BM-query tile held in the wgmma D layout (this
+// thread: keys key0, key0 + 8; queries m0 + 8j + 2t4 (+1)), shared by the two-pass dK/dV kernel
+// (flash_v3_bwd.cu) and the one-pass kernel (flash_v3_bwd1.cu).
+// P^T = exp(S^T * scale - lse[query]) in place (sl2 = scale * log2 e, l_s: the tile's lse); with
+// mask (diagonal or tail tiles) 0 where key > query or query >= T.
+template <int BM>
+__device__ __forceinline__ void v3_pt_from_st(float* st, const float* l_s, float sl2, bool mask, int key0, int m0,
+                                              int T, int t4) {
+    #pragma unroll
+    for (int j = 0; j < BM / 8; j++) {
+        const float2 l2 = *reinterpret_cast<const float2*>(l_s + 8 * j + 2 * t4);
+        const float nl[2] = {-l2.x * FA_LOG2E, -l2.y * FA_LOG2E};
+        #pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float p = fast_exp2(fmaf(st[4 * j + e], sl2, nl[e & 1]));
+            if (mask) {
+                const int qa = m0 + 8 * j + 2 * t4 + (e & 1);
+                if (key0 + 8 * (e >> 1) > qa || qa >= T) p = 0.f;
+            }
+            st[4 * j + e] = p;
+        }
+    }
+}
+
+// dS^T = P^T (dP^T - D[query]), into dpt (d_s: the tile's D).
+template <int BM>
+__device__ __forceinline__ void v3_dst_from_pt(float* dpt, const float* pt, const float* d_s, int t4) {
+    #pragma unroll
+    for (int j = 0; j < BM / 8; j++) {
+        const float2 d2 = *reinterpret_cast<const float2*>(d_s + 8 * j + 2 * t4);
+        dpt[4 * j + 0] = pt[4 * j + 0] * (dpt[4 * j + 0] - d2.x);
+        dpt[4 * j + 1] = pt[4 * j + 1] * (dpt[4 * j + 1] - d2.y);
+        dpt[4 * j + 2] = pt[4 * j + 2] * (dpt[4 * j + 2] - d2.x);
+        dpt[4 * j + 3] = pt[4 * j + 3] * (dpt[4 * j + 3] - d2.y);
+    }
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // D (64 x 64) = A (64 x HD, fragments held in registers) @ B^T (B: 64 x HD K-major at b, column

@@ -44,15 +44,6 @@
 #include "attention/flash_v3.cuh"
 #include "attention/flash_v3_bwd.cuh"   // v3_store_acc, v3_product_kk / rs
 
-// Probe switch (tools/probes/attention_onepass.py): 1 skips the dQ^T read-modify-write, 2 also the
-// dQ^T product and its dS^T staging (wrong dq; timing only).
-#ifndef V3_BWD1_SKIP
-#define V3_BWD1_SKIP 0
-#endif
-#ifndef V3_BWD1_PART                              // probe: 1 = no staging copies, 2 = no global stores
-#define V3_BWD1_PART 0
-#endif
-
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // The read-modify-write of Q tile i's dQ^T. Its partial sums are copied into shared memory a tile
@@ -83,7 +74,7 @@ __device__ __forceinline__ void v3_dq_prefetch(u32 s_old, const float* qtile) {
 // bulk copy moves it to the scratch; at the last KV tile (last) the sum times `scale` to dq_g
 // (rows t < T of Q tile i, bf16) instead.
 template <int NJ>
-__device__ __forceinline__ void v3_dq_store(float* qacc, bf16* dq_g, float* s_old, const float* dq, int i,
+__device__ __forceinline__ void v3_dq_store(bf16* dq_g, float* s_old, const float* dq, int i,
                                             int c0, bool first, bool last, float scale, int T, int stride,
                                             int w4, int lane) {
     const int g = lane >> 2, t4 = lane & 3;
@@ -102,9 +93,7 @@ __device__ __forceinline__ void v3_dq_store(float* qacc, bf16* dq_g, float* s_ol
             const int jj = 4 * half + (k >> 1), r = k & 1, e = 4 * jj + 2 * r;
             const int hd = 16 * w4 + g + 8 * r, ql = c0 + 8 * jj + 2 * t4, q = 64 * i + ql;
             const float2 v = make_float2(old[k].x + dq[e], old[k].y + dq[e + 1]);
-            if (V3_BWD1_PART == 2) {
-                if (v.x == 123.f) qacc[0] = v.y;  // keeps the arithmetic, stores (almost) nothing
-            } else if (last) {
+            if (last) {
                 if (q < T) dq_g[(size_t)q * stride + hd] = float_to_bf16(v.x * scale);
                 if (q + 1 < T) dq_g[(size_t)(q + 1) * stride + hd] = float_to_bf16(v.y * scale);
             } else {                              // back into the staging tile: bulk-stored later
@@ -114,14 +103,14 @@ __device__ __forceinline__ void v3_dq_store(float* qacc, bf16* dq_g, float* s_ol
     }
 }
 
-// NWG warpgroups (1: 64 keys per KV tile, 2 blocks per SM; 2: 128 keys, warpgroup w owning keys
-// 64w.. for S^T .. dK, 1 block per SM, half the dQ^T read-modify-write traffic per product). With 2,
-// warpgroup w computes dQ^T for query columns 32w..32w+31 over all 128 keys (m64n32, B starting
-// 64 bytes into dS^T's swizzled rows) and read-modify-writes that half: no exchange between them.
+// NWG = 2 warpgroups: 128 keys per KV tile, warpgroup w owning keys 64w.. for S^T .. dK, 1 block
+// per SM. Warpgroup w computes dQ^T for query columns 32w..32w+31 over all 128 keys (m64n32, B
+// starting 64 bytes into dS^T's swizzled rows) and read-modify-writes that half.
 template <int HD, int NWG>
 __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, const bf16* qkv, const bf16* dout,
                                                      const float* lse, const float* Dv, int T, int NH, float scale) {
     static_assert(HD == 64, "one-pass backward: head dim 64");
+    static_assert(NWG == 2, "one-pass backward: 2 warpgroups (1 lost and spills: tools/notes/attention.md)");
     constexpr int BM = 64, BN = 64 * NWG, NT = 128 * NWG, ST = 3;
     constexpr int KV_BYTES = BN * HD * 2, Q_BYTES = BM * HD * 2, DS_BYTES = BN * BM * 2;
     constexpr int A_BYTES = HD * 64 * 4;
@@ -129,7 +118,6 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     // stored from at tc; the copy for tc+2 reuses the buffer at tc+2 (the bulk store had a tile)
     constexpr int SA = 3;
     constexpr int QN = 64 / NWG;                  // query columns of this warpgroup's dQ^T
-    constexpr int NQ = BM / 8;                    // n8 blocks of S^T (queries)
     extern __shared__ unsigned char smem_v3[];
     const u32 raw = smem_u32_asm(smem_v3);
     const u32 sK = (raw + 1023u) & ~1023u;        // swizzle atoms need 1024-byte alignment
@@ -165,7 +153,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     // The read-modify-write of Q tile pi's dQ^T (KV tile pj's part in the accumulator, retired),
     // the staged partial sums at `old`; this warpgroup's query columns QN * wg...
     auto dq_rmw = [&](const float* dq, int pi, int pj, float* old) {
-        v3_dq_store<QN / 8>(qacc, dq_g, old, dq, pi, QN * wg, pj == 0, pj == pi * BM / BN, scale, T, stride,
+        v3_dq_store<QN / 8>(dq_g, old, dq, pi, QN * wg, pj == 0, pj == pi * BM / BN, scale, T, stride,
                             w4, lane);
     };
     v3_load_tile<BN, HD, NT>(sK, q_g + C, 0, T, stride);
@@ -202,7 +190,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             else if (j + 1 < nkv) load_q_tile(nxt, (j + 1) * BN);  // the next KV tile's first Q tile
             // this tile's dQ^T is read-modify-written at the next tile (or after the loop): its
             // partial sums so far, into the staging buffer the previous tile's RMW has finished with
-            if (V3_BWD1_SKIP < 1 && V3_BWD1_PART != 1 && j > 0)
+            if (j > 0)
                 v3_dq_prefetch<NT>(sA + (tc + 1) % SA * A_BYTES, qacc + i * HD * 64);
             cp_async_commit();
             const int m0 = i * BM;
@@ -221,21 +209,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             v3_product_kk<BM, HD>(dpt, sV + wg * 8192, BN, o_s);  // dP^T = V dO^T, runs on
             wgmma_commit();
             // P^T = exp(S^T * scale - lse[query]); 0 where key > query or query >= T
-            const bool mask = wk0 + 63 > m0 || m0 + BM > T;
-            #pragma unroll
-            for (int jq = 0; jq < NQ; jq++) {
-                const float2 l2 = *reinterpret_cast<const float2*>(l_s + 8 * jq + 2 * t4);
-                const float nl[2] = {-l2.x * FA_LOG2E, -l2.y * FA_LOG2E};
-                #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float p = fast_exp2(fmaf(st[4 * jq + e], sl2, nl[e & 1]));
-                    if (mask) {
-                        const int qa = m0 + 8 * jq + 2 * t4 + (e & 1);
-                        if (key0 + 8 * (e >> 1) > qa || qa >= T) p = 0.f;
-                    }
-                    st[4 * jq + e] = p;
-                }
-            }
+            v3_pt_from_st<BM>(st, l_s, sl2, wk0 + 63 > m0 || m0 + BM > T, key0, m0, T, t4);
             {
                 u32 pa[BM / 16][4];
                 v3_to_frags<BM>(pa, st);
@@ -244,15 +218,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                 wgmma_wait<1>();                                   // dP^T ready, dV may run on
             }
             wg_fence_regs<BM / 2>(dpt);
-            // dS^T = P^T (dP^T - D[query]), into dpt
-            #pragma unroll
-            for (int jq = 0; jq < NQ; jq++) {
-                const float2 d2 = *reinterpret_cast<const float2*>(d_s + 8 * jq + 2 * t4);
-                dpt[4 * jq + 0] = st[4 * jq + 0] * (dpt[4 * jq + 0] - d2.x);
-                dpt[4 * jq + 1] = st[4 * jq + 1] * (dpt[4 * jq + 1] - d2.y);
-                dpt[4 * jq + 2] = st[4 * jq + 2] * (dpt[4 * jq + 2] - d2.x);
-                dpt[4 * jq + 3] = st[4 * jq + 3] * (dpt[4 * jq + 3] - d2.y);
-            }
+            v3_dst_from_pt<BM>(dpt, st, d_s, t4);           // dS^T = P^T (dP^T - D[query])
             {
                 u32 sa[BM / 16][4];
                 v3_to_frags<BM>(sa, dpt);
@@ -260,7 +226,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                 wgmma_commit();
                 // the previous tile's dQ^T (retired at the wait<0>) into the staging tile / dqkv,
                 // while dV and dK run
-                if (V3_BWD1_SKIP < 1 && pend_i >= 0) dq_rmw(dq, pend_i, j, sA_gen + tc % SA * (A_BYTES / 4));
+                if (pend_i >= 0) dq_rmw(dq, pend_i, j, sA_gen + tc % SA * (A_BYTES / 4));
                 // dS^T (keys x queries) into smem, swizzled like any (BN, 64) tile: the A fragment
                 // of k-step k holds rows r, r+8 (keys) x columns 16k + 2t4 (+1), 16k + 8 + 2t4 (+1)
                 // (v3_tile_frags' inverse). The last reader, tile tc-1's dQ^T, retired at the wait<0>.
@@ -274,24 +240,19 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                     *reinterpret_cast<u32*>(blk + wg_swz128(r + 8, 2 * k + 1)) = sa[k][3];
                 }
             }
-            if (V3_BWD1_SKIP < 2) {
-                fence_proxy_async();              // dS^T (and staged dQ^T) stores visible to the async proxy ...
-                __syncthreads();                  // ... from every warp (dQ^T reads all BN keys)
-                wg_fence_regs<QN / 2>(dq);
-                wgmma_fence();
-                #pragma unroll
-                for (int ks = 0; ks < BN / 16; ks++) {   // dQ^T = K^T dS^T over all BN keys
-                    const u64 da = smem_desc(sK + ks * 2048, BN * 128, 1024);
-                    const u64 db = smem_desc(sS + ks * 2048 + 2 * QN * wg, BN * 128, 1024);
-                    if constexpr (NWG == 1) wgmma_m64n64k16_ss_mnmn(dq, da, db, ks > 0);
-                    else wgmma_m64n32k16_ss_mnmn(dq, da, db, ks > 0);
-                }
-                wgmma_commit();
-                // the staged sums of the previous tile (not its last KV tile) to the scratch
-                if (V3_BWD1_SKIP < 1 && V3_BWD1_PART == 0 && threadIdx.x == 0 && pend_i >= 0 && j != pend_i * BM / BN) {
-                    bulk_store_s2g(qacc + pend_i * HD * 64, sA + tc % SA * A_BYTES, A_BYTES);
-                    bulk_commit();
-                }
+            fence_proxy_async();                  // dS^T (and staged dQ^T) stores visible to the async proxy ...
+            __syncthreads();                      // ... from every warp (dQ^T reads all BN keys)
+            wg_fence_regs<QN / 2>(dq);
+            wgmma_fence();
+            #pragma unroll
+            for (int ks = 0; ks < BN / 16; ks++)  // dQ^T = K^T dS^T over all BN keys
+                wgmma_m64n32k16_ss_mnmn(dq, smem_desc(sK + ks * 2048, BN * 128, 1024),
+                                        smem_desc(sS + ks * 2048 + 2 * QN * wg, BN * 128, 1024), ks > 0);
+            wgmma_commit();
+            // the staged sums of the previous tile (not its last KV tile) to the scratch
+            if (threadIdx.x == 0 && pend_i >= 0 && j != pend_i * BM / BN) {
+                bulk_store_s2g(qacc + pend_i * HD * 64, sA + tc % SA * A_BYTES, A_BYTES);
+                bulk_commit();
             }
             pend_i = i;
         }
@@ -301,15 +262,13 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         wg_fence_regs<QN / 2>(dq);
         cp_async_wait<0>();                       // the staged partial sums (and the next Q tile)
         __syncthreads();                          // ... everyone's copies
-        if (V3_BWD1_SKIP < 1) {
-            dq_rmw(dq, pend_i, j, sA_gen + tc % SA * (A_BYTES / 4));
-            if (V3_BWD1_PART == 0 && j != pend_i * BM / BN) {
-                fence_proxy_async();
-                __syncthreads();
-                if (threadIdx.x == 0) {
-                    bulk_store_s2g(qacc + pend_i * HD * 64, sA + tc % SA * A_BYTES, A_BYTES);
-                    bulk_commit();
-                }
+        dq_rmw(dq, pend_i, j, sA_gen + tc % SA * (A_BYTES / 4));
+        if (j != pend_i * BM / BN) {
+            fence_proxy_async();
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                bulk_store_s2g(qacc + pend_i * HD * 64, sA + tc % SA * A_BYTES, A_BYTES);
+                bulk_commit();
             }
         }
         // The next KV tile's staging copies read what this one's bulk stores wrote: complete them

@@ -25,30 +25,3 @@ for B, NH in ((64, 12), (16, 25)):
     for (name, _), t in zip(rows, ms):
         print(f"B={B} NH={NH}  {name:<26} {t:7.3f} ms  {flops / t / 1e9:6.1f} TFLOP/s")
 
-# What the one-pass kernel's time is made of: the same kernel compiled without the dQ^T
-# read-modify-write (skip 1) and also without the dQ^T product and dS^T staging (skip 2).
-from gpucore import runtime  # noqa: E402
-
-B, NH = 64, 12
-qkv = cp.asarray(rng.standard_normal((B, T, 3 * NH * hd)).astype(np.float32).astype(gpucore.bfloat16))
-dout = cp.asarray(rng.standard_normal((B, T, NH * hd)).astype(np.float32).astype(gpucore.bfloat16))
-out, lse = gpucore.attention_forward(qkv, NH)
-dqkv = cp.empty_like(qkv)
-D = attn._preprocess(dout, out, NH)
-dqacc = cp.empty((B * NH, T // 64, hd, 64), dtype=np.float32)
-
-
-def launcher(skip, g, part=0):
-    k = runtime.get_kernel("attention/flash_v3_bwd1", f"attention_backward_onepass_kernel_v3_hd64_g{g}_bf16",
-                           options=attn.v3_compile_options() + (f"-DV3_BWD1_SKIP={skip}", f"-DV3_BWD1_PART={part}"),
-                           arch=attn.V3_ARCH)
-    return lambda: runtime.launch(k, B * NH, 128 * g, (dqkv, dqacc, qkv, dout, lse, D, np.int32(T), np.int32(NH),
-                                                       np.float32(0.125)), shared_mem=attn.v3_onepass_smem(hd, g))
-
-
-for g in attn.ONEPASS_WGS:
-    ms = time_interleaved([launcher(0, g), launcher(1, g), launcher(2, g), launcher(0, g, 1), launcher(0, g, 2)],
-                          rounds=9)
-    for name, t in zip(("kernel alone", "without the dQ RMW", "without dQ product + RMW",
-                        "RMW without the staging copies", "RMW without its global stores"), ms):
-        print(f"B={B} NH={NH}  one-pass g{g} {name:<32} {t:7.3f} ms")
