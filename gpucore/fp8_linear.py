@@ -15,8 +15,11 @@ The LM head (settings.fp8_lm_head, on by default: three seeds measured its quali
 own seed-to-seed spread, tools/notes/fp8.md) runs in FP8
 too: logits = lnf8 @ wte8^T per chunk (E4M3, fast accumulation), and the backward's
 dlnf = dlogits8 @ wte8T^T, where the fused classifier writes dlogits8 (E5M2, a fixed power-of-two
-scale: |dlogits| <= grad_scale) beside the bf16 dlogits; dwte stays a bf16 GEMM (it would need
-dlogits transposed). Its three scaled tensors are slots 12 L + {0, 1, 2}.
+scale: |dlogits| <= grad_scale). With settings.fp8_lm_head_dwte (on by default) dwte is an FP8
+GEMM too: dwte += dlogits8T @ lnf8T^T, both operands turned token-contiguous per chunk by
+fp8_transpose into the logits chunk (dead once the classifier has read it, which then writes no bf16
+dlogits at all); otherwise the classifier also writes the bf16 dlogits and dwte is a bf16 GEMM. Its
+three scaled tensors are slots 12 L + {0, 1, 2}.
 
 x8T is written by the forward's cast of x (one pass writes both orientations) and kept per layer
 in the model's activations ("x8t", 1 byte per value), so the backward never reads x again. In
@@ -33,7 +36,7 @@ standalone cast (gpucore/ops/fp8.py). A producer can write FP8 only when the sca
 before it runs (adaptive or delayed scaling, Fp8Scaling.can_produce); with current scaling the
 bf16 tensor is made, measured and cast. tools/notes/fp8.md has what each costs. The forward
 GEMMs use Hopper's fast FP8 accumulation, the backward ones exact accumulation (Transformer
-Engine's choice).
+Engine's choice; settings.fp8_fast_accum_dgrad gives the dx GEMMs the fast one).
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ from . import settings
 from .ops.classifier import dlogits_fp8_scale
 from .ops.colsum import colsum
 from .ops.fp8 import (Fp8Scaling, fp8_gelu_backward, fp8_gelu_backward_gated, fp8_gelu_quantize,
-                      fp8_gelu_quantize_gated, fp8_matmul)
+                      fp8_gelu_quantize_gated, fp8_matmul, fp8_transpose)
 from .ops.gelu import gelu, gelu_backward
 from .ops.layernorm import fp8_forward_fits, layernorm_forward_fp8
 
@@ -114,6 +117,8 @@ class Fp8Linears:
                                   history=s.fp8_history if history is None else history,
                                   margin=s.fp8_margin if margin is None else margin, window=s.fp8_window)
         self.weights_current = s.fp8_weights_current
+        self.head_dwte = self.lm_head and s.fp8_lm_head_dwte
+        self.fast_dgrad = s.fp8_fast_accum_dgrad
         self._scratch = None
         self._n = None
         self._arena = None
@@ -219,7 +224,7 @@ class Fp8Linears:
             else:
                 sc.cast(ix, x2d, out_t=x8t, record=False)
         sg, sw, sx = sc.tensor(ig)[1], sc.tensor(iw)[1], sc.tensor(ix)[1]
-        fp8_matmul(g8, w8t, "e5m2", "e4m3", sg, sw, out=dx2d)
+        fp8_matmul(g8, w8t, "e5m2", "e4m3", sg, sw, out=dx2d, fast_accum=self.fast_dgrad)
         fp8_matmul(g8t, x8t, "e5m2", "e4m3", sg, sx, out=dweight, accumulate=True)
         if dbias is not None:
             if self.xp is np:
@@ -278,6 +283,24 @@ class Fp8Linears:
         _, hw, hg = self._head_slots()
         fp8_matmul(dlogits8, w8t, "e5m2", "e4m3", self.scaling.tensor(hg)[1], self.scaling.tensor(hw)[1], out=out)
         return out
+
+    def head_dwte_into(self, dlogits8, r0, scratch, dweight):
+        """dweight (Vp, C) += dlogits^T @ lnf[r0:r0 + rows] in FP8 (E5M2 x E4M3, exact accumulation):
+        the FP8 GEMM wants both operands token-contiguous, so dlogits8 (rows, Vp) and the chunk's
+        lnf8 rows (rows, C) are first transposed into `scratch` (any array of >= rows (Vp + C) bytes:
+        the logits chunk, which nothing reads once the classifier has)."""
+        rows, Vp = dlogits8.shape
+        N, C = self._head[0], self.cfg.channels
+        flat = scratch.reshape(-1).view(np.uint8)
+        if flat.size < rows * (Vp + C):
+            raise ValueError(f"scratch: {flat.size} bytes, the transposes need {rows * (Vp + C)}")
+        d8t = fp8_transpose(dlogits8, out=flat[: Vp * rows].reshape(Vp, rows))
+        x8 = self._head[1][0][: N * C].reshape(N, C)
+        x8t = fp8_transpose(x8[r0:r0 + rows], out=flat[Vp * rows: (Vp + C) * rows].reshape(C, rows))
+        hx, _, hg = self._head_slots()
+        fp8_matmul(d8t, x8t, "e5m2", "e4m3", self.scaling.tensor(hg)[1], self.scaling.tensor(hx)[1],
+                   out=dweight, accumulate=True)
+        return dweight
 
     def end_step(self):
         self.scaling.end_step()

@@ -534,14 +534,19 @@ class GPT2:
                 else:
                     matmul_forward(lnf[r0:r1], p.wte, None, out=chunk)
                 d8 = self.fp8.head_dlogits8(r1 - r0, chunk.shape[1]) if head8 and for_backward else None
+                dwte8 = d8 is not None and self.fp8.head_dwte   # dwte from dlogits8 too: no bf16 dlogits
                 fused_classifier(chunk, tgt[r0:r1], vocab_size=V,
                                  grad_scale=grad_scale if for_backward else 0.0, losses=losses[r0:r1],
-                                 check_targets=check_tokens, dlogits8=d8, dlogits8_scale=d8_scale)
+                                 check_targets=check_tokens, dlogits8=d8, dlogits8_scale=d8_scale,
+                                 write_dlogits=not dwte8)
                 # The head has no bias: need_dbias=False, or matmul_backward would sum dlogits'
                 # columns into a throwaway vector (a whole extra read of every chunk).
-                if for_backward and head8:      # dlnf from the E5M2 dlogits; dwte from the bf16 ones
+                if for_backward and head8:      # dlnf from the E5M2 dlogits; dwte from them or the bf16 ones
                     self.fp8.head_dx(d8, dlnf[r0:r1])
-                    matmul_backward(chunk, lnf[r0:r1], p.wte, dweight=g.wte, need_dx=False, need_dbias=False)
+                    if dwte8:                   # the chunk's logits are dead: the transposes' scratch
+                        self.fp8.head_dwte_into(d8, r0, chunk, g.wte)
+                    else:
+                        matmul_backward(chunk, lnf[r0:r1], p.wte, dweight=g.wte, need_dx=False, need_dbias=False)
                 elif for_backward:  # chunk now holds dlogits: the LM head's backward, at once
                     matmul_backward(chunk, lnf[r0:r1], p.wte, dx=dlnf[r0:r1], dweight=g.wte, need_dbias=False)
             if for_backward:

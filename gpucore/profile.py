@@ -34,13 +34,15 @@ def _sync(device):
 
 
 def _lm_head_labeler(padded_vocab):
-    """Rows for the LM head's matmuls apart from the layers' (its weight is wte: (Vp, C))."""
+    """Rows for the LM head's matmuls (bf16 and FP8) apart from the layers' (its weight is wte: (Vp, C))."""
     def label(name, args, kwargs):
         if name.startswith("matmul"):
             w = args[1 if name == "matmul forward" else 2] if len(args) > (1 if name == "matmul forward" else 2) \
                 else kwargs.get("weight")
             if w is not None and w.shape[0] == padded_vocab:
                 return name + " (lm head)"
+        elif name == "fp8 matmul" and len(args) > 1 and padded_vocab in (*args[0].shape, *args[1].shape):
+            return name + " (lm head)"      # logits, dlnf, dwte: one operand spans the vocabulary
         return name
     return label
 

@@ -55,7 +55,9 @@ class Settings:
     fp8_margin: int = 1                   # scales 2^-margin below the history's amax: headroom for growth
     fp8_weights_current: bool = True      # weights scaled from their own amax every step (not delayed)
     fp8_window: int = 1                   # adaptive scaling: re-cast when the data sits > this many binades low
-    fp8_lm_head: bool = True              # the LM head's logits and dlnf GEMMs in FP8 too (dwte stays bf16)
+    fp8_lm_head: bool = True              # the LM head's logits and dlnf GEMMs in FP8 too
+    fp8_lm_head_dwte: bool = True         # with fp8_lm_head, its dwte GEMM too (dlogits8, lnf8 transposed per chunk)
+    fp8_fast_accum_dgrad: bool = False    # the linears' backward dx GEMMs with Hopper's fast FP8 accumulation
 
     def replace(self, **changes) -> "Settings":
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

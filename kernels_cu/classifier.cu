@@ -40,7 +40,8 @@
  *   dlogits8[r, c] = e5m2(bf16(dlogits[r, c]) * fp8_scale)   (N, Vp) bytes, saturating, RNE
  *   -- bit for bit the bf16 kernel followed by fp8_quantize -- for the LM head's FP8 dx GEMM. The
  *   scale is fixed by the caller: |dlogits| <= grad_scale, so 2^floor(log2(57344 / grad_scale))
- *   never saturates and needs no amax.
+ *   never saturates and needs no amax. write_bf16 = 0: dlogits8 only, the logits left unchanged
+ *   (the FP8 LM head with its dwte GEMM in FP8 too reads nothing else).
  * Determinism: fixed element-to-thread mapping and reduction trees.
  */
 #include "common.cuh"
@@ -298,11 +299,13 @@ __device__ __forceinline__ void online_pack(float& m, float& s, const uint4& r, 
 // K packs per thread at most (the launcher picks K >= ceil(Vp / P / 512)); the row
 // sits in dynamic shared memory, n_packs x 16 bytes. FUSED = false is cross_entropy:
 // the loss only, the logits are left as they are. FP8 (bf16 only): dlogits8 gets the E5M2
-// copy of each written pack, scaled by fp8_scale.
+// copy of each written pack, scaled by fp8_scale; write_bf16 = 0 leaves the logits as they are (the
+// FP8 LM head that also takes dwte from dlogits8 never reads the bf16 dlogits).
 template <typename T, int K, bool FUSED, bool FP8 = false>
 __device__ void classifier_backward_v3(float* losses, T* logits, const int* targets,   // (N,) (N, Vp) in/out; (N,)
                                        float grad_scale, int N, int V, int Vp,
-                                       u8* dlogits8 = nullptr, float fp8_scale = 1.0f) {  // (N, Vp)
+                                       u8* dlogits8 = nullptr, float fp8_scale = 1.0f,  // (N, Vp)
+                                       int write_bf16 = 1) {
     extern __shared__ uint4 s_row[];
     __shared__ float s_m[CLS3_BLOCK / 32], s_s[CLS3_BLOCK / 32], s_res[2];
     using R = Raw<T>;
@@ -317,7 +320,7 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
         if (tid == 0) losses[row] = 0.0f;
         if (FUSED)
             for (int i = tid; i < n_packs; i += CLS3_BLOCK) {
-                __stcs(xr + i, make_uint4(0u, 0u, 0u, 0u));
+                if (!FP8 || write_bf16) __stcs(xr + i, make_uint4(0u, 0u, 0u, 0u));
                 if (FP8) __stcs(reinterpret_cast<uint2*>(dlogits8 + (size_t)row * Vp) + i, make_uint2(0u, 0u));
             }
         return;
@@ -397,7 +400,7 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
                     if (i * P + e >= V) f[e] = 0.0f;
             }
             const uint4 packed = exact ? R::pack_exact(f) : R::pack_fast(f);
-            __stcs(xr + i, packed);
+            if (!FP8 || write_bf16) __stcs(xr + i, packed);
             if (FP8) {                              // the E5M2 copy of the bf16 values just rounded
                 u32 unused = 0;
                 __stcs(reinterpret_cast<uint2*>(dlogits8 + (size_t)row * Vp) + i,
@@ -489,9 +492,9 @@ CLASSIFIER_V3(bf16, bf16, 25)
     extern "C" __global__ void __launch_bounds__(CLS3_BLOCK, 2)                                     \
     classifier_backward_fp8_kernel_v3_k##K##_bf16(float* losses, bf16* logits, u8* dlogits8,        \
                                                   const int* targets, float grad_scale, float fp8_scale, \
-                                                  int N, int V, int Vp) {                           \
+                                                  int N, int V, int Vp, int write_bf16) {           \
         classifier_backward_v3<bf16, K, true, true>(losses, logits, targets, grad_scale, N, V, Vp,  \
-                                                    dlogits8, fp8_scale);                           \
+                                                    dlogits8, fp8_scale, write_bf16);               \
     }
 
 CLASSIFIER_V3_FP8(1)

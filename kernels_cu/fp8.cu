@@ -18,6 +18,8 @@
  *   64 x 64 (a smaller grid walks the tiles in a grid-stride loop: the gated re-cast's), 256 threads; each thread loads two 16-byte packs (8 columns of rows r and r + 32),
  *   writes 8 fp8 bytes of `out` per pack, and (transposed) one 16-byte pack of 16 rows of `out_t`
  *   gathered from the tile in shared memory.
+ * fp8_transpose_kernel: FP8 bytes (R, C) -> (C, R), for operands that must be K-contiguous and
+ *   were written the other way (the LM head's weight gradient: dlogits8 and lnf8, K = tokens).
  * fp8_gelu_cast_kernel_e4m3: the same cast of gelu(in) (gelu.cu's bf16 GELU, rounded to bf16 first):
  *   the fcproj input of FP8 training, made from fch without the bf16 GELU output ever existing.
  * gate (optional): the cast runs only when *gate != 0 (adaptive scaling's re-cast, decided on the
@@ -113,6 +115,47 @@ extern "C" __global__ void __launch_bounds__(256) fp8_gelu_cast_kernel_e4m3(
         const float* gate,                    // (1,) | null: cast only when *gate != 0
         int R, int C) {
     fp8_cast<E4M3, true>(out, out_t, amax, in, scale, gate, R, C);
+}
+
+// FP8 bytes transposed: out (C, R) = in (R, C)^T, uint8 row-major, R and C multiples of 16. The
+// FP8 GEMM takes both operands K-contiguous; the LM head's dwte = dlogits^T @ lnf sums over tokens,
+// and dlogits8 / lnf8 are written token-major, so each chunk's bytes are turned around here (1 byte
+// read and 1 written per value: half a bf16 cast's traffic). 64 x 64 tiles (grid-stride, as
+// fp8_cast), 256 threads: thread t loads 16 bytes of row t/4 into shared memory as four words (row
+// stride 17 words: the gathers below meet each bank at most twice), then takes the 4 x 4 bytes at
+// rows 4 (t % 16).., columns 4 (t / 16).. and writes them, turned by byte permutes, as 4 bytes of
+// four out rows; 16 threads cover 64 contiguous bytes of an out row.
+extern "C" __global__ void __launch_bounds__(256) fp8_transpose_kernel(
+        u8* __restrict__ out, const u8* __restrict__ in, int R, int C) {   // (C, R), (R, C)
+    __shared__ u32 tile[TILE][TILE / 4 + 1];
+    const int t = threadIdx.x;
+    for (int ty = blockIdx.y; ty * TILE < R; ty += gridDim.y)
+    for (int tx = blockIdx.x; tx * TILE < C; tx += gridDim.x) {
+        const int r0 = ty * TILE, c0 = tx * TILE;
+        __syncthreads();                       // the last tile's gathers are done
+        const int row = t >> 2, w4 = (t & 3) * 4;
+        if (r0 + row < R && c0 + 4 * w4 < C) { // C % 16 == 0: a pack is all in or all out
+            const uint4 p = __ldcs(reinterpret_cast<const uint4*>(in + (long long)(r0 + row) * C + c0 + 4 * w4));
+            tile[row][w4] = p.x;
+            tile[row][w4 + 1] = p.y;
+            tile[row][w4 + 2] = p.z;
+            tile[row][w4 + 3] = p.w;
+        }
+        __syncthreads();
+        const int r4 = (t & 15) * 4, c4 = (t >> 4) * 4;
+        if (r0 + r4 < R && c0 + c4 < C) {      // R, C % 16 == 0: all four rows / columns were loaded
+            const u32 w0 = tile[r4][c4 / 4], w1 = tile[r4 + 1][c4 / 4];
+            const u32 w2 = tile[r4 + 2][c4 / 4], w3 = tile[r4 + 3][c4 / 4];
+            const u32 lo01 = __byte_perm(w0, w1, 0x5140), lo23 = __byte_perm(w2, w3, 0x5140);  // bytes 0, 1
+            const u32 hi01 = __byte_perm(w0, w1, 0x7362), hi23 = __byte_perm(w2, w3, 0x7362);  // bytes 2, 3
+            u32* o = reinterpret_cast<u32*>(out + (long long)(c0 + c4) * R + r0 + r4);
+            const long long step = R / 4;      // one out row, in words
+            __stcs(o, __byte_perm(lo01, lo23, 0x5410));            // column c4: byte 0 of w0..w3
+            __stcs(o + step, __byte_perm(lo01, lo23, 0x7632));     // column c4 + 1
+            __stcs(o + 2 * step, __byte_perm(hi01, hi23, 0x5410)); // column c4 + 2
+            __stcs(o + 3 * step, __byte_perm(hi01, hi23, 0x7632)); // column c4 + 3
+        }
+    }
 }
 
 // GELU's backward, fused with the cast of its result (the MLP's fc output gradient in FP8 training):

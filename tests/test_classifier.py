@@ -298,6 +298,23 @@ def test_fp8_dlogits_numpy_are_the_cast_of_the_bf16_dlogits(rng):
     assert np.all(d8[:, 60:] == 0) and np.all(d8[t == -1] == 0) and d8.any()
 
 
+def test_fp8_dlogits_only_numpy_leaves_the_logits(rng):
+    """write_dlogits=False: the same E5M2 bytes, the logits untouched; it needs dlogits8."""
+    logits = (rng.standard_normal((32, 64)) * 3).astype(gpucore.bfloat16)
+    t = _targets(rng, (32,), 60, ignore_every=5)
+    gs = 1.0 / 27
+    s = dlogits_fp8_scale(gs)
+    both, only = logits.copy(), logits.copy()
+    d8, d8_only = np.zeros((32, 64), np.uint8), np.zeros((32, 64), np.uint8)
+    lb = gpucore.fused_classifier(both, t, vocab_size=60, grad_scale=gs, dlogits8=d8, dlogits8_scale=s)
+    lo = gpucore.fused_classifier(only, t, vocab_size=60, grad_scale=gs, dlogits8=d8_only, dlogits8_scale=s,
+                                  write_dlogits=False)
+    assert d8_only.tobytes() == d8.tobytes() and lo.tobytes() == lb.tobytes()
+    assert only.tobytes() == logits.tobytes() and both.tobytes() != logits.tobytes()
+    with pytest.raises(ValueError, match="write_dlogits=False: needs dlogits8"):
+        gpucore.fused_classifier(logits.copy(), t, vocab_size=60, grad_scale=gs, write_dlogits=False)
+
+
 def test_fp8_dlogits_bad_input(rng):
     logits = rng.standard_normal((16, 64)).astype(np.float32)
     t = _targets(rng, (16,), 64)
@@ -333,3 +350,10 @@ def test_gpu_fp8_dlogits_are_bitwise_the_bf16_kernel_then_the_cast(rng, N, V, Vp
     want, _ = fp8_quantize(plain, "e5m2", cp.full(1, s, np.float32), out=cp.empty((N, Vp), np.uint8))
     assert to_cpu(d8).tobytes() == to_cpu(want).tobytes()
     assert to_cpu(d8).any()
+    # write_dlogits=False (the FP8 dwte head): the same bytes and losses, the logits left as they were
+    only, d8_only = cp.asarray(logits), cp.full((N, Vp), 0x7f, np.uint8)
+    l_only = gpucore.fused_classifier(only, t, vocab_size=V, grad_scale=gs, dlogits8=d8_only, dlogits8_scale=s,
+                                      write_dlogits=False)
+    assert to_cpu(d8_only).tobytes() == to_cpu(want).tobytes()
+    assert to_cpu(l_only).tobytes() == to_cpu(l_plain).tobytes()
+    assert to_cpu(only).tobytes() == logits.tobytes()

@@ -14,7 +14,8 @@ import pytest
 from gpucore import runtime
 from gpucore.dtypes import bfloat16
 from gpucore.ops.fp8 import (FORMATS, Fp8Scaling, fp8_amax, fp8_dequantize, fp8_gelu_backward,
-                             fp8_gelu_backward_gated, fp8_matmul, fp8_quantize, fp8_quantize_reference)
+                             fp8_gelu_backward_gated, fp8_matmul, fp8_quantize, fp8_quantize_reference,
+                             fp8_transpose)
 from gpucore.ops.gelu import gelu_backward
 from conftest import rel_err, to_cpu
 
@@ -225,6 +226,30 @@ def _need_fp8():
     ok, why = fp8_supported()
     if not ok:
         pytest.fail(why)      # the cuda marker says there is a GPU; our test GPUs are Hopper
+
+
+def test_fp8_transpose_numpy_and_bad_input(rng):
+    x8 = rng.integers(0, 256, (48, 80), dtype=np.uint8)
+    out = fp8_transpose(x8)
+    assert out.shape == (80, 48) and out.tobytes() == np.ascontiguousarray(x8.T).tobytes()
+    with pytest.raises(ValueError, match="out"):
+        fp8_transpose(x8, out=np.zeros((48, 80), np.uint8))
+    with pytest.raises((TypeError, ValueError), match="x8"):
+        fp8_transpose(x8.astype(np.int32))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("R,C", [(16, 16), (48, 80), (64, 64), (1040, 784), (8192, 50304), (65536 * 66, 16)])
+def test_gpu_fp8_transpose_bitwise(rng, R, C):
+    """Every byte lands at its transposed place: edge tiles (R, C not multiples of 64), the LM
+    head's chunk shape, and more row tiles than the grid's y limit (the kernel's tile loop)."""
+    cp = runtime.cupy
+    x8 = cp.asarray(rng.integers(0, 256, (R, C), dtype=np.uint8))
+    out = cp.full((C, R), 0xAB, np.uint8)
+    fp8_transpose(x8, out=out)
+    assert bool((out == x8.T).all())
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8_transpose(cp.zeros((24, 16), np.uint8))
 
 
 @pytest.mark.cuda
@@ -547,6 +572,34 @@ def test_model_fp8_lm_head_numpy_close_to_bf16():
     s = mh.fp8.scaling
     assert s.formats[12 * L:] == ["e4m3", "e4m3", "e5m2"]
     assert float(s.scale[12 * L + 2]) == dlogits_fp8_scale(1.0 / x.size)
+
+
+def _head_dwte_grads(cfg, xp, x, y, dwte):
+    """(grads without wte's, wte's grad, loss) with the FP8 head, its dwte GEMM in FP8 or bf16."""
+    from gpucore import settings
+    with settings.using(fp8_lm_head=True, fp8_lm_head_dwte=dwte):
+        loss, g, m = _model_grads(cfg, xp, x, y, "adaptive")
+    start = m.grads.layout.offsets["wte"] // m.grads.wte.itemsize
+    mask = np.ones(g.size, bool)
+    mask[start:start + m.grads.wte.size] = False
+    return g[mask], g[~mask], loss
+
+
+@pytest.mark.parametrize("device", ["numpy", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_model_fp8_lm_head_dwte_changes_only_dwte(device):
+    """settings.fp8_lm_head_dwte: dwte from the E5M2 dlogits (transposed per chunk) instead of the
+    bf16 ones. Nothing but wte's gradient reads it, so every other gradient and the loss are bitwise
+    those of the bf16-dwte head; wte's stays within E5M2 precision of it (and differs: it ran)."""
+    if device == "cuda":
+        _need_fp8()
+    xp = np if device == "numpy" else runtime.cupy
+    cfg = GPT2Config.from_preset("micro" if xp is np else "tiny")
+    x, y = _tokens(cfg, 2 if xp is np else 4, 16 if xp is np else 64)
+    rest8, wte8, l8 = _head_dwte_grads(cfg, xp, x, y, True)
+    rest16, wte16, l16 = _head_dwte_grads(cfg, xp, x, y, False)
+    assert l8 == l16 and rest8.tobytes() == rest16.tobytes()
+    assert np.isfinite(wte8).all() and wte8.tobytes() != wte16.tobytes()
+    assert rel_err(wte8, wte16) < 0.1
 
 
 def test_resume_keeps_the_checkpoints_fp8_lm_head():

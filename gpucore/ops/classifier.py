@@ -36,6 +36,8 @@ FP8 (`dlogits8=`, `dlogits8_scale=`; bf16 logits): the LM head's FP8 backward
 of two (`dlogits_fp8_scale(grad_scale)`: |dlogits| <= grad_scale, so no amax is
 needed). v3's FP8 kernel writes them beside the bf16 dlogits in the same pass, bit
 for bit fp8_quantize of the bf16 values; elsewhere (NumPy, v1/v2) the cast runs after.
+With `write_dlogits=False` it writes only those bytes (the FP8 LM head that takes dwte from them
+too, settings.fp8_lm_head_dwte): a third of the kernel's writes.
 """
 from __future__ import annotations
 
@@ -212,7 +214,7 @@ def dlogits_fp8_scale(grad_scale: float) -> float:
 
 @profiler.profiled("classifier (fused)", nbytes=profiler.io_bytes)
 def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=None, version=None, *,
-                     check_targets=True, dlogits8=None, dlogits8_scale=None):
+                     check_targets=True, dlogits8=None, dlogits8_scale=None, write_dlogits=True):
     """Per-token losses (float32, targets' shape); logits are overwritten with dlogits.
 
     logits (N, Vp) or (B, T, Vp), float32 or bfloat16; targets int32 of logits.shape[:-1],
@@ -223,10 +225,15 @@ def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=N
     ids are known to be valid; ignored when grad_scale is None (the count needs the check).
     dlogits8 (N, Vp) uint8, optional (bf16 logits): also dlogits' E5M2 bytes, scaled by
     dlogits8_scale (a host float; dlogits_fp8_scale(grad_scale) never saturates).
+    write_dlogits=False (with dlogits8): only the E5M2 bytes are wanted; the logits are then left
+    as they were where the fused FP8 kernel runs (v3, and NumPy), and hold dlogits elsewhere --
+    their contents are not part of the result.
     """
     xp, V, Vp, losses = _check_args(logits, targets, vocab_size, losses)
     if dlogits8 is not None:
         _check_fp8_out(logits, dlogits8, dlogits8_scale, xp)
+    elif not write_dlogits:
+        raise ValueError("write_dlogits=False: needs dlogits8 (the only output left)")
     if xp is not np:
         pick_version(version, logits, Vp)           # a bad version fails before the sync below
     if grad_scale is not None and (isinstance(grad_scale, bool) or not isinstance(grad_scale, numbers.Real)):
@@ -238,14 +245,18 @@ def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=N
     if xp is np:
         ref_losses, dlogits = classifier_reference(logits, targets, V, grad_scale)
         losses[...] = ref_losses
-        logits[...] = dlogits.astype(logits.dtype)
+        dlogits = dlogits.astype(logits.dtype)
+        if write_dlogits:
+            logits[...] = dlogits
     elif dlogits8 is not None and pick_version(version, logits, Vp) == 3:
-        return _launch_fused_fp8(logits, targets, losses, V, float(grad_scale), dlogits8, float(dlogits8_scale))
+        return _launch_fused_fp8(logits, targets, losses, V, float(grad_scale), dlogits8, float(dlogits8_scale),
+                                 write_dlogits)
     else:
         launch_fused(logits, targets, losses, V, float(grad_scale), version)
+        dlogits = logits
     if dlogits8 is not None:          # the general path: the bf16 dlogits, then their cast
         from .fp8 import fp8_quantize
-        fp8_quantize(logits.reshape(-1, Vp), "e5m2", xp.full(1, dlogits8_scale, np.float32),
+        fp8_quantize(dlogits.reshape(-1, Vp), "e5m2", xp.full(1, dlogits8_scale, np.float32),
                      out=dlogits8.reshape(-1, Vp))
     return losses
 
@@ -260,7 +271,7 @@ def _check_fp8_out(logits, dlogits8, scale, xp):
         raise ValueError(f"dlogits8_scale: expected a float > 0, got {scale!r}")
 
 
-def _launch_fused_fp8(logits, targets, losses, V, grad_scale, dlogits8, scale):
+def _launch_fused_fp8(logits, targets, losses, V, grad_scale, dlogits8, scale, write_dlogits=True):
     Vp = logits.shape[-1]
     N = targets.size
     if N == 0:
@@ -269,7 +280,8 @@ def _launch_fused_fp8(logits, targets, losses, V, grad_scale, dlogits8, scale):
     kernel = runtime.get_kernel("classifier", f"classifier_backward_fp8_kernel_v3_k{_v3_k(n_packs)}_bf16")
     _set_carveout(kernel)
     runtime.launch(kernel, N, V3_BLOCK, (losses, logits, dlogits8, targets, np.float32(grad_scale),
-                                         np.float32(scale), np.int32(N), np.int32(V), np.int32(Vp)),
+                                         np.float32(scale), np.int32(N), np.int32(V), np.int32(Vp),
+                                         np.int32(bool(write_dlogits))),
                    shared_mem=n_packs * 16)
     return losses
 

@@ -4,6 +4,7 @@
     fp8_requantize_gated(x, fmt, scale, gate, ...)       the same when the device flag gate != 0
     fp8_gelu_backward(dout, x, scale, out=, out_t=, ...)  E5M2 bytes of gelu_backward's dx, fused (+ dbias)
     fp8_amax(x, amax)                                    amax = max(amax, max |x|)
+    fp8_transpose(x8, out=)                              FP8 bytes (R, C) -> (C, R)
     fp8_dequantize(q, fmt, scale_inv)                    float32 q * scale_inv (the reference's view)
     fp8_matmul(a8, b8, a_fmt, b_fmt, a_si, b_si, ...)    bf16 (a @ b^T) * a_si * b_si [+ bias] [+=]
     Fp8Scaling(n, formats, xp, ...)                      scale / scale_inv / amax / amax history of n tensors
@@ -266,6 +267,31 @@ def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate):
     if dbias is not None:
         reduce_partials(dbias, partials)
     return out, out_t
+
+
+@profiler.profiled("fp8 transpose", nbytes=profiler.io_bytes)
+def fp8_transpose(x8, *, out=None):
+    """out (C, R) uint8 = x8 (R, C)^T: FP8 bytes turned around (the FP8 GEMM wants both operands
+    K-contiguous; the LM head's dwte sums over tokens, and dlogits8 / lnf8 are token-major). On the
+    GPU R and C must be multiples of 16 and both arrays 16-byte aligned."""
+    check_array("x8", x8, dtype=np.uint8, ndim=2, max_elements=None)
+    R, C = x8.shape
+    xp = runtime.array_module(x8, out)
+    if out is None:
+        out = xp.empty((C, R), np.uint8)
+    check_array("out", out, dtype=np.uint8, shape=(C, R), max_elements=None)
+    if xp is np:
+        out[...] = x8.T
+        return out
+    if R % 16 or C % 16:
+        raise ValueError(f"x8: the GPU transpose needs rows and columns that are multiples of 16, got {R} x {C}")
+    for name, a in (("x8", x8), ("out", out)):
+        if a.data.ptr % 16:
+            raise ValueError(f"{name}: must be 16-byte aligned")
+    if x8.size:
+        gx, gy = -(-C // TILE), min(-(-R // TILE), MAX_GRID_Y)   # the kernel walks tiles beyond the grid
+        runtime.launch(runtime.get_kernel("fp8", "fp8_transpose_kernel"), (gx, gy), 256, (out, x8, np.int32(R), np.int32(C)))
+    return out
 
 
 @profiler.profiled("fp8 amax", nbytes=profiler.io_bytes)
