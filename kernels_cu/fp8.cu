@@ -120,43 +120,62 @@ extern "C" __global__ void __launch_bounds__(256) fp8_gelu_cast_kernel_e4m3(
 // FP8 bytes transposed: out (C, R) = in (R, C)^T, uint8 row-major, R and C multiples of 16. The
 // FP8 GEMM takes both operands K-contiguous; the LM head's dwte = dlogits^T @ lnf sums over tokens,
 // and dlogits8 / lnf8 are written token-major, so each chunk's bytes are turned around here (1 byte
-// read and 1 written per value: half a bf16 cast's traffic). 64 x 64 tiles (grid-stride, as
-// fp8_cast), 256 threads: thread t loads 16 bytes of row t/4 into shared memory as four words (row
-// stride 17 words: the gathers below meet each bank at most twice), then takes the 4 x 4 bytes at
-// rows 4 (t % 16).., columns 4 (t / 16).. and writes them, turned by byte permutes, as 4 bytes of
-// four out rows; 16 threads cover 64 contiguous bytes of an out row.
-extern "C" __global__ void __launch_bounds__(256) fp8_transpose_kernel(
-        u8* __restrict__ out, const u8* __restrict__ in, int R, int C) {   // (C, R), (R, C)
-    __shared__ u32 tile[TILE][TILE / 4 + 1];
+// read and 1 written per value: half a bf16 cast's traffic). Tiles of 64 rows x 64 CT columns
+// (grid-stride, as fp8_cast), 256 threads: thread t loads CT 16-byte packs of row t/4 (all in flight
+// at once) into shared memory as words (row stride 16 CT + 1 words: the gathers below meet each bank
+// at most twice), then takes CT blocks of 4 x 4 bytes at rows 4 (t % 16).., columns 4 (t / 16) + 64 h
+// and writes each, turned by byte permutes, as 4 bytes of four out rows; 16 threads cover 64
+// contiguous bytes of an out row.
+template <int CT>
+__device__ void fp8_transpose(u8* __restrict__ out, const u8* __restrict__ in, int R, int C) {
+    constexpr int TC = TILE * CT, SW = TC / 4 + 1;   // tile columns (bytes), row stride (words)
+    __shared__ u32 tile[TILE * SW];
     const int t = threadIdx.x;
     for (int ty = blockIdx.y; ty * TILE < R; ty += gridDim.y)
-    for (int tx = blockIdx.x; tx * TILE < C; tx += gridDim.x) {
-        const int r0 = ty * TILE, c0 = tx * TILE;
+    for (int tx = blockIdx.x; tx * TC < C; tx += gridDim.x) {
+        const int r0 = ty * TILE, c0 = tx * TC;
         __syncthreads();                       // the last tile's gathers are done
-        const int row = t >> 2, w4 = (t & 3) * 4;
-        if (r0 + row < R && c0 + 4 * w4 < C) { // C % 16 == 0: a pack is all in or all out
-            const uint4 p = __ldcs(reinterpret_cast<const uint4*>(in + (long long)(r0 + row) * C + c0 + 4 * w4));
-            tile[row][w4] = p.x;
-            tile[row][w4 + 1] = p.y;
-            tile[row][w4 + 2] = p.z;
-            tile[row][w4 + 3] = p.w;
+        const int row = t >> 2;
+        uint4 p[CT];
+        #pragma unroll
+        for (int h = 0; h < CT; h++) {         // C % 16 == 0: a pack is all in or all out
+            const int c = c0 + (t & 3) * 16 + TILE * h;
+            if (r0 + row < R && c < C) p[h] = __ldcs(reinterpret_cast<const uint4*>(in + (long long)(r0 + row) * C + c));
+        }
+        #pragma unroll
+        for (int h = 0; h < CT; h++) {
+            u32* w = tile + row * SW + (t & 3) * 4 + 16 * h;
+            w[0] = p[h].x; w[1] = p[h].y; w[2] = p[h].z; w[3] = p[h].w;   // unloaded packs: never gathered
         }
         __syncthreads();
-        const int r4 = (t & 15) * 4, c4 = (t >> 4) * 4;
-        if (r0 + r4 < R && c0 + c4 < C) {      // R, C % 16 == 0: all four rows / columns were loaded
-            const u32 w0 = tile[r4][c4 / 4], w1 = tile[r4 + 1][c4 / 4];
-            const u32 w2 = tile[r4 + 2][c4 / 4], w3 = tile[r4 + 3][c4 / 4];
-            const u32 lo01 = __byte_perm(w0, w1, 0x5140), lo23 = __byte_perm(w2, w3, 0x5140);  // bytes 0, 1
-            const u32 hi01 = __byte_perm(w0, w1, 0x7362), hi23 = __byte_perm(w2, w3, 0x7362);  // bytes 2, 3
-            u32* o = reinterpret_cast<u32*>(out + (long long)(c0 + c4) * R + r0 + r4);
-            const long long step = R / 4;      // one out row, in words
-            __stcs(o, __byte_perm(lo01, lo23, 0x5410));            // column c4: byte 0 of w0..w3
-            __stcs(o + step, __byte_perm(lo01, lo23, 0x7632));     // column c4 + 1
-            __stcs(o + 2 * step, __byte_perm(hi01, hi23, 0x5410)); // column c4 + 2
-            __stcs(o + 3 * step, __byte_perm(hi01, hi23, 0x7632)); // column c4 + 3
+        const int r4 = (t & 15) * 4;
+        #pragma unroll
+        for (int h = 0; h < CT; h++) {
+            const int c4 = (t >> 4) * 4 + TILE * h;
+            if (r0 + r4 < R && c0 + c4 < C) {  // R, C % 16 == 0: all four rows / columns were loaded
+                const u32* w = tile + r4 * SW + c4 / 4;
+                const u32 w0 = w[0], w1 = w[SW], w2 = w[2 * SW], w3 = w[3 * SW];
+                const u32 lo01 = __byte_perm(w0, w1, 0x5140), lo23 = __byte_perm(w2, w3, 0x5140);  // bytes 0, 1
+                const u32 hi01 = __byte_perm(w0, w1, 0x7362), hi23 = __byte_perm(w2, w3, 0x7362);  // bytes 2, 3
+                u32* o = reinterpret_cast<u32*>(out + (long long)(c0 + c4) * R + r0 + r4);
+                const long long step = R / 4;  // one out row, in words
+                __stcs(o, __byte_perm(lo01, lo23, 0x5410));            // column c4: byte 0 of w0..w3
+                __stcs(o + step, __byte_perm(lo01, lo23, 0x7632));     // column c4 + 1
+                __stcs(o + 2 * step, __byte_perm(hi01, hi23, 0x5410)); // column c4 + 2
+                __stcs(o + 3 * step, __byte_perm(hi01, hi23, 0x7632)); // column c4 + 3
+            }
         }
     }
 }
+
+#define FP8_TRANSPOSE(CT)                                                                           \
+    extern "C" __global__ void __launch_bounds__(256) fp8_transpose_kernel_c##CT(                   \
+            u8* out, const u8* in, int R, int C) {   /* (C, R), (R, C) */                           \
+        fp8_transpose<CT>(out, in, R, C);                                                           \
+    }
+FP8_TRANSPOSE(1)
+FP8_TRANSPOSE(2)
+FP8_TRANSPOSE(4)
 
 // GELU's backward, fused with the cast of its result (the MLP's fc output gradient in FP8 training):
 // dx = gelu'(x) * dout rounded to bf16 exactly as gelu.cu's gelu_backward_kernel_bf16 writes it, then

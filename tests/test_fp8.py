@@ -239,14 +239,15 @@ def test_fp8_transpose_numpy_and_bad_input(rng):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("tiles", [1, 2, 4])
 @pytest.mark.parametrize("R,C", [(16, 16), (48, 80), (64, 64), (1040, 784), (8192, 50304), (65536 * 66, 16)])
-def test_gpu_fp8_transpose_bitwise(rng, R, C):
+def test_gpu_fp8_transpose_bitwise(rng, R, C, tiles):
     """Every byte lands at its transposed place: edge tiles (R, C not multiples of 64), the LM
     head's chunk shape, and more row tiles than the grid's y limit (the kernel's tile loop)."""
     cp = runtime.cupy
     x8 = cp.asarray(rng.integers(0, 256, (R, C), dtype=np.uint8))
     out = cp.full((C, R), 0xAB, np.uint8)
-    fp8_transpose(x8, out=out)
+    fp8_transpose(x8, out=out, tiles=tiles)
     assert bool((out == x8.T).all())
     with pytest.raises(ValueError, match="multiples of 16"):
         fp8_transpose(cp.zeros((24, 16), np.uint8))

@@ -8,7 +8,9 @@
 #     fp8          AdamW, --dtype fp8 with the LM head in bf16 (the linears' GEMMs in FP8, adaptive scaling)
 #     fp8-current  the same with current scaling
 #     fp8-delayed  the same with delayed scaling (RUNS="adamw fp8 fp8-current fp8-delayed" to compare)
-#     fp8-head     fp8 with the LM head's logits and dlnf GEMMs in FP8 too (settings.fp8_lm_head: --dtype fp8's default)
+#     fp8-head     fp8 with the LM head's GEMMs in FP8 too (settings.fp8_lm_head and fp8_lm_head_dwte: --dtype fp8's default)
+#     fp8-head-bf16dw  the same with the head's dwte GEMM in bf16 (fp8_lm_head_dwte=0)
+#     fp8-fastdg   fp8-head with the linears' dx GEMMs on fast FP8 accumulation (fp8_fast_accum_dgrad=1)
 #   (SEED: the weight-init and sampling seed, default 1337; the data order is the same for every seed)
 #   on a corpus larger than Tiny Shakespeare: the Python standard library's .py sources (the
 #   first CORPUS_MB megabytes, files in sorted order) tokenized by `gpucore prepro`.
@@ -54,7 +56,11 @@ for run in $RUNS; do
     fp8-delayed) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling delayed)
                 settings=${settings:+$settings,}fp8_lm_head=0 ;;
     fp8-head)   extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
-                settings=${settings:+$settings,}fp8_lm_head=1 ;;
+                settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=1 ;;
+    fp8-head-bf16dw) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
+                settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=0 ;;
+    fp8-fastdg) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
+                settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=1,fp8_fast_accum_dgrad=1 ;;
   esac
   echo "== $run"
   GPUCORE_SETTINGS=$settings $PY -m gpucore.cli train "${common[@]}" "${extra[@]}" --out-dir "$LOG/$run" --metrics "$LOG/$run.jsonl" \
