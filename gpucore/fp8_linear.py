@@ -35,8 +35,10 @@ gradients (attention output, the residual gradients, dqkv) and the weights go th
 standalone cast (gpucore/ops/fp8.py). A producer can write FP8 only when the scale is known
 before it runs (adaptive or delayed scaling, Fp8Scaling.can_produce); with current scaling the
 bf16 tensor is made, measured and cast. tools/notes/fp8.md has what each costs. The forward
-GEMMs use Hopper's fast FP8 accumulation, the backward ones exact accumulation (Transformer
-Engine's choice; settings.fp8_fast_accum_dgrad gives the dx GEMMs the fast one).
+GEMMs and the backward's dx GEMMs (settings.fp8_fast_accum_dgrad) use Hopper's fast FP8
+accumulation, the weight gradients (K = tokens, summed over 8k-65k products) exact accumulation.
+Transformer Engine keeps the dx GEMMs exact too; here the dx sums are short (K = C or 4C), and three
+seeds of 1,000-step d12 runs showed no loss cost (tools/notes/fp8.md) for 1.5% of the step.
 """
 from __future__ import annotations
 

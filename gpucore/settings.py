@@ -57,7 +57,7 @@ class Settings:
     fp8_window: int = 1                   # adaptive scaling: re-cast when the data sits > this many binades low
     fp8_lm_head: bool = True              # the LM head's logits and dlnf GEMMs in FP8 too
     fp8_lm_head_dwte: bool = True         # with fp8_lm_head, its dwte GEMM too (dlogits8, lnf8 transposed per chunk)
-    fp8_fast_accum_dgrad: bool = False    # the linears' backward dx GEMMs with Hopper's fast FP8 accumulation
+    fp8_fast_accum_dgrad: bool = True     # the linears' dx GEMMs (K <= 4C) on Hopper's fast FP8 accumulation too
 
     def replace(self, **changes) -> "Settings":
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

@@ -239,15 +239,14 @@ def test_fp8_transpose_numpy_and_bad_input(rng):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("tiles", [1, 2, 4])
 @pytest.mark.parametrize("R,C", [(16, 16), (48, 80), (64, 64), (1040, 784), (8192, 50304), (65536 * 66, 16)])
-def test_gpu_fp8_transpose_bitwise(rng, R, C, tiles):
+def test_gpu_fp8_transpose_bitwise(rng, R, C):
     """Every byte lands at its transposed place: edge tiles (R, C not multiples of 64), the LM
     head's chunk shape, and more row tiles than the grid's y limit (the kernel's tile loop)."""
     cp = runtime.cupy
     x8 = cp.asarray(rng.integers(0, 256, (R, C), dtype=np.uint8))
     out = cp.full((C, R), 0xAB, np.uint8)
-    fp8_transpose(x8, out=out, tiles=tiles)
+    fp8_transpose(x8, out=out)
     assert bool((out == x8.T).all())
     with pytest.raises(ValueError, match="multiples of 16"):
         fp8_transpose(cp.zeros((24, 16), np.uint8))
@@ -601,6 +600,35 @@ def test_model_fp8_lm_head_dwte_changes_only_dwte(device):
     assert l8 == l16 and rest8.tobytes() == rest16.tobytes()
     assert np.isfinite(wte8).all() and wte8.tobytes() != wte16.tobytes()
     assert rel_err(wte8, wte16) < 0.1
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_fp8_fast_accumulation_only_where_the_settings_say(monkeypatch, fast):
+    """Forward GEMMs and (settings.fp8_fast_accum_dgrad) the linears' dx GEMMs take Hopper's fast
+    accumulation; every weight gradient (K = tokens) and the LM head's dlnf keep it exact."""
+    from gpucore import settings
+    import gpucore.fp8_linear as fl
+    cfg = GPT2Config.from_preset("micro")
+    x, y = _tokens(cfg, 2, 16)
+    calls = []
+    real = fl.fp8_matmul
+
+    def spy(a8, b8, a_fmt, b_fmt, *args, **kwargs):
+        calls.append((a_fmt, kwargs.get("accumulate", False), kwargs.get("fast_accum", False), b8.shape))
+        return real(a8, b8, a_fmt, b_fmt, *args, **kwargs)
+
+    monkeypatch.setattr(fl, "fp8_matmul", spy)
+    with settings.using(fp8_fast_accum_dgrad=fast, fp8_lm_head=True):
+        _model_grads(cfg, np, x, y, "adaptive")
+    L, Vp = cfg.num_layers, cfg.padded_vocab_size
+    fwd = [c for c in calls if c[0] == "e4m3"]
+    dw = [c for c in calls if c[0] == "e5m2" and c[1]]
+    dx = [c for c in calls if c[0] == "e5m2" and not c[1]]
+    assert len(fwd) == 4 * L + 1 and all(c[2] for c in fwd)
+    assert len(dw) == 4 * L + 1 and not any(c[2] for c in dw)          # + the head's dwte
+    assert len(dx) == 4 * L + 1
+    assert dx[0][3] == (cfg.channels, Vp) and not dx[0][2]              # the head's dlnf (b = wte8T) runs first
+    assert all(c[2] == fast for c in dx[1:])
 
 
 def test_resume_keeps_the_checkpoints_fp8_lm_head():

@@ -5,12 +5,13 @@
 #     sfadamw      schedule-free AdamW, same peak lr and warmup, no decay (evaluates its average x)
 #     bf16-sr      AdamW, bf16 weights without the fp32 copy, stochastic rounding
 #     bf16-kahan   AdamW, bf16 weights without the fp32 copy, bf16 Kahan compensation
-#     fp8          AdamW, --dtype fp8 with the LM head in bf16 (the linears' GEMMs in FP8, adaptive scaling)
+#     fp8          AdamW, --dtype fp8 with the LM head in bf16 (the linears' GEMMs in FP8, adaptive scaling,
+#                  exact accumulation in the backward: the fp8* runs below keep it, but fp8-fastdg)
 #     fp8-current  the same with current scaling
 #     fp8-delayed  the same with delayed scaling (RUNS="adamw fp8 fp8-current fp8-delayed" to compare)
 #     fp8-head     fp8 with the LM head's GEMMs in FP8 too (settings.fp8_lm_head and fp8_lm_head_dwte: --dtype fp8's default)
 #     fp8-head-bf16dw  the same with the head's dwte GEMM in bf16 (fp8_lm_head_dwte=0)
-#     fp8-fastdg   fp8-head with the linears' dx GEMMs on fast FP8 accumulation (fp8_fast_accum_dgrad=1)
+#     fp8-fastdg   fp8-head with the linears' dx GEMMs on fast FP8 accumulation: --dtype fp8's default
 #   (SEED: the weight-init and sampling seed, default 1337; the data order is the same for every seed)
 #   on a corpus larger than Tiny Shakespeare: the Python standard library's .py sources (the
 #   first CORPUS_MB megabytes, files in sorted order) tokenized by `gpucore prepro`.
@@ -50,15 +51,15 @@ for run in $RUNS; do
     bf16-sr)    extra=(--final-lr-frac 0.1 --master-weights sr) ;;
     bf16-kahan) extra=(--final-lr-frac 0.1 --master-weights kahan) ;;
     fp8)        extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
-                settings=${settings:+$settings,}fp8_lm_head=0 ;;
+                settings=${settings:+$settings,}fp8_lm_head=0,fp8_fast_accum_dgrad=0 ;;
     fp8-current) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling current)
-                settings=${settings:+$settings,}fp8_lm_head=0 ;;
+                settings=${settings:+$settings,}fp8_lm_head=0,fp8_fast_accum_dgrad=0 ;;
     fp8-delayed) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling delayed)
-                settings=${settings:+$settings,}fp8_lm_head=0 ;;
+                settings=${settings:+$settings,}fp8_lm_head=0,fp8_fast_accum_dgrad=0 ;;
     fp8-head)   extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
-                settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=1 ;;
+                settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=1,fp8_fast_accum_dgrad=0 ;;
     fp8-head-bf16dw) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
-                settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=0 ;;
+                settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=0,fp8_fast_accum_dgrad=0 ;;
     fp8-fastdg) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
                 settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=1,fp8_fast_accum_dgrad=1 ;;
   esac

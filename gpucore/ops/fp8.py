@@ -38,7 +38,7 @@ from .gelu import MAX_GRID_Y, gelu, gelu_backward_reference, gelu_reference
 
 FORMATS = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
 TILE = 64                     # fp8_cast_kernel: 64 x 64 tiles, 256 threads
-TRANSPOSE_TILES = 2           # fp8_transpose_kernel_c*: 64-column tiles per block (tools/probes/fp8_transpose.py)
+TRANSPOSE_TILES = 2           # fp8_transpose_kernel: 64-column tiles per block (fp8.cu's TRANSPOSE_CT)
 GATED_BLOCKS_PER_SM = 8       # a gated launch's grid: this many blocks per SM walk the tiles (see _grid)
 SLOT = 4                      # floats per tensor in Fp8Scaling's arrays (16 bytes: aligned scale pointers)
 U8 = np.dtype(np.uint8)
@@ -271,11 +271,10 @@ def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate):
 
 
 @profiler.profiled("fp8 transpose", nbytes=profiler.io_bytes)
-def fp8_transpose(x8, *, out=None, tiles=None):
+def fp8_transpose(x8, *, out=None):
     """out (C, R) uint8 = x8 (R, C)^T: FP8 bytes turned around (the FP8 GEMM wants both operands
     K-contiguous; the LM head's dwte sums over tokens, and dlogits8 / lnf8 are token-major). On the
-    GPU R and C must be multiples of 16 and both arrays 16-byte aligned. tiles: 64-column tiles per
-    block (1, 2, 4; default TRANSPOSE_TILES)."""
+    GPU R and C must be multiples of 16 and both arrays 16-byte aligned."""
     check_array("x8", x8, dtype=np.uint8, ndim=2, max_elements=None)
     R, C = x8.shape
     xp = runtime.array_module(x8, out)
@@ -290,12 +289,9 @@ def fp8_transpose(x8, *, out=None, tiles=None):
     for name, a in (("x8", x8), ("out", out)):
         if a.data.ptr % 16:
             raise ValueError(f"{name}: must be 16-byte aligned")
-    ct = TRANSPOSE_TILES if tiles is None else tiles
-    if ct not in (1, 2, 4):
-        raise ValueError(f"tiles: expected 1, 2 or 4, got {ct!r}")
     if x8.size:
-        gx, gy = -(-C // (TILE * ct)), min(-(-R // TILE), MAX_GRID_Y)   # the kernel walks tiles beyond the grid
-        runtime.launch(runtime.get_kernel("fp8", f"fp8_transpose_kernel_c{ct}"), (gx, gy), 256,
+        gx, gy = -(-C // (TILE * TRANSPOSE_TILES)), min(-(-R // TILE), MAX_GRID_Y)   # the kernel walks the rest
+        runtime.launch(runtime.get_kernel("fp8", "fp8_transpose_kernel"), (gx, gy), 256,
                        (out, x8, np.int32(R), np.int32(C)))
     return out
 
