@@ -15,9 +15,9 @@
  *   the caller's finite checks report the NaN.
  * Shapes: in (R, C) bf16 row-major, R and C multiples of 16 (the FP8 GEMM needs that anyway);
  *   out (R, C) fp8 and/or out_t (C, R) fp8 (either may be null). Grid: (C/64, R/64) tiles of
- *   64 x 64 (a smaller grid walks the tiles in a grid-stride loop: the gated re-cast's), 256 threads; each thread loads two 16-byte packs (8 columns of rows r and r + 32),
- *   writes 8 fp8 bytes of `out` per pack, and (transposed) one 16-byte pack of 16 rows of `out_t`
- *   gathered from the tile in shared memory.
+ *   64 x 64 (a smaller grid walks the tiles in a grid-stride loop: the gated re-cast's), 256 threads;
+ *   each thread loads two 16-byte packs (8 columns of rows r and r + 32), writes 8 fp8 bytes of
+ *   `out` per pack, and (transposed) one 4 x 4 block of the tile in shared memory (store_block4_t).
  * fp8_transpose_kernel: FP8 bytes (R, C) -> (C, R), for operands that must be K-contiguous and
  *   were written the other way (the LM head's weight gradient: dlogits8 and lnf8, K = tokens).
  * fp8_gelu_cast_kernel_e4m3: the same cast of gelu(in) (gelu.cu's bf16 GELU, rounded to bf16 first):
@@ -36,6 +36,25 @@
 #include "gelu_math.cuh"
 
 #define TILE 64
+#define TILE_WORDS (TILE / 4 + 1)   // a shared tile row of 64 FP8 bytes as words, + 1 word against bank conflicts
+
+// Thread t's 4 x 4 block of FP8 bytes in a shared word tile -- rows w, w + sw, w + 2 sw, w + 3 sw
+// (one word = 4 columns each) -- written transposed: 4 bytes (the 4 rows) to each of out_t's rows
+// oc..oc + 3 at column orr (out_t (C, R) row-major; R % 4 == 0, orr % 4 == 0). Byte permutes turn
+// the block in registers: 4 shared loads where a byte-wise gather takes 16. Callers map 16
+// consecutive threads to 16 consecutive row blocks, so each out_t row gets 64 contiguous bytes.
+__device__ __forceinline__ void store_block4_t(u8* __restrict__ out_t, const u32* w, int sw, long long R,
+                                               long long oc, long long orr) {
+    const u32 w0 = w[0], w1 = w[sw], w2 = w[2 * sw], w3 = w[3 * sw];
+    const u32 lo01 = __byte_perm(w0, w1, 0x5140), lo23 = __byte_perm(w2, w3, 0x5140);  // bytes 0, 1
+    const u32 hi01 = __byte_perm(w0, w1, 0x7362), hi23 = __byte_perm(w2, w3, 0x7362);  // bytes 2, 3
+    u32* o = reinterpret_cast<u32*>(out_t + oc * R + orr);
+    const long long step = R / 4;      // one out_t row, in words
+    __stcs(o, __byte_perm(lo01, lo23, 0x5410));            // column 0 of the block: byte 0 of w0..w3
+    __stcs(o + step, __byte_perm(lo01, lo23, 0x7632));     // column 1
+    __stcs(o + 2 * step, __byte_perm(hi01, hi23, 0x5410)); // column 2
+    __stcs(o + 3 * step, __byte_perm(hi01, hi23, 0x7632)); // column 3
+}
 
 // GELU of 8 bf16 (one pack), rounded back to bf16 exactly as gelu.cu's gelu_forward_kernel_bf16 writes it.
 __device__ __forceinline__ uint4 gelu_pack8(uint4 p) {
@@ -53,7 +72,7 @@ template <int FMT, bool GELU = false>
 __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __restrict__ amax,
                          const bf16* __restrict__ in, const float* __restrict__ scale,
                          const float* __restrict__ gate, int R, int C) {
-    __shared__ __align__(16) u8 tile[TILE][TILE + 16];   // +16: rows start on different banks
+    __shared__ u32 tile[TILE * TILE_WORDS];   // the cast bytes, for the transposed store
     if (gate && *gate == 0.0f) return;         // the adaptive re-cast, not needed this time (block-uniform)
     const int t = threadIdx.x;
     const float s = *scale;
@@ -73,21 +92,16 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
             uint4 p = __ldcs(reinterpret_cast<const uint4*>(in + r * C + c0 + col));
             if (GELU) p = gelu_pack8(p);
             const uint2 q = quantize8<FMT>(p, s, m);
-            *reinterpret_cast<uint2*>(&tile[row][col]) = q;
+            tile[row * TILE_WORDS + col / 4] = q.x;
+            tile[row * TILE_WORDS + col / 4 + 1] = q.y;
             if (out) *reinterpret_cast<uint2*>(out + r * C + c0 + col) = q;
         }
     }
     if (out_t) {
         __syncthreads();
-        const int c = t >> 2, rr = (t & 3) * 16;   // out_t row c0 + c, 16 rows of `in` from rr
-        if (c0 + c < C && r0 + rr < R) {           // R % 16 == 0: all 16 in or all out
-            u32 v[4];
-            #pragma unroll
-            for (int k = 0; k < 4; k++)
-                v[k] = (u32)tile[rr + 4 * k][c] | ((u32)tile[rr + 4 * k + 1][c] << 8) |
-                       ((u32)tile[rr + 4 * k + 2][c] << 16) | ((u32)tile[rr + 4 * k + 3][c] << 24);
-            *reinterpret_cast<uint4*>(out_t + (long long)(c0 + c) * R + r0 + rr) = make_uint4(v[0], v[1], v[2], v[3]);
-        }
+        const int r4 = (t & 15) * 4, c4 = (t >> 4) * 4;   // this thread's 4 x 4 block of the tile
+        if (c0 + c4 < C && r0 + r4 < R)                   // R, C % 16 == 0: all of it in or all out
+            store_block4_t(out_t, tile + r4 * TILE_WORDS + c4 / 4, TILE_WORDS, R, c0 + c4, r0 + r4);
     }
     }                                          // the tile loop
     if (amax) block_amax(amax, m);
@@ -123,9 +137,8 @@ extern "C" __global__ void __launch_bounds__(256) fp8_gelu_cast_kernel_e4m3(
 // read and 1 written per value: half a bf16 cast's traffic). Tiles of 64 rows x 64 CT columns
 // (grid-stride, as fp8_cast), 256 threads: thread t loads CT 16-byte packs of row t/4 (all in flight
 // at once) into shared memory as words (row stride 16 CT + 1 words: the gathers below meet each bank
-// at most twice), then takes CT blocks of 4 x 4 bytes at rows 4 (t % 16).., columns 4 (t / 16) + 64 h
-// and writes each, turned by byte permutes, as 4 bytes of four out rows; 16 threads cover 64
-// contiguous bytes of an out row.
+// at most twice), then stores CT blocks of 4 x 4 bytes at rows 4 (t % 16).., columns 4 (t / 16) + 64 h
+// transposed (store_block4_t).
 #define TRANSPOSE_CT 2                         // 64-column tiles per block (ops/fp8.py TRANSPOSE_TILES)
 
 template <int CT>
@@ -154,18 +167,8 @@ __device__ void fp8_transpose(u8* __restrict__ out, const u8* __restrict__ in, i
         #pragma unroll
         for (int h = 0; h < CT; h++) {
             const int c4 = (t >> 4) * 4 + TILE * h;
-            if (r0 + r4 < R && c0 + c4 < C) {  // R, C % 16 == 0: all four rows / columns were loaded
-                const u32* w = tile + r4 * SW + c4 / 4;
-                const u32 w0 = w[0], w1 = w[SW], w2 = w[2 * SW], w3 = w[3 * SW];
-                const u32 lo01 = __byte_perm(w0, w1, 0x5140), lo23 = __byte_perm(w2, w3, 0x5140);  // bytes 0, 1
-                const u32 hi01 = __byte_perm(w0, w1, 0x7362), hi23 = __byte_perm(w2, w3, 0x7362);  // bytes 2, 3
-                u32* o = reinterpret_cast<u32*>(out + (long long)(c0 + c4) * R + r0 + r4);
-                const long long step = R / 4;  // one out row, in words
-                __stcs(o, __byte_perm(lo01, lo23, 0x5410));            // column c4: byte 0 of w0..w3
-                __stcs(o + step, __byte_perm(lo01, lo23, 0x7632));     // column c4 + 1
-                __stcs(o + 2 * step, __byte_perm(hi01, hi23, 0x5410)); // column c4 + 2
-                __stcs(o + 3 * step, __byte_perm(hi01, hi23, 0x7632)); // column c4 + 3
-            }
+            if (r0 + r4 < R && c0 + c4 < C)    // R, C % 16 == 0: all four rows / columns were loaded
+                store_block4_t(out, tile + r4 * SW + c4 / 4, SW, R, c0 + c4, r0 + r4);
         }
     }
 }
@@ -189,7 +192,7 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
                                   float* __restrict__ partials, const bf16* __restrict__ dout,
                                   const bf16* __restrict__ x, const float* __restrict__ scale,
                                   const float* __restrict__ gate, int R, int C) {
-    __shared__ __align__(16) u8 tile[TILE][TILE + 16];
+    __shared__ u32 tile[TILE * TILE_WORDS];
     __shared__ float colbuf[TILE][TILE + 1];   // +1: the column sums read down a column without conflicts
     if (gate && *gate == 0.0f) return;         // block-uniform
     const int t = threadIdx.x;
@@ -215,7 +218,8 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
                                    gelu_grad_f<false>(__uint_as_float(vw[i] & 0xffff0000u),
                                                       __uint_as_float(gw[i] & 0xffff0000u)));
             const uint2 q = quantize8<FMT>(make_uint4(d[0], d[1], d[2], d[3]), s, m);
-            *reinterpret_cast<uint2*>(&tile[row][col]) = q;
+            tile[row * TILE_WORDS + col / 4] = q.x;
+            tile[row * TILE_WORDS + col / 4 + 1] = q.y;
             if (out) *reinterpret_cast<uint2*>(out + r * C + c0 + col) = q;
         }
         if (partials) {
@@ -233,15 +237,9 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
         partials[(long long)ty * C + c0 + t] = sum;
     }
     if (out_t) {
-        const int c = t >> 2, rr = (t & 3) * 16;
-        if (c0 + c < C && r0 + rr < R) {
-            u32 v[4];
-            #pragma unroll
-            for (int k = 0; k < 4; k++)
-                v[k] = (u32)tile[rr + 4 * k][c] | ((u32)tile[rr + 4 * k + 1][c] << 8) |
-                       ((u32)tile[rr + 4 * k + 2][c] << 16) | ((u32)tile[rr + 4 * k + 3][c] << 24);
-            *reinterpret_cast<uint4*>(out_t + (long long)(c0 + c) * R + r0 + rr) = make_uint4(v[0], v[1], v[2], v[3]);
-        }
+        const int r4 = (t & 15) * 4, c4 = (t >> 4) * 4;   // as fp8_cast
+        if (c0 + c4 < C && r0 + r4 < R)
+            store_block4_t(out_t, tile + r4 * TILE_WORDS + c4 / 4, TILE_WORDS, R, c0 + c4, r0 + r4);
     }
     }                                          // the tile loop
     if (amax) block_amax(amax, m);
