@@ -36,11 +36,6 @@
 #include "gelu_math.cuh"
 
 #define TILE 64
-// Resident blocks per SM the walking kernels are built for (launch bounds; ops/fp8.py sizes their grids
-// to exactly this many blocks per SM, so no block waits for a second wave): the casts in 32 registers,
-// the GELU backward (two tensors' next packs in flight) in 48.
-#define CAST_BLOCKS 8
-#define GELU_BWD_BLOCKS 5
 #define TILE_WORDS (TILE / 4 + 1)   // a shared tile row of 64 FP8 bytes as words, + 1 word against bank conflicts
 
 // Thread t's 4 x 4 block of FP8 bytes in a shared word tile -- rows w, w + sw, w + 2 sw, w + 3 sw
@@ -71,24 +66,6 @@ __device__ __forceinline__ uint4 gelu_pack8(uint4 p) {
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-// The casts' tile walk. A (R, C) matrix has ceil(R/64) x ceil(C/64) tiles; block b takes tiles
-// b, b + gridDim.x, ... (tile i: row tile i / ntx, column tile i % ntx), and thread t holds two
-// 16-byte packs of each: rows t/8 and t/8 + 32, columns 8 (t % 8).. of the tile. The grid is the
-// blocks an SM holds (CAST_BLOCKS, GELU_BWD_BLOCKS) per SM, and each thread loads the packs of its block's next tile before
-// it works on this one, so loads stay in flight while the tile is cast and stored: a block that
-// loaded only at the start of its one tile left the DRAM a third idle (ncu: the d12 dqkv cast at 67%
-// of its bandwidth, tools/notes/fp8.md). Packs outside the matrix are zero and never written.
-__device__ __forceinline__ void tile_packs(uint4 (&p)[2], const bf16* __restrict__ in, unsigned i, unsigned ntx,
-                                           int R, int C) {
-    const int t = threadIdx.x;
-    const long long r = (long long)(i / ntx) * TILE + (t >> 3);
-    const int c = (int)(i % ntx) * TILE + (t & 7) * 8;
-    #pragma unroll
-    for (int h = 0; h < 2; h++)              // C % 16 == 0: a pack is all in or all out
-        p[h] = (r + 32 * h < R && c < C) ? __ldcs(reinterpret_cast<const uint4*>(in + (r + 32 * h) * C + c))
-                                         : make_uint4(0u, 0u, 0u, 0u);
-}
-
 // GELU = true: the cast of gelu(in) (the fcproj input in FP8 training: gelu_forward followed by the cast,
 // bit for bit, without writing or reading the bf16 GELU output).
 template <int FMT, bool GELU = false>
@@ -100,38 +77,37 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
     const int t = threadIdx.x;
     const float s = *scale;
     const int col = (t & 7) * 8;               // 8 columns per pack
-    const unsigned ntx = (C + TILE - 1) / TILE, ntiles = ntx * ((R + TILE - 1) / TILE);
     u32 m = 0;
-    uint4 next[2];
-    if (blockIdx.x < ntiles) tile_packs(next, in, blockIdx.x, ntx, R, C);
-    for (unsigned i = blockIdx.x; i < ntiles; i += gridDim.x) {
-        const int r0 = (int)(i / ntx) * TILE, c0 = (int)(i % ntx) * TILE;
-        const uint4 p[2] = {next[0], next[1]};
-        if (i + gridDim.x < ntiles) tile_packs(next, in, i + gridDim.x, ntx, R, C);   // in flight meanwhile
-        if (out_t) __syncthreads();            // the last tile's transposed reads are done
-        #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int row = (t >> 3) + 32 * h;
-            const long long r = r0 + row;
-            if (r < R && c0 + col < C) {
-                const uint4 v = GELU ? gelu_pack8(p[h]) : p[h];
-                const uint2 q = quantize8<FMT>(v, s, m);
-                tile[row * TILE_WORDS + col / 4] = q.x;
-                tile[row * TILE_WORDS + col / 4 + 1] = q.y;
-                if (out) *reinterpret_cast<uint2*>(out + r * C + c0 + col) = q;
-            }
-        }
-        if (out_t) {
-            __syncthreads();
-            const int r4 = (t & 15) * 4, c4 = (t >> 4) * 4;   // this thread's 4 x 4 block of the tile
-            if (c0 + c4 < C && r0 + r4 < R)                   // R, C % 16 == 0: all of it in or all out
-                store_block4_t(out_t, tile + r4 * TILE_WORDS + c4 / 4, TILE_WORDS, R, c0 + c4, r0 + r4);
+    // Tiles in a grid-stride loop: a full grid runs each block once; the gated re-cast is launched
+    // on a capped grid, so that when the gate says no, few blocks start only to return.
+    for (int ty = blockIdx.y; ty * TILE < R; ty += gridDim.y)
+    for (int tx = blockIdx.x; tx * TILE < C; tx += gridDim.x) {
+    const int r0 = ty * TILE, c0 = tx * TILE;
+    if (out_t) __syncthreads();                // the last tile's transposed reads are done
+    #pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int row = (t >> 3) + 32 * h;
+        const long long r = r0 + row;
+        if (r < R && c0 + col < C) {           // C % 16 == 0: a pack is all in or all out
+            uint4 p = __ldcs(reinterpret_cast<const uint4*>(in + r * C + c0 + col));
+            if (GELU) p = gelu_pack8(p);
+            const uint2 q = quantize8<FMT>(p, s, m);
+            tile[row * TILE_WORDS + col / 4] = q.x;
+            tile[row * TILE_WORDS + col / 4 + 1] = q.y;
+            if (out) *reinterpret_cast<uint2*>(out + r * C + c0 + col) = q;
         }
     }
+    if (out_t) {
+        __syncthreads();
+        const int r4 = (t & 15) * 4, c4 = (t >> 4) * 4;   // this thread's 4 x 4 block of the tile
+        if (c0 + c4 < C && r0 + r4 < R)                   // R, C % 16 == 0: all of it in or all out
+            store_block4_t(out_t, tile + r4 * TILE_WORDS + c4 / 4, TILE_WORDS, R, c0 + c4, r0 + r4);
+    }
+    }                                          // the tile loop
     if (amax) block_amax(amax, m);
 }
 
-extern "C" __global__ void __launch_bounds__(256, CAST_BLOCKS) fp8_cast_kernel_e4m3(
+extern "C" __global__ void __launch_bounds__(256) fp8_cast_kernel_e4m3(
         u8* out, u8* out_t, float* amax,      // (R, C) | null, (C, R) | null, (1,) | null
         const bf16* in, const float* scale,   // (R, C), (1,)
         const float* gate,                    // (1,) | null: cast only when *gate != 0
@@ -139,7 +115,7 @@ extern "C" __global__ void __launch_bounds__(256, CAST_BLOCKS) fp8_cast_kernel_e
     fp8_cast<E4M3>(out, out_t, amax, in, scale, gate, R, C);
 }
 
-extern "C" __global__ void __launch_bounds__(256, CAST_BLOCKS) fp8_cast_kernel_e5m2(
+extern "C" __global__ void __launch_bounds__(256) fp8_cast_kernel_e5m2(
         u8* out, u8* out_t, float* amax,      // (R, C) | null, (C, R) | null, (1,) | null
         const bf16* in, const float* scale,   // (R, C), (1,)
         const float* gate,                    // (1,) | null: cast only when *gate != 0
@@ -147,7 +123,7 @@ extern "C" __global__ void __launch_bounds__(256, CAST_BLOCKS) fp8_cast_kernel_e
     fp8_cast<E5M2>(out, out_t, amax, in, scale, gate, R, C);
 }
 
-extern "C" __global__ void __launch_bounds__(256, CAST_BLOCKS) fp8_gelu_cast_kernel_e4m3(
+extern "C" __global__ void __launch_bounds__(256) fp8_gelu_cast_kernel_e4m3(
         u8* out, u8* out_t, float* amax,      // (R, C) | null, (C, R) | null, (1,) | null: of gelu(in)
         const bf16* in, const float* scale,   // (R, C): GELU's input (fch), (1,)
         const float* gate,                    // (1,) | null: cast only when *gate != 0
@@ -208,91 +184,68 @@ extern "C" __global__ void __launch_bounds__(256) fp8_transpose_kernel(
 // dx = gelu'(x) * dout rounded to bf16 exactly as gelu.cu's gelu_backward_kernel_bf16 writes it, then
 // cast as fp8_cast casts a bf16 matrix -- so out / out_t / amax are the bits of gelu_backward followed
 // by fp8_cast, without writing dx or reading it back. partials (R/64, C) float32, optional: each
-// 64-row tile's column sums of dx (the bf16 values), in a fixed tree -- row r + row r + 32 in the
-// thread, 8 such pairs in order, the 4 eights in order -- so deterministic; all 256 threads take part
-// (64 threads summing 64 rows each, one dependent add after another, had left the block mostly idle).
-// The Python side adds the partials over tiles in order (colsum's stage 2) into the fc bias gradient.
-// Same walk, threads and gate as fp8_cast.
+// 64-row tile's column sums of dx (the bf16 values, in row order: deterministic); the Python side adds
+// them over tiles in order (colsum's stage 2) into the fc bias gradient. Same tiles, threads and gate
+// as fp8_cast.
 template <int FMT>
 __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, float* __restrict__ amax,
                                   float* __restrict__ partials, const bf16* __restrict__ dout,
                                   const bf16* __restrict__ x, const float* __restrict__ scale,
                                   const float* __restrict__ gate, int R, int C) {
     __shared__ u32 tile[TILE * TILE_WORDS];
-    __shared__ float pairs[TILE / 2][TILE + 1];   // column sums of row pairs (r, r + 32); +1: no conflicts below
-    __shared__ float eights[4][TILE];            // ... of 8 consecutive pairs
+    __shared__ float colbuf[TILE][TILE + 1];   // +1: the column sums read down a column without conflicts
     if (gate && *gate == 0.0f) return;         // block-uniform
     const int t = threadIdx.x;
     const float s = *scale;
     const int col = (t & 7) * 8;
-    const unsigned ntx = (C + TILE - 1) / TILE, ntiles = ntx * ((R + TILE - 1) / TILE);
     u32 m = 0;
-    uint4 gn[2], vn[2];                        // the next tile's packs of dout and x (fp8_cast's walk)
-    if (blockIdx.x < ntiles) {
-        tile_packs(gn, dout, blockIdx.x, ntx, R, C);
-        tile_packs(vn, x, blockIdx.x, ntx, R, C);
-    }
-    for (unsigned i = blockIdx.x; i < ntiles; i += gridDim.x) {
-        const int ty = (int)(i / ntx), r0 = ty * TILE, c0 = (int)(i % ntx) * TILE;
-        const uint4 gp[2] = {gn[0], gn[1]}, vp[2] = {vn[0], vn[1]};
-        if (i + gridDim.x < ntiles) {
-            tile_packs(gn, dout, i + gridDim.x, ntx, R, C);
-            tile_packs(vn, x, i + gridDim.x, ntx, R, C);
-        }
-        if (out_t || partials) __syncthreads();    // the last tile's shared reads are done
-        float pair[8];                         // this thread's columns: d(row) + d(row + 32), as stored
-        #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int row = (t >> 3) + 32 * h;
-            const long long r = r0 + row;
-            u32 d[4] = {0u, 0u, 0u, 0u};       // dx as bf16 pairs; zero past the edges (sums ignore them)
-            if (r < R && c0 + col < C) {
-                const u32 gw[4] = {gp[h].x, gp[h].y, gp[h].z, gp[h].w}, vw[4] = {vp[h].x, vp[h].y, vp[h].z, vp[h].w};
-                #pragma unroll
-                for (int k = 0; k < 4; k++)
-                    d[k] = pack_bf16x2(gelu_grad_f<false>(__uint_as_float(vw[k] << 16), __uint_as_float(gw[k] << 16)),
-                                       gelu_grad_f<false>(__uint_as_float(vw[k] & 0xffff0000u),
-                                                          __uint_as_float(gw[k] & 0xffff0000u)));
-                const uint2 q = quantize8<FMT>(make_uint4(d[0], d[1], d[2], d[3]), s, m);
-                tile[row * TILE_WORDS + col / 4] = q.x;
-                tile[row * TILE_WORDS + col / 4 + 1] = q.y;
-                if (out) *reinterpret_cast<uint2*>(out + r * C + c0 + col) = q;
-            }
+    for (int ty = blockIdx.y; ty * TILE < R; ty += gridDim.y)     // fp8_cast's tile loop
+    for (int tx = blockIdx.x; tx * TILE < C; tx += gridDim.x) {
+    const int r0 = ty * TILE, c0 = tx * TILE;
+    if (out_t || partials) __syncthreads();    // the last tile's shared reads are done
+    #pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int row = (t >> 3) + 32 * h;
+        const long long r = r0 + row;
+        u32 d[4] = {0u, 0u, 0u, 0u};           // dx as bf16 pairs; zero past the edges (sums ignore them)
+        if (r < R && c0 + col < C) {
+            const uint4 g = __ldcs(reinterpret_cast<const uint4*>(dout + r * C + c0 + col));
+            const uint4 v = __ldcs(reinterpret_cast<const uint4*>(x + r * C + c0 + col));
+            const u32 gw[4] = {g.x, g.y, g.z, g.w}, vw[4] = {v.x, v.y, v.z, v.w};
             #pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const float lo = __uint_as_float(d[k] << 16), hi = __uint_as_float(d[k] & 0xffff0000u);
-                pair[2 * k] = h ? __fadd_rn(pair[2 * k], lo) : lo;
-                pair[2 * k + 1] = h ? __fadd_rn(pair[2 * k + 1], hi) : hi;
-            }
+            for (int i = 0; i < 4; i++)
+                d[i] = pack_bf16x2(gelu_grad_f<false>(__uint_as_float(vw[i] << 16), __uint_as_float(gw[i] << 16)),
+                                   gelu_grad_f<false>(__uint_as_float(vw[i] & 0xffff0000u),
+                                                      __uint_as_float(gw[i] & 0xffff0000u)));
+            const uint2 q = quantize8<FMT>(make_uint4(d[0], d[1], d[2], d[3]), s, m);
+            tile[row * TILE_WORDS + col / 4] = q.x;
+            tile[row * TILE_WORDS + col / 4 + 1] = q.y;
+            if (out) *reinterpret_cast<uint2*>(out + r * C + c0 + col) = q;
         }
         if (partials) {
             #pragma unroll
-            for (int e = 0; e < 8; e++) pairs[t >> 3][col + e] = pair[e];
-        }
-        if (out_t || partials) __syncthreads();
-        if (partials) {                        // column t % 64, pairs 8 (t / 64).. in order
-            const int c = t & (TILE - 1), q = t / TILE;
-            float sum = pairs[8 * q][c];
-            #pragma unroll
-            for (int j = 1; j < 8; j++) sum = __fadd_rn(sum, pairs[8 * q + j][c]);
-            eights[q][c] = sum;
-        }
-        if (out_t) {
-            const int r4 = (t & 15) * 4, c4 = (t >> 4) * 4;   // as fp8_cast
-            if (c0 + c4 < C && r0 + r4 < R)
-                store_block4_t(out_t, tile + r4 * TILE_WORDS + c4 / 4, TILE_WORDS, R, c0 + c4, r0 + r4);
-        }
-        if (partials) {
-            __syncthreads();
-            if (t < TILE && c0 + t < C)
-                partials[(long long)ty * C + c0 + t] =
-                    __fadd_rn(__fadd_rn(__fadd_rn(eights[0][t], eights[1][t]), eights[2][t]), eights[3][t]);
+            for (int i = 0; i < 4; i++) {
+                colbuf[row][col + 2 * i] = __uint_as_float(d[i] << 16);
+                colbuf[row][col + 2 * i + 1] = __uint_as_float(d[i] & 0xffff0000u);
+            }
         }
     }
+    if (out_t || partials) __syncthreads();
+    if (partials && t < TILE && c0 + t < C) {
+        float sum = 0.0f;
+        for (int r = 0; r < TILE; r++) sum = __fadd_rn(sum, colbuf[r][t]);
+        partials[(long long)ty * C + c0 + t] = sum;
+    }
+    if (out_t) {
+        const int r4 = (t & 15) * 4, c4 = (t >> 4) * 4;   // as fp8_cast
+        if (c0 + c4 < C && r0 + r4 < R)
+            store_block4_t(out_t, tile + r4 * TILE_WORDS + c4 / 4, TILE_WORDS, R, c0 + c4, r0 + r4);
+    }
+    }                                          // the tile loop
     if (amax) block_amax(amax, m);
 }
 
-extern "C" __global__ void __launch_bounds__(256, GELU_BWD_BLOCKS) fp8_gelu_backward_kernel_e5m2(
+extern "C" __global__ void __launch_bounds__(256) fp8_gelu_backward_kernel_e5m2(
         u8* out, u8* out_t, float* amax, float* partials,   // (R, C) | null, (C, R) | null, (1,) | null, (R/64, C) | null
         const bf16* dout, const bf16* x,                    // (R, C) x 2: GELU's output gradient and input
         const float* scale, const float* gate, int R, int C) {

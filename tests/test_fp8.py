@@ -254,7 +254,7 @@ def test_gpu_fp8_transpose_bitwise(rng, R, C):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("R,C", [(16, 16), (48, 80), (64, 64), (1040, 784), (4096, 3072), (16400, 784)])
+@pytest.mark.parametrize("R,C", [(16, 16), (48, 80), (64, 64), (1040, 784), (4096, 3072)])
 def test_gpu_quantize_bitwise(rng, fmt, R, C):
     _need_fp8()
     cp = runtime.cupy
@@ -298,7 +298,7 @@ def test_gpu_amax_and_nan(rng):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("R,C", [(64, 64), (1040, 784), (4096, 3072), (16400, 784)])   # the last two: walks loop, edges
+@pytest.mark.parametrize("R,C", [(64, 64), (1040, 784), (4096, 3072)])
 def test_gpu_gelu_backward_fused_bitwise(rng, R, C):
     """GPU: fp8_gelu_backward's bytes and amax equal gelu_backward + fp8_quantize's bit for bit (the
     same GELU math, the same rounding to bf16, the same cast); its bias sums (another summation
@@ -660,12 +660,12 @@ def test_model_fp8_lm_head_plans_its_scratch_and_checks_resumed_state():
 @pytest.mark.cuda
 @pytest.mark.parametrize("R,C", [(1040, 784), (4096, 3072), (16384, 768)])
 def test_gpu_gated_recast_on_its_capped_grid_is_the_cast(rng, R, C):
-    """The gated re-cast runs on the casts' grid of a few blocks per SM that walk the tiles: on a
+    """The gated re-cast runs on a grid of a few blocks per SM that walk the tiles in a loop: on a
     nonzero gate its bytes (both orientations) are fp8_quantize's; on a zero gate nothing is written."""
     from gpucore.ops.fp8 import _grid, fp8_requantize_gated
     _need_fp8()
     cp = runtime.cupy
-    assert _grid(R, C) < -(-R // 64) * -(-C // 64) or R <= 1040        # the walk really loops
+    assert _grid(R, C, True)[1] < _grid(R, C, False)[1] or R <= 1040     # the loop really runs
     x = cp.asarray(_bf16(rng, (R, C)))
     scale = cp.asarray([50.0], F32)
     q, qt = fp8_quantize(x, "e4m3", scale, out=cp.empty((R, C), np.uint8), out_t=cp.empty((C, R), np.uint8))
@@ -696,7 +696,7 @@ def test_gelu_quantize_numpy_is_gelu_then_the_cast(rng):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("R,C", [(64, 64), (1040, 784), (4096, 3072), (16400, 784)])
+@pytest.mark.parametrize("R,C", [(64, 64), (1040, 784), (4096, 3072)])
 def test_gpu_gelu_quantize_is_bitwise_the_gelu_kernel_then_the_cast(rng, R, C):
     """fp8_gelu_quantize's bytes (both orientations) and amax are gelu (bf16 kernel) + fp8_quantize's;
     its gated re-run (capped grid) writes the same bytes on a nonzero gate and nothing on zero."""

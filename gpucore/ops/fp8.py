@@ -39,8 +39,7 @@ from .gelu import MAX_GRID_Y, gelu, gelu_backward_reference, gelu_reference
 FORMATS = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
 TILE = 64                     # fp8_cast_kernel: 64 x 64 tiles, 256 threads
 TRANSPOSE_TILES = 2           # fp8_transpose_kernel: 64-column tiles per block (fp8.cu's TRANSPOSE_CT)
-CAST_BLOCKS_PER_SM = 8        # the casts' grid: blocks per SM that walk the tiles (fp8.cu CAST_BLOCKS, _grid)
-GELU_BWD_BLOCKS_PER_SM = 5    # fp8_gelu_backward's (fp8.cu GELU_BWD_BLOCKS)
+GATED_BLOCKS_PER_SM = 8       # a gated launch's grid: this many blocks per SM walk the tiles (see _grid)
 SLOT = 4                      # floats per tensor in Fp8Scaling's arrays (16 bytes: aligned scale pointers)
 U8 = np.dtype(np.uint8)
 F32 = np.dtype(np.float32)
@@ -173,15 +172,14 @@ def check_cast_args(x, fmt, scale, out, out_t, amax, gate, xp, xname="x"):
             raise ValueError(f"{name}: must be 16-byte aligned")
 
 
-def _grid(R, C, blocks_per_sm=CAST_BLOCKS_PER_SM):
-    """Blocks for the casts: as many as the SMs hold at once (the kernels' launch bounds), each walking
-    tiles of 64 x 64 (fp8.cu's tile walk: the next tile's loads in flight while this one is cast). The
-    same bits for any grid; a gated launch (adaptive re-cast) that the gate skips costs these few
-    blocks' start."""
-    tiles = -(-C // TILE) * -(-R // TILE)
-    if tiles >= 1 << 31:
-        raise ValueError(f"x: {R} x {C} is more than 2^31 tiles of {TILE} x {TILE}")
-    return max(1, min(tiles, blocks_per_sm * runtime.sm_count()))
+def _grid(R, C, gated):
+    """Tiles (C/64, R/64) for the casts; a gated launch (adaptive re-cast) gets at most
+    GATED_BLOCKS_PER_SM blocks per SM that walk the tiles in a loop, so a no-op costs a few blocks'
+    start, not tens of thousands (and a real re-cast still fills the GPU). Same bits either way."""
+    gx, gy = -(-C // TILE), -(-R // TILE)
+    if gated:
+        gy = max(1, min(gy, GATED_BLOCKS_PER_SM * runtime.sm_count() // gx))
+    return gx, gy
 
 
 def _quantize(x, fmt, scale, out, out_t, amax, gate, gelu_first=False):
@@ -206,7 +204,7 @@ def _quantize(x, fmt, scale, out, out_t, amax, gate, gelu_first=False):
         return out, out_t
     kernel = runtime.get_kernel("fp8", "fp8_gelu_cast_kernel_e4m3" if gelu_first else f"fp8_cast_kernel_{fmt}")
     null = np.uint64(0)
-    runtime.launch(kernel, _grid(R, C), 256,
+    runtime.launch(kernel, _grid(R, C, gate is not None), 256,
                    (null if out is None else out, null if out_t is None else out_t, null if amax is None else amax,
                     x, scale, null if gate is None else gate, np.int32(R), np.int32(C)))
     return out, out_t
@@ -263,7 +261,7 @@ def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate):
         return out, out_t
     partials = xp.empty((tiles, C), np.float32) if dbias is not None else None
     null = np.uint64(0)
-    runtime.launch(runtime.get_kernel("fp8", "fp8_gelu_backward_kernel_e5m2"), _grid(R, C, GELU_BWD_BLOCKS_PER_SM), 256,
+    runtime.launch(runtime.get_kernel("fp8", "fp8_gelu_backward_kernel_e5m2"), _grid(R, C, gate is not None), 256,
                    (null if out is None else out, null if out_t is None else out_t, null if amax is None else amax,
                     null if partials is None else partials, dout, x, scale, null if gate is None else gate,
                     np.int32(R), np.int32(C)))
