@@ -62,7 +62,7 @@ __device__ __forceinline__ uint4 gelu_pack8(uint4 p) {
     u32 o[4];
     #pragma unroll
     for (int i = 0; i < 4; i++)
-        o[i] = pack_bf16x2(gelu_f<false>(__uint_as_float(w[i] << 16)), gelu_f<false>(__uint_as_float(w[i] & 0xffff0000u)));
+        o[i] = cvt_rn_bf16x2(gelu_f<false>(__uint_as_float(w[i] << 16)), gelu_f<false>(__uint_as_float(w[i] & 0xffff0000u)));
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
@@ -214,7 +214,7 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
             const u32 gw[4] = {g.x, g.y, g.z, g.w}, vw[4] = {v.x, v.y, v.z, v.w};
             #pragma unroll
             for (int i = 0; i < 4; i++)
-                d[i] = pack_bf16x2(gelu_grad_f<false>(__uint_as_float(vw[i] << 16), __uint_as_float(gw[i] << 16)),
+                d[i] = cvt_rn_bf16x2(gelu_grad_f<false>(__uint_as_float(vw[i] << 16), __uint_as_float(gw[i] << 16)),
                                    gelu_grad_f<false>(__uint_as_float(vw[i] & 0xffff0000u),
                                                       __uint_as_float(gw[i] & 0xffff0000u)));
             const uint2 q = quantize8<FMT>(make_uint4(d[0], d[1], d[2], d[3]), s, m);

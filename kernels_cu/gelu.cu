@@ -41,6 +41,23 @@
 
 #define UNROLL 4
 
+// One pack of results rounded to T: bf16 pairs by the hardware conversion (cvt.rn.bf16x2, as
+// float_to_bf16 for every non-NaN value; a NaN becomes 0x7fff, a quiet NaN like the canonical one),
+// one instruction per pair where float_to_bf16 takes ~8 per value; float as is.
+template <typename T>
+__device__ __forceinline__ Pack16<T> round_pack(const float (&f)[Pack16<T>::size]) {
+    Pack16<T> r;
+    if constexpr (sizeof(T) == 2) {
+        u32* w = reinterpret_cast<u32*>(&r);
+        #pragma unroll
+        for (int i = 0; i < 4; i++) w[i] = cvt_rn_bf16x2(f[2 * i], f[2 * i + 1]);
+    } else {
+        #pragma unroll
+        for (int k = 0; k < Pack16<T>::size; k++) r.v[k] = f[k];
+    }
+    return r;
+}
+
 template <typename T>
 __device__ void gelu_forward(T* out, const T* x, int n) {   // (n,) (n,); out may alias x
     constexpr int P = Pack16<T>::size;
@@ -51,10 +68,10 @@ __device__ void gelu_forward(T* out, const T* x, int n) {   // (n,) (n,); out ma
         for (int u = 0; u < UNROLL; u++) v[u] = load16_cs(x + (base + u * blockDim.x) * P);
         #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
-            Pack16<T> r;
+            float f[P];
             #pragma unroll
-            for (int k = 0; k < P; k++) r.v[k] = from_float<T>(gelu_f<sizeof(T) == 4>(to_float(v[u].v[k])));
-            store16(out + (base + u * blockDim.x) * P, r);
+            for (int k = 0; k < P; k++) f[k] = gelu_f<sizeof(T) == 4>(to_float(v[u].v[k]));
+            store16(out + (base + u * blockDim.x) * P, round_pack<T>(f));
         }
         return;
     }
@@ -79,11 +96,10 @@ __device__ void gelu_backward(T* dx, const T* dout, const T* x, int n) {   // (n
         }
         #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
-            Pack16<T> r;
+            float f[P];
             #pragma unroll
-            for (int k = 0; k < P; k++)
-                r.v[k] = from_float<T>(gelu_grad_f<sizeof(T) == 4>(to_float(v[u].v[k]), to_float(g[u].v[k])));
-            store16(dx + (base + u * blockDim.x) * P, r);
+            for (int k = 0; k < P; k++) f[k] = gelu_grad_f<sizeof(T) == 4>(to_float(v[u].v[k]), to_float(g[u].v[k]));
+            store16(dx + (base + u * blockDim.x) * P, round_pack<T>(f));
         }
         return;
     }
@@ -132,12 +148,12 @@ __device__ void gelu_backward_dbias(T* dx, float* partials,            // (N, C)
             for (int u = 0; u < DB_UNROLL; u++) {
                 const int r = r0 + u * DB_WARPS;
                 if (r < row1) {
-                    Pack16<T> d;
+                    float f[P];
                     #pragma unroll
-                    for (int k = 0; k < P; k++) {
-                        d.v[k] = from_float<T>(gelu_grad_f<sizeof(T) == 4>(to_float(v[u].v[k]), to_float(g[u].v[k])));
-                        acc[k] = __fadd_rn(acc[k], to_float(d.v[k]));
-                    }
+                    for (int k = 0; k < P; k++) f[k] = gelu_grad_f<sizeof(T) == 4>(to_float(v[u].v[k]), to_float(g[u].v[k]));
+                    const Pack16<T> d = round_pack<T>(f);
+                    #pragma unroll
+                    for (int k = 0; k < P; k++) acc[k] = __fadd_rn(acc[k], to_float(d.v[k]));
                     store16(dx + (size_t)r * C + col0, d);
                 }
             }
