@@ -66,13 +66,24 @@ __device__ __forceinline__ uint4 gelu_pack8(uint4 p) {
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
+// The casts' tiles: CAST_ROWS rows x 64 columns. Shared memory holds a tile's FP8 bytes as rows of
+// 16 words, word w of row r at r * 16 + (w ^ ((r / 4) % 16)): the XOR swizzle keeps both the row-wise
+// stores and the transposed 4 x 4 gathers within two accesses per bank.
+#ifndef CAST_ROWS
+#define CAST_ROWS 64
+#endif
+__device__ __forceinline__ int swz(int r, int w) { return r * 16 + (w ^ ((r >> 2) & 15)); }
+
 // GELU = true: the cast of gelu(in) (the fcproj input in FP8 training: gelu_forward followed by the cast,
-// bit for bit, without writing or reading the bf16 GELU output).
-template <int FMT, bool GELU = false>
+// bit for bit, without writing or reading the bf16 GELU output). TR rows per tile: each thread casts
+// TR / 32 packs (rows t/8 + 32 h), then stores TR / 64 transposed 4 x 4 blocks; TR / 4 threads cover
+// TR contiguous bytes of an out_t row.
+template <int FMT, bool GELU = false, int TR = CAST_ROWS>
 __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __restrict__ amax,
                          const bf16* __restrict__ in, const float* __restrict__ scale,
                          const float* __restrict__ gate, int R, int C) {
-    __shared__ u32 tile[TILE * TILE_WORDS];   // the cast bytes, for the transposed store
+    constexpr int H = TR / 32, RB = TR / 4;    // packs per thread; threads per out_t row segment
+    __shared__ u32 tile[TR * 16];              // the cast bytes, for the transposed store
     if (gate && *gate == 0.0f) return;         // the adaptive re-cast, not needed this time (block-uniform)
     const int t = threadIdx.x;
     const float s = *scale;
@@ -80,28 +91,36 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
     u32 m = 0;
     // Tiles in a grid-stride loop: a full grid runs each block once; the gated re-cast is launched
     // on a capped grid, so that when the gate says no, few blocks start only to return.
-    for (int ty = blockIdx.y; ty * TILE < R; ty += gridDim.y)
+    for (int ty = blockIdx.y; ty * TR < R; ty += gridDim.y)
     for (int tx = blockIdx.x; tx * TILE < C; tx += gridDim.x) {
-    const int r0 = ty * TILE, c0 = tx * TILE;
+    const int r0 = ty * TR, c0 = tx * TILE;
     if (out_t) __syncthreads();                // the last tile's transposed reads are done
+    uint4 p[H];
     #pragma unroll
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < H; h++) {              // all loads first: H packs in flight
+        const long long r = r0 + (t >> 3) + 32 * h;
+        if (r < R && c0 + col < C) p[h] = __ldcs(reinterpret_cast<const uint4*>(in + r * C + c0 + col));
+    }
+    #pragma unroll
+    for (int h = 0; h < H; h++) {
         const int row = (t >> 3) + 32 * h;
         const long long r = r0 + row;
         if (r < R && c0 + col < C) {           // C % 16 == 0: a pack is all in or all out
-            uint4 p = __ldcs(reinterpret_cast<const uint4*>(in + r * C + c0 + col));
-            if (GELU) p = gelu_pack8(p);
-            const uint2 q = quantize8<FMT>(p, s, m);
-            tile[row * TILE_WORDS + col / 4] = q.x;
-            tile[row * TILE_WORDS + col / 4 + 1] = q.y;
+            const uint2 q = quantize8<FMT>(GELU ? gelu_pack8(p[h]) : p[h], s, m);
+            tile[swz(row, col / 4)] = q.x;
+            tile[swz(row, col / 4 + 1)] = q.y;
             if (out) *reinterpret_cast<uint2*>(out + r * C + c0 + col) = q;
         }
     }
     if (out_t) {
         __syncthreads();
-        const int r4 = (t & 15) * 4, c4 = (t >> 4) * 4;   // this thread's 4 x 4 block of the tile
-        if (c0 + c4 < C && r0 + r4 < R)                   // R, C % 16 == 0: all of it in or all out
-            store_block4_t(out_t, tile + r4 * TILE_WORDS + c4 / 4, TILE_WORDS, R, c0 + c4, r0 + r4);
+        const int i = t % RB, r4 = 4 * i;      // this thread's row block; its column blocks below
+        #pragma unroll
+        for (int j = 0; j < TR / 64; j++) {
+            const int cb = t / RB + (256 / RB) * j, c4 = 4 * cb;
+            if (c0 + c4 < C && r0 + r4 < R)    // R, C % 16 == 0: all of the block in or all out
+                store_block4_t(out_t, tile + swz(r4, cb), 16, R, c0 + c4, r0 + r4);   // rows r4.. share the swizzle
+        }
     }
     }                                          // the tile loop
     if (amax) block_amax(amax, m);

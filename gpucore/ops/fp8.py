@@ -37,7 +37,8 @@ from .colsum import reduce_partials
 from .gelu import MAX_GRID_Y, gelu, gelu_backward_reference, gelu_reference
 
 FORMATS = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
-TILE = 64                     # fp8_cast_kernel: 64 x 64 tiles, 256 threads
+TILE = 64                     # the casts' tile width (and the GELU backward's height), 256 threads
+CAST_ROWS = 64                # fp8_cast_kernel_*'s tile height (fp8.cu CAST_ROWS)
 TRANSPOSE_TILES = 2           # fp8_transpose_kernel: 64-column tiles per block (fp8.cu's TRANSPOSE_CT)
 GATED_BLOCKS_PER_SM = 8       # a gated launch's grid: this many blocks per SM walk the tiles (see _grid)
 SLOT = 4                      # floats per tensor in Fp8Scaling's arrays (16 bytes: aligned scale pointers)
@@ -172,11 +173,12 @@ def check_cast_args(x, fmt, scale, out, out_t, amax, gate, xp, xname="x"):
             raise ValueError(f"{name}: must be 16-byte aligned")
 
 
-def _grid(R, C, gated):
-    """Tiles (C/64, R/64) for the casts; a gated launch (adaptive re-cast) gets at most
-    GATED_BLOCKS_PER_SM blocks per SM that walk the tiles in a loop, so a no-op costs a few blocks'
-    start, not tens of thousands (and a real re-cast still fills the GPU). Same bits either way."""
-    gx, gy = -(-C // TILE), -(-R // TILE)
+def _grid(R, C, gated, rows=TILE):
+    """Tiles (C/64, R/rows) for the casts (rows: CAST_ROWS for fp8_cast's, 64 for the GELU
+    backward's); a gated launch (adaptive re-cast) gets at most GATED_BLOCKS_PER_SM blocks per SM
+    that walk the tiles in a loop, so a no-op costs a few blocks' start, not tens of thousands (and a
+    real re-cast still fills the GPU). Same bits either way."""
+    gx, gy = -(-C // TILE), -(-R // rows)
     if gated:
         gy = max(1, min(gy, GATED_BLOCKS_PER_SM * runtime.sm_count() // gx))
     return gx, gy
@@ -204,7 +206,7 @@ def _quantize(x, fmt, scale, out, out_t, amax, gate, gelu_first=False):
         return out, out_t
     kernel = runtime.get_kernel("fp8", "fp8_gelu_cast_kernel_e4m3" if gelu_first else f"fp8_cast_kernel_{fmt}")
     null = np.uint64(0)
-    runtime.launch(kernel, _grid(R, C, gate is not None), 256,
+    runtime.launch(kernel, _grid(R, C, gate is not None, CAST_ROWS), 256,
                    (null if out is None else out, null if out_t is None else out_t, null if amax is None else amax,
                     x, scale, null if gate is None else gate, np.int32(R), np.int32(C)))
     return out, out_t
