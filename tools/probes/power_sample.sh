@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# power_sample.sh CMD... -- run CMD while nvidia-smi samples the GPU every 100 ms; print the median
+# power draw, SM clock and the throttle reasons seen during the busiest half of the samples.
+# Answers: is a training step power-limited (clocks falling under load), so that a memory-bound
+# kernel made faster gives back less than its own time?   tools/probes/power_sample.sh gpucore train ...
+set -uo pipefail
+LOG=$(mktemp)
+nvidia-smi --query-gpu=power.draw,power.limit,clocks.sm,clocks.max.sm,clocks_throttle_reasons.active,utilization.gpu \
+  --format=csv,noheader,nounits -lms 100 > "$LOG" &
+SMI=$!
+"$@" > /dev/null 2>&1
+rc=$?
+kill $SMI 2>/dev/null; wait $SMI 2>/dev/null
+python3 - "$LOG" <<'PY'
+import statistics, sys
+rows = [[c.strip() for c in l.split(",")] for l in open(sys.argv[1]) if l.count(",") >= 5]
+busy = [r for r in rows if r[5].isdigit() and int(r[5]) >= 90]
+if not busy:
+    sys.exit("no busy samples")
+pw = [float(r[0]) for r in busy]
+clk = [float(r[2]) for r in busy]
+reasons = sorted({r[4] for r in busy})
+print(f"{len(busy)} busy samples: power {statistics.median(pw):.0f} W median (limit {busy[0][1]} W), "
+      f"SM clock {statistics.median(clk):.0f} MHz median (max {busy[0][3]}), min {min(clk):.0f}; throttle reasons {reasons}")
+PY
+rm -f "$LOG"
+exit $rc
