@@ -36,7 +36,6 @@
 #include "gelu_math.cuh"
 
 #define TILE 64
-#define TILE_WORDS (TILE / 4 + 1)   // a shared tile row of 64 FP8 bytes as words, + 1 word against bank conflicts
 
 // Thread t's 4 x 4 block of FP8 bytes in a shared word tile -- rows w, w + sw, w + 2 sw, w + 3 sw
 // (one word = 4 columns each) -- written transposed: 4 bytes (the 4 rows) to each of out_t's rows
@@ -70,7 +69,7 @@ __device__ __forceinline__ uint4 gelu_pack8(uint4 p) {
 // 16 words, word w of row r at r * 16 + (w ^ ((r / 4) % 16)): the XOR swizzle keeps both the row-wise
 // stores and the transposed 4 x 4 gathers within two accesses per bank.
 #ifndef CAST_ROWS
-#define CAST_ROWS 64
+#define CAST_ROWS 128   // 128: 80-85% of the copy bandwidth on an H200, 64: 76-77% (tools/probes/fp8_cast_rows.py)
 #endif
 __device__ __forceinline__ int swz(int r, int w) { return r * 16 + (w ^ ((r >> 2) & 15)); }
 
@@ -202,69 +201,98 @@ extern "C" __global__ void __launch_bounds__(256) fp8_transpose_kernel(
 // GELU's backward, fused with the cast of its result (the MLP's fc output gradient in FP8 training):
 // dx = gelu'(x) * dout rounded to bf16 exactly as gelu.cu's gelu_backward_kernel_bf16 writes it, then
 // cast as fp8_cast casts a bf16 matrix -- so out / out_t / amax are the bits of gelu_backward followed
-// by fp8_cast, without writing dx or reading it back. partials (R/64, C) float32, optional: each
-// 64-row tile's column sums of dx (the bf16 values, in row order: deterministic); the Python side adds
-// them over tiles in order (colsum's stage 2) into the fc bias gradient. Same tiles, threads and gate
-// as fp8_cast.
-template <int FMT>
+// by fp8_cast, without writing dx or reading it back. partials (ceil(R / TR), C) float32, optional: each
+// TR-row tile's column sums of dx (the bf16 values) in a fixed tree -- a thread's H rows in order, 8
+// threads' sums in order, the 4 eights in order -- so deterministic, with all 256 threads adding
+// (64 threads each adding a column's rows one after another had left the block mostly idle); the
+// Python side adds them over tiles in order (colsum's stage 2) into the fc bias gradient. Same tiles
+// (TR = GELU_BWD_ROWS rows), threads and gate as fp8_cast.
+#ifndef GELU_BWD_ROWS
+#define GELU_BWD_ROWS 64
+#endif
+template <int FMT, int TR = GELU_BWD_ROWS>
 __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, float* __restrict__ amax,
                                   float* __restrict__ partials, const bf16* __restrict__ dout,
                                   const bf16* __restrict__ x, const float* __restrict__ scale,
                                   const float* __restrict__ gate, int R, int C) {
-    __shared__ u32 tile[TILE * TILE_WORDS];
-    __shared__ float colbuf[TILE][TILE + 1];   // +1: the column sums read down a column without conflicts
+    constexpr int H = TR / 32, RB = TR / 4;    // as fp8_cast
+    __shared__ u32 tile[TR * 16];              // swizzled as fp8_cast's
+    __shared__ float col32[32][TILE + 1];      // per column, the sums of each thread's H rows; +1: no conflicts
+    __shared__ float col8[4][TILE];            // ... of 8 consecutive such sums
     if (gate && *gate == 0.0f) return;         // block-uniform
     const int t = threadIdx.x;
     const float s = *scale;
     const int col = (t & 7) * 8;
     u32 m = 0;
-    for (int ty = blockIdx.y; ty * TILE < R; ty += gridDim.y)     // fp8_cast's tile loop
+    for (int ty = blockIdx.y; ty * TR < R; ty += gridDim.y)     // fp8_cast's tile loop
     for (int tx = blockIdx.x; tx * TILE < C; tx += gridDim.x) {
-    const int r0 = ty * TILE, c0 = tx * TILE;
+    const int r0 = ty * TR, c0 = tx * TILE;
     if (out_t || partials) __syncthreads();    // the last tile's shared reads are done
+    uint4 gp[H], vp[H];
     #pragma unroll
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < H; h++) {              // all loads first
+        const long long r = r0 + (t >> 3) + 32 * h;
+        if (r < R && c0 + col < C) {
+            gp[h] = __ldcs(reinterpret_cast<const uint4*>(dout + r * C + c0 + col));
+            vp[h] = __ldcs(reinterpret_cast<const uint4*>(x + r * C + c0 + col));
+        }
+    }
+    float sum[8];                              // this thread's 8 columns summed over its H rows, as stored
+    #pragma unroll
+    for (int h = 0; h < H; h++) {
         const int row = (t >> 3) + 32 * h;
         const long long r = r0 + row;
         u32 d[4] = {0u, 0u, 0u, 0u};           // dx as bf16 pairs; zero past the edges (sums ignore them)
         if (r < R && c0 + col < C) {
-            const uint4 g = __ldcs(reinterpret_cast<const uint4*>(dout + r * C + c0 + col));
-            const uint4 v = __ldcs(reinterpret_cast<const uint4*>(x + r * C + c0 + col));
-            const u32 gw[4] = {g.x, g.y, g.z, g.w}, vw[4] = {v.x, v.y, v.z, v.w};
+            const u32 gw[4] = {gp[h].x, gp[h].y, gp[h].z, gp[h].w}, vw[4] = {vp[h].x, vp[h].y, vp[h].z, vp[h].w};
             #pragma unroll
-            for (int i = 0; i < 4; i++)
-                d[i] = cvt_rn_bf16x2(gelu_grad_f<false>(__uint_as_float(vw[i] << 16), __uint_as_float(gw[i] << 16)),
-                                   gelu_grad_f<false>(__uint_as_float(vw[i] & 0xffff0000u),
-                                                      __uint_as_float(gw[i] & 0xffff0000u)));
+            for (int k = 0; k < 4; k++)
+                d[k] = cvt_rn_bf16x2(gelu_grad_f<false>(__uint_as_float(vw[k] << 16), __uint_as_float(gw[k] << 16)),
+                                     gelu_grad_f<false>(__uint_as_float(vw[k] & 0xffff0000u),
+                                                        __uint_as_float(gw[k] & 0xffff0000u)));
             const uint2 q = quantize8<FMT>(make_uint4(d[0], d[1], d[2], d[3]), s, m);
-            tile[row * TILE_WORDS + col / 4] = q.x;
-            tile[row * TILE_WORDS + col / 4 + 1] = q.y;
+            tile[swz(row, col / 4)] = q.x;
+            tile[swz(row, col / 4 + 1)] = q.y;
             if (out) *reinterpret_cast<uint2*>(out + r * C + c0 + col) = q;
         }
-        if (partials) {
-            #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                colbuf[row][col + 2 * i] = __uint_as_float(d[i] << 16);
-                colbuf[row][col + 2 * i + 1] = __uint_as_float(d[i] & 0xffff0000u);
-            }
+        #pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const float lo = __uint_as_float(d[k] << 16), hi = __uint_as_float(d[k] & 0xffff0000u);
+            sum[2 * k] = h ? __fadd_rn(sum[2 * k], lo) : lo;
+            sum[2 * k + 1] = h ? __fadd_rn(sum[2 * k + 1], hi) : hi;
         }
     }
+    if (partials) {
+        #pragma unroll
+        for (int e = 0; e < 8; e++) col32[t >> 3][col + e] = sum[e];
+    }
     if (out_t || partials) __syncthreads();
-    if (partials && t < TILE && c0 + t < C) {
-        float sum = 0.0f;
-        for (int r = 0; r < TILE; r++) sum = __fadd_rn(sum, colbuf[r][t]);
-        partials[(long long)ty * C + c0 + t] = sum;
+    if (partials) {                            // column t % 64: the sums of rows-groups 8 (t / 64).. in order
+        const int c = t & (TILE - 1), q = t / TILE;
+        float acc = col32[8 * q][c];
+        #pragma unroll
+        for (int k = 1; k < 8; k++) acc = __fadd_rn(acc, col32[8 * q + k][c]);
+        col8[q][c] = acc;
     }
     if (out_t) {
-        const int r4 = (t & 15) * 4, c4 = (t >> 4) * 4;   // as fp8_cast
-        if (c0 + c4 < C && r0 + r4 < R)
-            store_block4_t(out_t, tile + r4 * TILE_WORDS + c4 / 4, TILE_WORDS, R, c0 + c4, r0 + r4);
+        const int i = t % RB, r4 = 4 * i;      // as fp8_cast
+        #pragma unroll
+        for (int j = 0; j < TR / 64; j++) {
+            const int cb = t / RB + (256 / RB) * j, c4 = 4 * cb;
+            if (c0 + c4 < C && r0 + r4 < R)
+                store_block4_t(out_t, tile + swz(r4, cb), 16, R, c0 + c4, r0 + r4);
+        }
+    }
+    if (partials) {
+        __syncthreads();
+        if (t < TILE && c0 + t < C)
+            partials[(long long)ty * C + c0 + t] = __fadd_rn(__fadd_rn(__fadd_rn(col8[0][t], col8[1][t]), col8[2][t]), col8[3][t]);
     }
     }                                          // the tile loop
     if (amax) block_amax(amax, m);
 }
 
-extern "C" __global__ void __launch_bounds__(256) fp8_gelu_backward_kernel_e5m2(
+extern "C" __global__ void __launch_bounds__(256, GELU_BWD_ROWS == 64 ? 4 : 3) fp8_gelu_backward_kernel_e5m2(
         u8* out, u8* out_t, float* amax, float* partials,   // (R, C) | null, (C, R) | null, (1,) | null, (R/64, C) | null
         const bf16* dout, const bf16* x,                    // (R, C) x 2: GELU's output gradient and input
         const float* scale, const float* gate, int R, int C) {

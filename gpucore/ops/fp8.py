@@ -38,7 +38,8 @@ from .gelu import MAX_GRID_Y, gelu, gelu_backward_reference, gelu_reference
 
 FORMATS = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
 TILE = 64                     # the casts' tile width (and the GELU backward's height), 256 threads
-CAST_ROWS = 64                # fp8_cast_kernel_*'s tile height (fp8.cu CAST_ROWS)
+CAST_ROWS = 128               # fp8_cast_kernel_*'s tile height (fp8.cu CAST_ROWS; tools/notes/fp8.md)
+GELU_BWD_ROWS = 64            # fp8_gelu_backward_kernel's (fp8.cu GELU_BWD_ROWS)
 TRANSPOSE_TILES = 2           # fp8_transpose_kernel: 64-column tiles per block (fp8.cu's TRANSPOSE_CT)
 GATED_BLOCKS_PER_SM = 8       # a gated launch's grid: this many blocks per SM walk the tiles (see _grid)
 SLOT = 4                      # floats per tensor in Fp8Scaling's arrays (16 bytes: aligned scale pointers)
@@ -178,7 +179,7 @@ def _grid(R, C, gated, rows=TILE):
     backward's); a gated launch (adaptive re-cast) gets at most GATED_BLOCKS_PER_SM blocks per SM
     that walk the tiles in a loop, so a no-op costs a few blocks' start, not tens of thousands (and a
     real re-cast still fills the GPU). Same bits either way."""
-    gx, gy = -(-C // TILE), -(-R // rows)
+    gx, gy = -(-C // TILE), min(-(-R // rows), MAX_GRID_Y)   # the kernels walk the rest
     if gated:
         gy = max(1, min(gy, GATED_BLOCKS_PER_SM * runtime.sm_count() // gx))
     return gx, gy
@@ -256,14 +257,12 @@ def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate):
     check_cast_args(dout, "e5m2", scale, out, out_t, amax, gate, xp, xname="dout")
     if x.data.ptr % 16:
         raise ValueError("x: must be 16-byte aligned")
-    tiles = -(-R // TILE)
-    if tiles > MAX_GRID_Y:
-        raise ValueError(f"dout: at most {MAX_GRID_Y * TILE} rows, got {R}")
+    tiles = -(-R // GELU_BWD_ROWS)
     if dout.size == 0:
         return out, out_t
     partials = xp.empty((tiles, C), np.float32) if dbias is not None else None
     null = np.uint64(0)
-    runtime.launch(runtime.get_kernel("fp8", "fp8_gelu_backward_kernel_e5m2"), _grid(R, C, gate is not None), 256,
+    runtime.launch(runtime.get_kernel("fp8", "fp8_gelu_backward_kernel_e5m2"), _grid(R, C, gate is not None, GELU_BWD_ROWS), 256,
                    (null if out is None else out, null if out_t is None else out_t, null if amax is None else amax,
                     null if partials is None else partials, dout, x, scale, null if gate is None else gate,
                     np.int32(R), np.int32(C)))
