@@ -39,7 +39,7 @@ from .gelu import MAX_GRID_Y, gelu, gelu_backward_reference, gelu_reference
 FORMATS = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
 TILE = 64                     # the casts' tile width (and the GELU backward's height), 256 threads
 CAST_ROWS = 128               # fp8_cast_kernel_*'s tile height (fp8.cu CAST_ROWS; tools/notes/fp8.md)
-GELU_BWD_ROWS = 64            # fp8_gelu_backward_kernel's (fp8.cu GELU_BWD_ROWS)
+GELU_BWD_ROWS = 128           # fp8_gelu_backward_kernel's (fp8.cu GELU_BWD_ROWS)
 TRANSPOSE_TILES = 2           # fp8_transpose_kernel: 64-column tiles per block (fp8.cu's TRANSPOSE_CT)
 GATED_BLOCKS_PER_SM = 8       # a gated launch's grid: this many blocks per SM walk the tiles (see _grid)
 SLOT = 4                      # floats per tensor in Fp8Scaling's arrays (16 bytes: aligned scale pointers)
