@@ -717,3 +717,16 @@ def test_gpu_gelu_quantize_is_bitwise_the_gelu_kernel_then_the_cast(rng, R, C):
     assert not bool(out.any()) and not bool(out_t.any())
     fp8_gelu_quantize_gated(x, scale, cp.ones(1, F32), out=out, out_t=out_t)
     assert to_cpu(out).tobytes() == to_cpu(q).tobytes() and to_cpu(out_t).tobytes() == to_cpu(qt).tobytes()
+
+
+def test_fp8_tile_geometry_matches_the_kernels():
+    """ops/fp8.py sizes the launch grids from constants that must equal fp8.cu's compiled-in tile
+    geometry (a mismatch leaves tiles uncast or writes past the bias partials)."""
+    import re
+    from pathlib import Path
+    from gpucore.ops import fp8
+    src = (Path(runtime.KERNEL_DIR) / "fp8.cu").read_text()
+    for macro, value in (("CAST_ROWS", fp8.CAST_ROWS), ("GELU_BWD_ROWS", fp8.GELU_BWD_ROWS),
+                         ("TRANSPOSE_CT", fp8.TRANSPOSE_TILES), ("TILE", fp8.TILE)):
+        m = re.search(rf"#define {macro} (\d+)", src)
+        assert m and int(m.group(1)) == value, macro
