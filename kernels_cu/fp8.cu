@@ -37,24 +37,6 @@
 
 #define TILE 64
 
-// Thread t's 4 x 4 block of FP8 bytes in a shared word tile -- rows w, w + sw, w + 2 sw, w + 3 sw
-// (one word = 4 columns each) -- written transposed: 4 bytes (the 4 rows) to each of out_t's rows
-// oc..oc + 3 at column orr (out_t (C, R) row-major; R % 4 == 0, orr % 4 == 0). Byte permutes turn
-// the block in registers: 4 shared loads where a byte-wise gather takes 16. Callers map 16
-// consecutive threads to 16 consecutive row blocks, so each out_t row gets 64 contiguous bytes.
-__device__ __forceinline__ void store_block4_t(u8* __restrict__ out_t, const u32* w, int sw, long long R,
-                                               long long oc, long long orr) {
-    const u32 w0 = w[0], w1 = w[sw], w2 = w[2 * sw], w3 = w[3 * sw];
-    const u32 lo01 = __byte_perm(w0, w1, 0x5140), lo23 = __byte_perm(w2, w3, 0x5140);  // bytes 0, 1
-    const u32 hi01 = __byte_perm(w0, w1, 0x7362), hi23 = __byte_perm(w2, w3, 0x7362);  // bytes 2, 3
-    u32* o = reinterpret_cast<u32*>(out_t + oc * R + orr);
-    const long long step = R / 4;      // one out_t row, in words
-    __stcs(o, __byte_perm(lo01, lo23, 0x5410));            // column 0 of the block: byte 0 of w0..w3
-    __stcs(o + step, __byte_perm(lo01, lo23, 0x7632));     // column 1
-    __stcs(o + 2 * step, __byte_perm(hi01, hi23, 0x5410)); // column 2
-    __stcs(o + 3 * step, __byte_perm(hi01, hi23, 0x7632)); // column 3
-}
-
 // GELU of 8 bf16 (one pack), rounded back to bf16 exactly as gelu.cu's gelu_forward_kernel_bf16 writes it.
 __device__ __forceinline__ uint4 gelu_pack8(uint4 p) {
     const u32 w[4] = {p.x, p.y, p.z, p.w};

@@ -1,8 +1,9 @@
 /*
  * fp8_cast.cuh -- the FP8 cast's building blocks (see fp8.cu's header for the math): two floats to two
  * E4M3/E5M2 bytes (saturating, round to nearest even), 8 bf16 of a 16-byte pack to 8 bytes with the
- * |x| bit max on the way, and the block's amax folded into a global one with atomicMax. Shared by
- * fp8.cu's casts and the producers that write FP8 themselves (layernorm.cu's FP8 forward).
+ * |x| bit max on the way, the block's amax folded into a global one with atomicMax, and a 4 x 4
+ * block of a shared byte tile stored transposed. Shared by fp8.cu's casts and the producers that
+ * write FP8 themselves (layernorm.cu's FP8 forward).
  */
 #pragma once
 #include "common.cuh"
@@ -57,4 +58,22 @@ __device__ __forceinline__ void block_amax(float* amax, u32 mbits) {
         for (int w = 1; w < (int)(blockDim.x >> 5); w++) m = max(m, warp_max[w]);
         atomicMax(reinterpret_cast<u32*>(amax), m);
     }
+}
+
+// Thread t's 4 x 4 block of FP8 bytes in a shared word tile -- rows w, w + sw, w + 2 sw, w + 3 sw
+// (one word = 4 columns each) -- written transposed: 4 bytes (the 4 rows) to each of out_t's rows
+// oc..oc + 3 at column orr (out_t (C, R) row-major; R % 4 == 0, orr % 4 == 0). Byte permutes turn
+// the block in registers: 4 shared loads where a byte-wise gather takes 16. Callers map consecutive
+// threads to consecutive row blocks, so each out_t row gets its tile's bytes contiguously.
+__device__ __forceinline__ void store_block4_t(u8* __restrict__ out_t, const u32* w, int sw, long long R,
+                                               long long oc, long long orr) {
+    const u32 w0 = w[0], w1 = w[sw], w2 = w[2 * sw], w3 = w[3 * sw];
+    const u32 lo01 = __byte_perm(w0, w1, 0x5140), lo23 = __byte_perm(w2, w3, 0x5140);  // bytes 0, 1
+    const u32 hi01 = __byte_perm(w0, w1, 0x7362), hi23 = __byte_perm(w2, w3, 0x7362);  // bytes 2, 3
+    u32* o = reinterpret_cast<u32*>(out_t + oc * R + orr);
+    const long long step = R / 4;      // one out_t row, in words
+    __stcs(o, __byte_perm(lo01, lo23, 0x5410));            // column 0 of the block: byte 0 of w0..w3
+    __stcs(o + step, __byte_perm(lo01, lo23, 0x7632));     // column 1
+    __stcs(o + 2 * step, __byte_perm(hi01, hi23, 0x5410)); // column 2
+    __stcs(o + 3 * step, __byte_perm(hi01, hi23, 0x7632)); // column 3
 }

@@ -50,6 +50,7 @@
  *      its dx column sum is the launcher's job (matmul's column-sum kernels).
  */
 #include "common.cuh"
+#include "fast_packs.cuh"   // Raw<T>: a row kept as raw 16-byte packs
 #include "fp8_cast.cuh"
 
 #define WARPS 4             // rows (forward) / warps (backward) per block: blockDim.x == 128
@@ -140,21 +141,25 @@ __device__ void layernorm_backward_dwdb_v1(float* scratch, const T* dout, const 
 
 // v2's row: loads row `off` (a, or with FUSED residual = round(a + b), written back), leaves its
 // values in v and returns its mean m and rstd rs. Shared by the bf16/fp32 forward and the FP8 one,
-// so both normalise with the same bits.
+// so both normalise with the same bits. The row stays as the 16-byte packs it was loaded as (T's
+// bits in four 32-bit words, fast_packs.cuh's Raw<T>), unpacked to float where used: a bf16 row
+// holds half the registers a float copy would (d48's C = 1600, 7 packs per lane: the FP8 kernel
+// needed 158 registers, one 256-thread block per SM). The values are the same floats, so the bits
+// are those of a float copy.
 template <typename T, int N, bool FUSED>
-__device__ __forceinline__ void layernorm_row_v2(float (&v)[N][Pack16<T>::size], float& m, float& rs,
+__device__ __forceinline__ void layernorm_row_v2(uint4 (&v)[N], float& m, float& rs,
                                                  T* residual, const T* a, const T* b, size_t off,
                                                  int lane, int C, float eps) {
     constexpr int P = Pack16<T>::size;
     const int nP = C / P;
     // Issue every load of the row before using any of it.
-    Pack16<T> pa[N], pb[N];
+    uint4 pb[N];
     #pragma unroll
     for (int j = 0; j < N; j++) {
         const int i = j * 32 + lane;
         if (i < nP) {
-            pa[j] = load16_cs(a + off + i * P);
-            if (FUSED) pb[j] = load16_cs(b + off + i * P);
+            v[j] = __ldcs(reinterpret_cast<const uint4*>(a + off + i * P));
+            if (FUSED) pb[j] = __ldcs(reinterpret_cast<const uint4*>(b + off + i * P));
         }
     }
     float s = 0.0f;
@@ -162,18 +167,19 @@ __device__ __forceinline__ void layernorm_row_v2(float (&v)[N][Pack16<T>::size],
     for (int j = 0; j < N; j++) {
         const int i = j * 32 + lane;
         if (i < nP) {
+            float f[P];
+            Raw<T>::unpack(v[j], f);
             if (FUSED) {
-                Pack16<T> r;
+                float g[P];
+                Raw<T>::unpack(pb[j], g);
                 #pragma unroll
-                for (int k = 0; k < P; k++) r.v[k] = from_float<T>(to_float(pa[j].v[k]) + to_float(pb[j].v[k]));
-                store16(residual + off + i * P, r);
-                pa[j] = r;
+                for (int k = 0; k < P; k++) f[k] += g[k];
+                v[j] = Raw<T>::pack_exact(f);          // residual, rounded to T as stored
+                *reinterpret_cast<uint4*>(residual + off + i * P) = v[j];
+                Raw<T>::unpack(v[j], f);
             }
             #pragma unroll
-            for (int k = 0; k < P; k++) {
-                v[j][k] = to_float(pa[j].v[k]);
-                s += v[j][k];
-            }
+            for (int k = 0; k < P; k++) s += f[k];
         }
     }
     m = warp_sum(s) / C;
@@ -181,9 +187,11 @@ __device__ __forceinline__ void layernorm_row_v2(float (&v)[N][Pack16<T>::size],
     #pragma unroll
     for (int j = 0; j < N; j++)
         if (j * 32 + lane < nP) {
+            float f[P];
+            Raw<T>::unpack(v[j], f);
             #pragma unroll
             for (int k = 0; k < P; k++) {
-                const float d = v[j][k] - m;
+                const float d = f[k] - m;
                 q += d * d;
             }
         }
@@ -192,15 +200,17 @@ __device__ __forceinline__ void layernorm_row_v2(float (&v)[N][Pack16<T>::size],
 
 // Pack j of the normalised row, as stored: (v - m) * rs * weight + bias rounded to T.
 template <typename T, int N>
-__device__ __forceinline__ Pack16<T> layernorm_out_pack(const float (&v)[N][Pack16<T>::size], int j, int i,
+__device__ __forceinline__ Pack16<T> layernorm_out_pack(const uint4 (&v)[N], int j, int i,
                                                         float m, float rs, const T* weight, const T* bias) {
     constexpr int P = Pack16<T>::size;
     // weight and bias are shared by every row: L1/L2 hits after the first warps.
     const Pack16<T> w = load16(weight + i * P), bb = load16(bias + i * P);
+    float f[P];
+    Raw<T>::unpack(v[j], f);
     Pack16<T> o;
     #pragma unroll
     for (int k = 0; k < P; k++)
-        o.v[k] = from_float<T>((v[j][k] - m) * rs * to_float(w.v[k]) + to_float(bb.v[k]));
+        o.v[k] = from_float<T>((f[k] - m) * rs * to_float(w.v[k]) + to_float(bb.v[k]));
     return o;
 }
 
@@ -213,7 +223,8 @@ __device__ void layernorm_forward_v2(T* residual, T* out, float* mean, float* rs
     if (row >= rows) return;
     const int nP = C / P;
     const size_t off = (size_t)row * C;
-    float v[N][P], m, rs;
+    uint4 v[N];
+    float m, rs;
     layernorm_row_v2<T, N, FUSED>(v, m, rs, residual, a, b, off, lane, C, eps);
     #pragma unroll
     for (int j = 0; j < N; j++) {
@@ -232,8 +243,8 @@ __device__ void layernorm_forward_v2(T* residual, T* out, float* mean, float* rs
 // (layernorm_row_v2, layernorm_out_pack), the same rounding to bf16, the same cast (fp8_cast.cuh) --
 // and the bf16 output itself is never written. amax: the output's max |x| (bf16 bit max, atomicMax).
 // Block = ROWS rows (8 warps x ROWS/8 rows, one row at a time per warp); the row's bytes also go to
-// a shared tile (ROWS x (C + 16) bytes, dynamic) from which out8_t is written as 16-row column
-// pieces. The launcher takes ROWS = 64 for C <= 1024 and 32 above: on an H100, d12 (C = 768) ran
+// a shared tile (ROWS rows of C / 4 + 1 words, dynamic: the odd pitch keeps the transposed gathers
+// off each other's banks) from which out8_t is written in 4 x 4 blocks (store_block4_t). The launcher takes ROWS = 64 for C <= 1024 and 32 above: on an H100, d12 (C = 768) ran
 // 5.2 ms per step with 64-row blocks against 6.1 with 32, d48 (C = 1600, where 64 rows mean 103 KB
 // of tile and 2 blocks per SM) 17.2 ms with 32 against 19.4-27.2 with 64.
 // gate: the kernel runs only when *gate != 0 (adaptive scaling's re-run; the Python side re-runs
@@ -242,18 +253,19 @@ template <int N, int ROWS, bool FUSED>
 __device__ void layernorm_forward_fp8(bf16* residual, u8* out8, u8* out8_t, float* amax, float* mean, float* rstd,
                                       const bf16* a, const bf16* b, const bf16* weight, const bf16* bias,
                                       const float* scale, const float* gate, int rows, int C, float eps) {
-    extern __shared__ __align__(16) u8 fp8_ln_tile[];
+    extern __shared__ __align__(16) u32 fp8_ln_tile[];
     if (gate && *gate == 0.0f) return;         // block-uniform
     constexpr int P = Pack16<bf16>::size;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int r0 = blockIdx.x * ROWS, pitch = C + 16, nP = C / P;
+    const int r0 = blockIdx.x * ROWS, pw = C / 4 + 1, nP = C / P;   // tile row pitch in words: odd
     const float s = *scale;
     u32 mb = 0;
     for (int rr = 0; rr < ROWS / 8; rr++) {
         const int lr = warp * (ROWS / 8) + rr, row = r0 + lr;
         if (row >= rows) break;                // warp-uniform
         const size_t off = (size_t)row * C;
-        float v[N][P], m, rs;
+        uint4 v[N];
+        float m, rs;
         layernorm_row_v2<bf16, N, FUSED>(v, m, rs, residual, a, b, off, lane, C, eps);
         #pragma unroll
         for (int j = 0; j < N; j++) {
@@ -261,7 +273,8 @@ __device__ void layernorm_forward_fp8(bf16* residual, u8* out8, u8* out8_t, floa
             if (i < nP) {
                 const Pack16<bf16> o = layernorm_out_pack<bf16, N>(v, j, i, m, rs, weight, bias);
                 const uint2 q = quantize8<E4M3>(*reinterpret_cast<const uint4*>(&o), s, mb);
-                *reinterpret_cast<uint2*>(fp8_ln_tile + lr * pitch + i * P) = q;
+                fp8_ln_tile[lr * pw + 2 * i] = q.x;
+                fp8_ln_tile[lr * pw + 2 * i + 1] = q.y;
                 if (out8) *reinterpret_cast<uint2*>(out8 + off + i * P) = q;
             }
         }
@@ -271,18 +284,12 @@ __device__ void layernorm_forward_fp8(bf16* residual, u8* out8, u8* out8_t, floa
         }
     }
     __syncthreads();
-    if (out8_t) {
-        constexpr int CHUNKS = ROWS / 16;   // 16-row pieces of a column
-        for (int idx = threadIdx.x; idx < CHUNKS * C; idx += blockDim.x) {
-            const int c = idx / CHUNKS, r16 = (idx % CHUNKS) * 16;
-            if (r0 + r16 >= rows) continue;    // rows % 16 == 0: all 16 in or all out
-            u32 w4[4];
-            #pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const u8* t = fp8_ln_tile + (r16 + 4 * k) * pitch + c;
-                w4[k] = (u32)t[0] | ((u32)t[pitch] << 8) | ((u32)t[2 * pitch] << 16) | ((u32)t[3 * pitch] << 24);
-            }
-            *reinterpret_cast<uint4*>(out8_t + (size_t)c * rows + r0 + r16) = make_uint4(w4[0], w4[1], w4[2], w4[3]);
+    if (out8_t) {                              // 4 x 4 blocks: ROWS / 4 threads per out8_t row piece
+        constexpr int RB = ROWS / 4;
+        for (int idx = threadIdx.x; idx < RB * (C / 4); idx += blockDim.x) {
+            const int r4 = 4 * (idx % RB), cb = idx / RB;
+            if (r0 + r4 < rows)                // rows % 16 == 0: the block's 4 rows all in or all out
+                store_block4_t(out8_t, fp8_ln_tile + r4 * pw + cb, pw, rows, 4 * cb, r0 + r4);
         }
     }
     if (amax) block_amax(amax, mb);

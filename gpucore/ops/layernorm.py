@@ -244,7 +244,7 @@ def fp8_forward_fits(C: int) -> bool:
 
 @profiler.profiled("layernorm forward (fp8 out)", nbytes=profiler.io_bytes)
 def layernorm_forward_fp8(x, weight, bias, scale, *, b=None, residual=None, out8=None, out8_t=None, amax=None,
-                          mean=None, rstd=None, gate=None, eps=1e-5):
+                          mean=None, rstd=None, gate=None, eps=1e-5, block_rows=None):
     """E4M3 bytes of layernorm(x) * scale -- of residual = x + b with b (residual written) -- as
     layernorm_forward / fused_residual_layernorm_forward's bf16 output then fp8_quantize(out, "e4m3",
     scale) would make them, in one pass that never writes the bf16 output.
@@ -252,7 +252,8 @@ def layernorm_forward_fp8(x, weight, bias, scale, *, b=None, residual=None, out8
     x, b (R, C) bfloat16; out8 (R, C) and/or out8_t (C, R) uint8; amax (1,) float32, optional:
     max(amax, max |out|); mean, rstd (R,) float32 (written, as layernorm_forward's); gate (1,)
     float32, optional: run only when gate != 0 (on the device). GPU: R % 16 == 0, C % 8 == 0,
-    C <= 2048, 16-byte aligned arrays.
+    C <= 2048, 16-byte aligned arrays. block_rows (GPU): rows per block, 32 or 64 (default
+    fp8_block_rows(C)); the same bytes either way.
     """
     from .fp8 import check_cast_args, fp8_quantize
     rows, C = _forward_args(x, weight, bias, "x")
@@ -289,11 +290,13 @@ def layernorm_forward_fp8(x, weight, bias, scale, *, b=None, residual=None, out8
     opt = lambda a: null if a is None else a                           # noqa: E731
     head = (residual,) if b is not None else ()
     src = (x, b) if b is not None else (x,)
-    rows_per_block = fp8_block_rows(C)
+    rows_per_block = fp8_block_rows(C) if block_rows is None else block_rows
+    if rows_per_block not in (32, 64):
+        raise ValueError(f"block_rows: 32 or 64, got {block_rows!r}")
     name = f"layernorm_{'residual_' if b is not None else ''}forward_fp8_kernel_n{N}_r{rows_per_block}"
     runtime.launch(runtime.get_kernel("layernorm", name), -(-rows // rows_per_block), 256,
                    (*head, opt(out8), opt(out8_t), opt(amax), mean, rstd, *src, weight, bias, scale, opt(gate),
-                    np.int32(rows), np.int32(C), eps), shared_mem=rows_per_block * (C + 16))
+                    np.int32(rows), np.int32(C), eps), shared_mem=rows_per_block * (C + 4))   # the tile: C / 4 + 1 words a row
     return out8, out8_t
 
 
