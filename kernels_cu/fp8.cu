@@ -14,10 +14,11 @@
  *   order, so runs stay deterministic. A NaN amax makes the scale update keep the old scale;
  *   the caller's finite checks report the NaN.
  * Shapes: in (R, C) bf16 row-major, R and C multiples of 16 (the FP8 GEMM needs that anyway);
- *   out (R, C) fp8 and/or out_t (C, R) fp8 (either may be null). Grid: (C/64, R/64) tiles of
- *   64 x 64 (a smaller grid walks the tiles in a grid-stride loop: the gated re-cast's), 256 threads;
- *   each thread loads two 16-byte packs (8 columns of rows r and r + 32), writes 8 fp8 bytes of
- *   `out` per pack, and (transposed) one 4 x 4 block of the tile in shared memory (store_block4_t).
+ *   out (R, C) fp8 and/or out_t (C, R) fp8 (either may be null). Grid: (C/64, R/CAST_ROWS) tiles of
+ *   CAST_ROWS (128) x 64 (a smaller grid walks the tiles in a grid-stride loop: the gated re-cast's),
+ *   256 threads; each thread loads CAST_ROWS/32 16-byte packs (8 columns of rows r, r + 32, ...),
+ *   writes 8 fp8 bytes of `out` per pack, and (transposed) CAST_ROWS/64 blocks of 4 x 4 bytes of the
+ *   tile in shared memory (store_block4_t).
  * fp8_transpose_kernel: FP8 bytes (R, C) -> (C, R), for operands that must be K-contiguous and
  *   were written the other way (the LM head's weight gradient: dlogits8 and lnf8, K = tokens).
  * fp8_gelu_cast_kernel_e4m3: the same cast of gelu(in) (gelu.cu's bf16 GELU, rounded to bf16 first):
