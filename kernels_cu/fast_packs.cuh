@@ -58,6 +58,16 @@ template <> struct Raw<bf16> {
         return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]),
                           pack_bf16x2(f[4], f[5]), pack_bf16x2(f[6], f[7]));
     }
+    // pack_fast's NaN (0x7fff) as pack_exact rounds arithmetic's canonical NaN (0x7fffffff): 0x7fc0.
+    static __device__ __forceinline__ uint4 canonical_nan(const uint4& r) {
+        u32 w[4] = {r.x, r.y, r.z, r.w};
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if ((w[i] & 0xffffu) == 0x7fffu) w[i] = (w[i] & 0xffff0000u) | 0x7fc0u;
+            if ((w[i] >> 16) == 0x7fffu) w[i] = (w[i] & 0xffffu) | 0x7fc00000u;
+        }
+        return make_uint4(w[0], w[1], w[2], w[3]);
+    }
 };
 template <> struct Raw<float> {
     static constexpr int P = 4;
@@ -69,6 +79,7 @@ template <> struct Raw<float> {
         return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
     }
     static __device__ __forceinline__ uint4 pack_exact(const float (&f)[4]) { return pack_fast(f); }
+    static __device__ __forceinline__ uint4 canonical_nan(const uint4& r) { return r; }
 };
 
 // Accumulate a pack into P fp32 sums.

@@ -174,7 +174,7 @@ __device__ __forceinline__ void layernorm_row_v2(uint4 (&v)[N], float& m, float&
                 Raw<T>::unpack(pb[j], g);
                 #pragma unroll
                 for (int k = 0; k < P; k++) f[k] += g[k];
-                v[j] = Raw<T>::pack_exact(f);          // residual, rounded to T as stored
+                v[j] = Raw<T>::pack_fast(f);           // residual, rounded to T as stored
                 *reinterpret_cast<uint4*>(residual + off + i * P) = v[j];
                 Raw<T>::unpack(v[j], f);
             }
@@ -183,6 +183,18 @@ __device__ __forceinline__ void layernorm_row_v2(uint4 (&v)[N], float& m, float&
         }
     }
     m = warp_sum(s) / C;
+    if (FUSED && m != m) {                     // warp-uniform, rare: a NaN in the row (or inf - inf)
+        // pack_fast rounds a NaN to 0x7fff; float_to_bf16 (the reference) to sign | 0x7fc0, and a
+        // NaN that comes out of an add is the canonical positive one. Re-store with those bits.
+        #pragma unroll
+        for (int j = 0; j < N; j++) {
+            const int i = j * 32 + lane;
+            if (i < nP) {
+                v[j] = Raw<T>::canonical_nan(v[j]);
+                *reinterpret_cast<uint4*>(residual + off + i * P) = v[j];
+            }
+        }
+    }
     float q = 0.0f;
     #pragma unroll
     for (int j = 0; j < N; j++)
@@ -198,20 +210,30 @@ __device__ __forceinline__ void layernorm_row_v2(uint4 (&v)[N], float& m, float&
     rs = rsqrtf(warp_sum(q) / C + eps);
 }
 
-// Pack j of the normalised row, as stored: (v - m) * rs * weight + bias rounded to T.
+// Pack j of the normalised row, as stored: (v - m) * rs * weight + bias rounded to T, as raw bits.
+// Rounded by the one-instruction pack_fast (the per-element float_to_bf16 was ~8 integer instructions
+// an element, half of these kernels' issue slots); exact (float_to_bf16's NaN bits) is for rows whose
+// statistics are not finite, where every output is NaN. A NaN weight or bias in a finite row comes out
+// as 0x7fff (a quiet NaN, as gelu.cu's outputs).
 template <typename T, int N>
-__device__ __forceinline__ Pack16<T> layernorm_out_pack(const uint4 (&v)[N], int j, int i,
-                                                        float m, float rs, const T* weight, const T* bias) {
+__device__ __forceinline__ uint4 layernorm_out_pack(const uint4 (&v)[N], int j, int i, float m, float rs,
+                                                    const T* weight, const T* bias, bool exact) {
     constexpr int P = Pack16<T>::size;
     // weight and bias are shared by every row: L1/L2 hits after the first warps.
-    const Pack16<T> w = load16(weight + i * P), bb = load16(bias + i * P);
-    float f[P];
+    const uint4 w = *reinterpret_cast<const uint4*>(weight + i * P);
+    const uint4 bb = *reinterpret_cast<const uint4*>(bias + i * P);
+    float f[P], fw[P], fb[P];
     Raw<T>::unpack(v[j], f);
-    Pack16<T> o;
+    Raw<T>::unpack(w, fw);
+    Raw<T>::unpack(bb, fb);
     #pragma unroll
-    for (int k = 0; k < P; k++)
-        o.v[k] = from_float<T>((f[k] - m) * rs * to_float(w.v[k]) + to_float(bb.v[k]));
-    return o;
+    for (int k = 0; k < P; k++) f[k] = (f[k] - m) * rs * fw[k] + fb[k];
+    return exact ? Raw<T>::pack_exact(f) : Raw<T>::pack_fast(f);
+}
+
+// The row's outputs need float_to_bf16's NaN bits only when its statistics are not finite.
+__device__ __forceinline__ bool layernorm_stats_exact(float m, float rs) {
+    return !(fabsf(m) <= 3.4e38f && fabsf(rs) <= 3.4e38f);
 }
 
 template <typename T, int N, bool FUSED>
@@ -226,10 +248,12 @@ __device__ void layernorm_forward_v2(T* residual, T* out, float* mean, float* rs
     uint4 v[N];
     float m, rs;
     layernorm_row_v2<T, N, FUSED>(v, m, rs, residual, a, b, off, lane, C, eps);
+    const bool exact = layernorm_stats_exact(m, rs);   // warp-uniform
     #pragma unroll
     for (int j = 0; j < N; j++) {
         const int i = j * 32 + lane;
-        if (i < nP) store16(out + off + i * P, layernorm_out_pack<T, N>(v, j, i, m, rs, weight, bias));
+        if (i < nP)
+            *reinterpret_cast<uint4*>(out + off + i * P) = layernorm_out_pack<T, N>(v, j, i, m, rs, weight, bias, exact);
     }
     if (lane == 0) {
         mean[row] = m;
@@ -271,8 +295,10 @@ __device__ void layernorm_forward_fp8(bf16* residual, u8* out8, u8* out8_t, floa
         for (int j = 0; j < N; j++) {
             const int i = j * 32 + lane;
             if (i < nP) {
-                const Pack16<bf16> o = layernorm_out_pack<bf16, N>(v, j, i, m, rs, weight, bias);
-                const uint2 q = quantize8<E4M3>(*reinterpret_cast<const uint4*>(&o), s, mb);
+                // pack_fast even for a NaN row: 0x7fff and float_to_bf16's NaN cast to the same E4M3 NaN
+                // (only the amax's NaN payload differs).
+                const uint4 o = layernorm_out_pack<bf16, N>(v, j, i, m, rs, weight, bias, false);
+                const uint2 q = quantize8<E4M3>(o, s, mb);
                 fp8_ln_tile[lr * pw + 2 * i] = q.x;
                 fp8_ln_tile[lr * pw + 2 * i + 1] = q.y;
                 if (out8) *reinterpret_cast<uint2*>(out8 + off + i * P) = q;
@@ -328,14 +354,14 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
     // No barrier inside this loop: warps may run different numbers of rows.
     for (int row = blockIdx.x * WARPS + warp; row < rows; row += gridDim.x * WARPS) {
         const size_t off = (size_t)row * C;
-        Pack16<T> g[N], v[N], d[N];
+        uint4 g[N], v[N], d[N];                // raw packs (fast_packs.cuh): unpacked where used
         #pragma unroll
         for (int j = 0; j < N; j++) {
             const int i = j * 32 + lane;
             if (i < nP) {
-                g[j] = load16_cs(dout + off + i * P);
-                v[j] = load16_cs(x + off + i * P);
-                d[j] = load16(dx + off + i * P);
+                g[j] = __ldcs(reinterpret_cast<const uint4*>(dout + off + i * P));
+                v[j] = __ldcs(reinterpret_cast<const uint4*>(x + off + i * P));
+                d[j] = *reinterpret_cast<const uint4*>(dx + off + i * P);
             }
         }
         const float m = mean[row], rs = rstd[row];
@@ -344,41 +370,51 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
         for (int j = 0; j < N; j++) {
             const int i = j * 32 + lane;
             if (i < nP) {
-                const Pack16<T> w = load16(weight + i * P);
+                float fw[P], fg[P], fx[P];
+                Raw<T>::unpack(*reinterpret_cast<const uint4*>(weight + i * P), fw);
+                Raw<T>::unpack(g[j], fg);
+                Raw<T>::unpack(v[j], fx);
                 #pragma unroll
                 for (int k = 0; k < P; k++) {
-                    const float dn = to_float(w.v[k]) * to_float(g[j].v[k]);
+                    const float dn = fw[k] * fg[k];
                     s1 += dn;
-                    s2 += dn * (to_float(v[j].v[k]) - m) * rs;
+                    s2 += dn * (fx[k] - m) * rs;
                 }
             }
         }
         s1 = warp_sum(s1) / C;
         s2 = warp_sum(s2) / C;
+        // dx rounds with pack_fast; float_to_bf16's NaN bits (pack_exact) where the row's sums are not
+        // finite (a NaN in dout, x or weight). A NaN already in dx comes out as 0x7fff (a quiet NaN).
+        const bool exact = !(fabsf(s1) <= 3.4e38f && fabsf(s2) <= 3.4e38f);   // warp-uniform
         #pragma unroll
         for (int j = 0; j < N; j++) {
             const int i = j * 32 + lane;
             if (i < nP) {
-                const Pack16<T> w = load16(weight + i * P);
+                float fw[P], fg[P], fx[P], fd[P];
+                Raw<T>::unpack(*reinterpret_cast<const uint4*>(weight + i * P), fw);
+                Raw<T>::unpack(g[j], fg);
+                Raw<T>::unpack(v[j], fx);
+                Raw<T>::unpack(d[j], fd);
                 #pragma unroll
                 for (int k = 0; k < P; k++) {
-                    const float go = to_float(g[j].v[k]);
-                    const float xh = (to_float(v[j].v[k]) - m) * rs;
-                    const float dn = to_float(w.v[k]) * go;
-                    d[j].v[k] = from_float<T>(to_float(d[j].v[k]) + (dn - s1 - xh * s2) * rs);
-                    dw[j][k] += go * xh;
-                    db[j][k] += go;
+                    const float xh = (fx[k] - m) * rs;
+                    fd[k] += (fw[k] * fg[k] - s1 - xh * s2) * rs;
+                    dw[j][k] += fg[k] * xh;
+                    db[j][k] += fg[k];
                 }
-                store16(dx + off + i * P, d[j]);
+                d[j] = exact ? Raw<T>::pack_exact(fd) : Raw<T>::pack_fast(fd);
+                *reinterpret_cast<uint4*>(dx + off + i * P) = d[j];
                 if constexpr (COLSUM) {
                     // The stored (rounded) values: what a later reader of dx sees.
+                    Raw<T>::unpack(d[j], fd);
                     #pragma unroll
                     for (int h = 0; h < H; h++) {
                         float4& s = csum[(j * H + h) * 32 + lane];
-                        s.x += to_float(d[j].v[4 * h]);
-                        s.y += to_float(d[j].v[4 * h + 1]);
-                        s.z += to_float(d[j].v[4 * h + 2]);
-                        s.w += to_float(d[j].v[4 * h + 3]);
+                        s.x += fd[4 * h];
+                        s.y += fd[4 * h + 1];
+                        s.z += fd[4 * h + 2];
+                        s.w += fd[4 * h + 3];
                     }
                 }
             }

@@ -364,6 +364,55 @@ def test_gpu_backward_fresh_buffers_and_fp32_param_grads(rng, dtype):
     assert rel_err(to_cpu(db), rdb) < 1e-5
 
 
+def _bf16_bits(a):
+    return np.asarray(a).view(np.uint16)
+
+
+@pytest.mark.cuda
+def test_gpu_v2_nan_rows_keep_the_reference_nan_bits(rng):
+    """v2 rounds with cvt.rn.bf16x2, whose NaN is 0x7fff; a row holding a NaN takes the exact rounding,
+    so the residual, the output and dx carry float_to_bf16's NaN (0x7fc0, arithmetic's canonical NaN
+    rounded) and every other row's bits are those of a finite run."""
+    cp = runtime.cupy
+    bf = gpucore.bfloat16
+    rows, C = 64, 768
+    a, w, b = _gpu_inputs(rng, rows, C, bf)
+    a2 = rng.standard_normal((rows, C)).astype(bf)
+    a2_nan = a2.copy()
+    a2_nan[5, 17] = np.nan
+    runs = []
+    for second in (a2, a2_nan):
+        residual, out = poison((rows, C), bf), poison((rows, C), bf)
+        _, _, mean, rstd = gpucore.fused_residual_layernorm_forward(
+            cp.asarray(a), cp.asarray(second), cp.asarray(w), cp.asarray(b), residual=residual, out=out, version=2)
+        runs.append((to_cpu(residual), to_cpu(out)))
+    (res_ok, out_ok), (res_nan, out_nan) = runs
+    assert _bf16_bits(res_nan)[5, 17] == 0x7fc0
+    keep = np.ones((rows, C), bool)
+    keep[5, 17] = False
+    assert np.array_equal(_bf16_bits(res_nan)[keep], _bf16_bits(res_ok)[keep])
+    assert (_bf16_bits(out_nan)[5] == 0x7fc0).all()
+    others = np.arange(rows) != 5
+    assert np.array_equal(_bf16_bits(out_nan)[others], _bf16_bits(out_ok)[others])
+
+    xg, wg = cp.asarray(a), cp.asarray(w)
+    _, mean, rstd = gpucore.layernorm_forward(xg, wg, cp.asarray(b))
+    dout = rng.standard_normal((rows, C)).astype(bf)
+    dout_nan = dout.copy()
+    dout_nan[9, 100] = np.nan
+    dx0 = rng.standard_normal((rows, C)).astype(bf)
+    dxs = []
+    for g in (dout, dout_nan):
+        dx = cp.asarray(dx0)
+        gpucore.layernorm_backward(cp.asarray(g), xg, wg, mean, rstd, dx=dx, dweight=cp.zeros(C, np.float32),
+                                   dbias=cp.zeros(C, np.float32), version=2)
+        dxs.append(to_cpu(dx))
+    assert (_bf16_bits(dxs[1])[9] == 0x7fc0).all()
+    others = np.arange(rows) != 9
+    assert np.array_equal(_bf16_bits(dxs[1])[others], _bf16_bits(dxs[0])[others])
+    assert not np.isnan(dxs[0].astype(np.float32)).any()
+
+
 @pytest.mark.cuda
 def test_gpu_unaligned_views_take_v1(rng):
     cp = runtime.cupy
