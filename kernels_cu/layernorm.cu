@@ -52,6 +52,7 @@
 #include "common.cuh"
 #include "fast_packs.cuh"   // Raw<T>: a row kept as raw 16-byte packs
 #include "fp8_cast.cuh"
+#include "ptx.cuh"          // prefetch_l2
 
 #define WARPS 4             // rows (forward) / warps (backward) per block: blockDim.x == 128
 #define REDUCE_WARPS 8      // stage 2: blockDim.x == 256, 32 columns per block
@@ -288,6 +289,8 @@ __device__ void layernorm_forward_fp8(bf16* residual, u8* out8, u8* out8_t, floa
         const int lr = warp * (ROWS / 8) + rr, row = r0 + lr;
         if (row >= rows) break;                // warp-uniform
         const size_t off = (size_t)row * C;
+        if (rr + 1 < ROWS / 8 && row + 1 < rows && lane < (FUSED ? 2 : 1))   // this warp's next row, into L2
+            prefetch_l2((lane == 0 ? a : b) + off + C, 2 * C);
         uint4 v[N];
         float m, rs;
         layernorm_row_v2<bf16, N, FUSED>(v, m, rs, residual, a, b, off, lane, C, eps);
@@ -354,6 +357,11 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
     // No barrier inside this loop: warps may run different numbers of rows.
     for (int row = blockIdx.x * WARPS + warp; row < rows; row += gridDim.x * WARPS) {
         const size_t off = (size_t)row * C;
+        // This warp's next row into L2 while this one computes: at large C the registers hold one
+        // row per warp (N = 7: 254 registers, 8 warps per SM), so nothing else overlaps its loads.
+        const int next = row + gridDim.x * WARPS;
+        if (next < rows && lane < 3)
+            prefetch_l2((lane == 0 ? dout : lane == 1 ? x : dx) + (size_t)next * C, C * sizeof(T));
         uint4 g[N], v[N], d[N];                // raw packs (fast_packs.cuh): unpacked where used
         #pragma unroll
         for (int j = 0; j < N; j++) {

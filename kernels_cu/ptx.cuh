@@ -8,7 +8,8 @@
  * (a "memory" clobber here and not there, volatile or not). One definition is one place to read,
  * to check against the PTX ISA and to fix. Include it as "ptx.cuh": the compiler gets
  * -I kernels_cu, so files in subfolders include it by the same name. All of it is sm_80 PTX,
- * defined for every arch; Hopper-only PTX (wgmma, fence.proxy.async, descriptors) is in
+ * defined for every arch (but prefetch_l2, a bulk prefetch on sm_90 and nothing before);
+ * Hopper-only PTX (wgmma, fence.proxy.async, descriptors) is in
  * wgmma.cuh, and the mbarrier wrappers stay in ladder/gemm/wgmma.cu, their only user.
  *
  * Each helper follows the PTX ISA section named beside it (chapter "Instructions"):
@@ -108,6 +109,21 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 // Wait until at most N of this thread's committed groups are still in flight.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// ---- L2 prefetch ---------------------------------------------------------------------------
+
+// A hint: start bringing [p, p + bytes) from DRAM into L2, with no register and no wait -- for
+// row kernels whose next row's loads would otherwise start only after this row's math (the
+// layernorm kernels at large C, where registers hold one row per warp). sm_90: one bulk prefetch
+// ("cp.async.bulk.prefetch.L2", p 16-byte aligned, bytes a multiple of 16); before sm_90 nothing.
+__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes));
+#else
+    (void)p;
+    (void)bytes;
+#endif
+}
 
 // ---- ldmatrix -----------------------------------------------------------------------------
 
