@@ -46,7 +46,6 @@ import numpy as np
 
 from . import settings
 from .ops.classifier import dlogits_fp8_scale
-from .ops.colsum import colsum
 from .ops.fp8 import (Fp8Scaling, fp8_gelu_backward, fp8_gelu_backward_gated, fp8_gelu_quantize,
                       fp8_gelu_quantize_gated, fp8_matmul, fp8_transpose)
 from .ops.gelu import gelu, gelu_backward
@@ -193,7 +192,8 @@ class Fp8Linears:
     def backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias=None, x8t=None, gelu_x2d=None,
                  gelu_of=None):
         """dx2d (N, K) = dout2d @ weight [=]; dweight (M, K) += dout2d^T @ x [+=]; dbias (M,) += dout2d's
-        column sums (bf16, from dout2d itself: the same rule as matmul_backward). x: its transposed
+        column sums (of the bf16 values, as matmul_backward's), summed by the pass that casts dout2d
+        (fp8_quantize(dbias=): no pass of its own) or by the fused GELU backward. x: its transposed
         FP8 copy x8t (K, N) from the forward, or (x8t None) x2d (N, K) bf16, cast here with the
         forward's scale.
         gelu_of (N, K), optional, with x8t None: x is GELU(gelu_of) (fcproj), cast from it in one pass
@@ -217,7 +217,8 @@ class Fp8Linears:
             if gelu_x2d is not None:
                 gelu_backward(dout2d, gelu_x2d, dx=dout2d, dbias=dbias)
                 dbias = None
-            sc.cast(ig, dout2d, out=g8, out_t=g8t)
+            sc.cast(ig, dout2d, out=g8, out_t=g8t, dbias=dbias)    # the bias gradient from the cast's pass
+            dbias = None
         sc.cast(iw, weight, out_t=w8t, record=False)    # the forward's scale
         if x8t is None:
             x8t = xtb[: N * K].reshape(K, N)
@@ -228,11 +229,6 @@ class Fp8Linears:
         sg, sw, sx = sc.tensor(ig)[1], sc.tensor(iw)[1], sc.tensor(ix)[1]
         fp8_matmul(g8, w8t, "e5m2", "e4m3", sg, sw, out=dx2d, fast_accum=self.fast_dgrad)
         fp8_matmul(g8t, x8t, "e5m2", "e4m3", sg, sx, out=dweight, accumulate=True)
-        if dbias is not None:
-            if self.xp is np:
-                dbias[...] = (dbias.astype(np.float64) + dout2d.astype(np.float64).sum(axis=0)).astype(dbias.dtype)
-            else:
-                colsum(dbias, dout2d)
 
     # --------------------------------------------------------------- LM head
 

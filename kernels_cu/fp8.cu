@@ -19,6 +19,9 @@
  *   256 threads; each thread loads CAST_ROWS/32 16-byte packs (8 columns of rows r, r + 32, ...),
  *   writes 8 fp8 bytes of `out` per pack, and (transposed) CAST_ROWS/64 blocks of 4 x 4 bytes of the
  *   tile in shared memory (store_block4_t).
+ * fp8_cast_colsum_kernel_e5m2: the gradient cast that also writes each tile's column sums of its
+ *   input (float32 partials, TileColsum's fixed tree; colsum.py's stage 2 adds them): a linear's
+ *   bias gradient from the pass that casts its output gradient (dqkv's), not from a pass of its own.
  * fp8_transpose_kernel: FP8 bytes (R, C) -> (C, R), for operands that must be K-contiguous and
  *   were written the other way (the LM head's weight gradient: dlogits8 and lnf8, K = tokens).
  * fp8_gelu_cast_kernel_e4m3: the same cast of gelu(in) (gelu.cu's bf16 GELU, rounded to bf16 first):
@@ -56,16 +59,61 @@ __device__ __forceinline__ uint4 gelu_pack8(uint4 p) {
 #endif
 __device__ __forceinline__ int swz(int r, int w) { return r * 16 + (w ^ ((r >> 2) & 15)); }
 
+// A TR-row tile's column sums (a bias gradient's stage 1, colsum.py's stage 2 adds the tiles in order)
+// in a fixed tree, all 256 threads adding: each thread's 8 columns over its H rows in order
+// (colsum_add), then 8 threads' sums in order, then the 4 eights in order. Deterministic.
+struct TileColsum {
+    float col32[32][TILE + 1];                 // per column, the sums of each thread's H rows; +1: no conflicts
+    float col8[4][TILE];                       // ... of 8 consecutive such sums
+};
+
+// Row h of this thread's 8 columns (bf16 pairs d, as stored) into its sums.
+__device__ __forceinline__ void colsum_add(float (&sum)[8], const u32 (&d)[4], int h) {
+    #pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const float lo = __uint_as_float(d[k] << 16), hi = __uint_as_float(d[k] & 0xffff0000u);
+        sum[2 * k] = h ? __fadd_rn(sum[2 * k], lo) : lo;
+        sum[2 * k + 1] = h ? __fadd_rn(sum[2 * k + 1], hi) : hi;
+    }
+}
+
+// Before a barrier: this thread's sums into shared memory.
+__device__ __forceinline__ void colsum_share(TileColsum& cs, const float (&sum)[8], int t, int col) {
+    #pragma unroll
+    for (int e = 0; e < 8; e++) cs.col32[t >> 3][col + e] = sum[e];
+}
+
+// After it: column t % 64, the sums of row groups 8 (t / 64) .. 8 (t / 64) + 7 in order.
+__device__ __forceinline__ void colsum_eights(TileColsum& cs, int t) {
+    const int c = t & (TILE - 1), q = t / TILE;
+    float acc = cs.col32[8 * q][c];
+    #pragma unroll
+    for (int k = 1; k < 8; k++) acc = __fadd_rn(acc, cs.col32[8 * q + k][c]);
+    cs.col8[q][c] = acc;
+}
+
+// After another barrier: the tile's 64 column sums into partials row ty.
+__device__ __forceinline__ void colsum_write(float* partials, const TileColsum& cs, int t, int ty, int c0, int C) {
+    if (t < TILE && c0 + t < C)
+        partials[(long long)ty * C + c0 + t] =
+            __fadd_rn(__fadd_rn(__fadd_rn(cs.col8[0][t], cs.col8[1][t]), cs.col8[2][t]), cs.col8[3][t]);
+}
+
 // GELU = true: the cast of gelu(in) (the fcproj input in FP8 training: gelu_forward followed by the cast,
 // bit for bit, without writing or reading the bf16 GELU output). TR rows per tile: each thread casts
 // TR / 32 packs (rows t/8 + 32 h), then stores TR / 64 transposed 4 x 4 blocks; TR / 4 threads cover
 // TR contiguous bytes of an out_t row.
-template <int FMT, bool GELU = false, int TR = CAST_ROWS>
+// COLSUM: also partials (ceil(R / TR), C) float32, each tile's column sums of in (the bf16 values
+// read) by TileColsum's tree -- the qkv bias gradient from the dqkv cast, without a colsum pass
+// reading dqkv again. A template flag: the sums cost the plain casts 12 registers (48 -> 60).
+template <int FMT, bool GELU = false, bool COLSUM = false, int TR = CAST_ROWS>
 __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __restrict__ amax,
-                         const bf16* __restrict__ in, const float* __restrict__ scale,
+                         float* __restrict__ partials, const bf16* __restrict__ in, const float* __restrict__ scale,
                          const float* __restrict__ gate, int R, int C) {
+    static_assert(!(GELU && COLSUM), "the GELU cast sums nothing");
     constexpr int H = TR / 32, RB = TR / 4;    // packs per thread; threads per out_t row segment
     __shared__ u32 tile[TR * 16];              // the cast bytes, for the transposed store
+    __shared__ TileColsum cs;
     if (gate && *gate == 0.0f) return;         // the adaptive re-cast, not needed this time (block-uniform)
     const int t = threadIdx.x;
     const float s = *scale;
@@ -76,13 +124,15 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
     for (int ty = blockIdx.y; ty * TR < R; ty += gridDim.y)
     for (int tx = blockIdx.x; tx * TILE < C; tx += gridDim.x) {
     const int r0 = ty * TR, c0 = tx * TILE;
-    if (out_t) __syncthreads();                // the last tile's transposed reads are done
+    if (out_t || COLSUM) __syncthreads();      // the last tile's shared reads are done
     uint4 p[H];
     #pragma unroll
     for (int h = 0; h < H; h++) {              // all loads first: H packs in flight
         const long long r = r0 + (t >> 3) + 32 * h;
+        if (COLSUM) p[h] = make_uint4(0u, 0u, 0u, 0u);   // zero past the edges: the sums ignore them
         if (r < R && c0 + col < C) p[h] = __ldcs(reinterpret_cast<const uint4*>(in + r * C + c0 + col));
     }
+    float sum[8];                              // partials: this thread's 8 columns over its H rows
     #pragma unroll
     for (int h = 0; h < H; h++) {
         const int row = (t >> 3) + 32 * h;
@@ -93,9 +143,15 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
             tile[swz(row, col / 4 + 1)] = q.y;
             if (out) *reinterpret_cast<uint2*>(out + r * C + c0 + col) = q;
         }
+        if constexpr (COLSUM) {
+            const u32 d[4] = {p[h].x, p[h].y, p[h].z, p[h].w};
+            colsum_add(sum, d, h);
+        }
     }
+    if constexpr (COLSUM) colsum_share(cs, sum, t, col);
+    if (out_t || COLSUM) __syncthreads();
+    if constexpr (COLSUM) colsum_eights(cs, t);
     if (out_t) {
-        __syncthreads();
         const int i = t % RB, r4 = 4 * i;      // this thread's row block; its column blocks below
         #pragma unroll
         for (int j = 0; j < TR / 64; j++) {
@@ -103,6 +159,10 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
             if (c0 + c4 < C && r0 + r4 < R)    // R, C % 16 == 0: all of the block in or all out
                 store_block4_t(out_t, tile + swz(r4, cb), 16, R, c0 + c4, r0 + r4);   // rows r4.. share the swizzle
         }
+    }
+    if constexpr (COLSUM) {
+        __syncthreads();
+        colsum_write(partials, cs, t, ty, c0, C);
     }
     }                                          // the tile loop
     if (amax) block_amax(amax, m);
@@ -113,7 +173,7 @@ extern "C" __global__ void __launch_bounds__(256) fp8_cast_kernel_e4m3(
         const bf16* in, const float* scale,   // (R, C), (1,)
         const float* gate,                    // (1,) | null: cast only when *gate != 0
         int R, int C) {
-    fp8_cast<E4M3>(out, out_t, amax, in, scale, gate, R, C);
+    fp8_cast<E4M3>(out, out_t, amax, nullptr, in, scale, gate, R, C);
 }
 
 extern "C" __global__ void __launch_bounds__(256) fp8_cast_kernel_e5m2(
@@ -121,7 +181,16 @@ extern "C" __global__ void __launch_bounds__(256) fp8_cast_kernel_e5m2(
         const bf16* in, const float* scale,   // (R, C), (1,)
         const float* gate,                    // (1,) | null: cast only when *gate != 0
         int R, int C) {
-    fp8_cast<E5M2>(out, out_t, amax, in, scale, gate, R, C);
+    fp8_cast<E5M2>(out, out_t, amax, nullptr, in, scale, gate, R, C);
+}
+
+// The gradient cast that also sums the columns (a bias gradient's stage 1): the dqkv cast.
+extern "C" __global__ void __launch_bounds__(256) fp8_cast_colsum_kernel_e5m2(
+        u8* out, u8* out_t, float* amax,      // (R, C) | null, (C, R) | null, (1,) | null
+        float* partials,                      // (ceil(R / CAST_ROWS), C): the tiles' column sums of in
+        const bf16* in, const float* scale,   // (R, C), (1,)
+        int R, int C) {
+    fp8_cast<E5M2, false, true>(out, out_t, amax, partials, in, scale, nullptr, R, C);
 }
 
 extern "C" __global__ void __launch_bounds__(256) fp8_gelu_cast_kernel_e4m3(
@@ -129,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(256) fp8_gelu_cast_kernel_e4m3(
         const bf16* in, const float* scale,   // (R, C): GELU's input (fch), (1,)
         const float* gate,                    // (1,) | null: cast only when *gate != 0
         int R, int C) {
-    fp8_cast<E4M3, true>(out, out_t, amax, in, scale, gate, R, C);
+    fp8_cast<E4M3, true>(out, out_t, amax, nullptr, in, scale, gate, R, C);
 }
 
 // FP8 bytes transposed: out (C, R) = in (R, C)^T, uint8 row-major, R and C multiples of 16. The
@@ -200,8 +269,7 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
                                   const float* __restrict__ gate, int R, int C) {
     constexpr int H = TR / 32, RB = TR / 4;    // as fp8_cast
     __shared__ u32 tile[TR * 16];              // swizzled as fp8_cast's
-    __shared__ float col32[32][TILE + 1];      // per column, the sums of each thread's H rows; +1: no conflicts
-    __shared__ float col8[4][TILE];            // ... of 8 consecutive such sums
+    __shared__ TileColsum cs;
     if (gate && *gate == 0.0f) return;         // block-uniform
     const int t = threadIdx.x;
     const float s = *scale;
@@ -238,25 +306,11 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
             tile[swz(row, col / 4 + 1)] = q.y;
             if (out) *reinterpret_cast<uint2*>(out + r * C + c0 + col) = q;
         }
-        #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const float lo = __uint_as_float(d[k] << 16), hi = __uint_as_float(d[k] & 0xffff0000u);
-            sum[2 * k] = h ? __fadd_rn(sum[2 * k], lo) : lo;
-            sum[2 * k + 1] = h ? __fadd_rn(sum[2 * k + 1], hi) : hi;
-        }
+        colsum_add(sum, d, h);
     }
-    if (partials) {
-        #pragma unroll
-        for (int e = 0; e < 8; e++) col32[t >> 3][col + e] = sum[e];
-    }
+    if (partials) colsum_share(cs, sum, t, col);
     if (out_t || partials) __syncthreads();
-    if (partials) {                            // column t % 64: the sums of rows-groups 8 (t / 64).. in order
-        const int c = t & (TILE - 1), q = t / TILE;
-        float acc = col32[8 * q][c];
-        #pragma unroll
-        for (int k = 1; k < 8; k++) acc = __fadd_rn(acc, col32[8 * q + k][c]);
-        col8[q][c] = acc;
-    }
+    if (partials) colsum_eights(cs, t);
     if (out_t) {
         const int i = t % RB, r4 = 4 * i;      // as fp8_cast
         #pragma unroll
@@ -268,8 +322,7 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
     }
     if (partials) {
         __syncthreads();
-        if (t < TILE && c0 + t < C)
-            partials[(long long)ty * C + c0 + t] = __fadd_rn(__fadd_rn(__fadd_rn(col8[0][t], col8[1][t]), col8[2][t]), col8[3][t]);
+        colsum_write(partials, cs, t, ty, c0, C);
     }
     }                                          // the tile loop
     if (amax) block_amax(amax, m);

@@ -276,6 +276,71 @@ def test_gpu_quantize_bitwise(rng, fmt, R, C):
     assert np.array_equal(to_cpu(out_t2), want.T)
 
 
+def _tile_colsums_emulated(x, dbias0, rows=128):
+    """NumPy float32 emulation of fp8_cast_colsum's bias sums: per tile of `rows` rows, each thread
+    group's rows g + 32 h summed in h order, 8 groups in order, the 4 eights in order; then colsum's
+    stage 2 (the tiles in order from 0, added to dbias)."""
+    R, C = x.shape
+    tiles = -(-R // rows)
+    v = np.zeros((tiles * rows, C), F32)
+    v[:R] = x.astype(F32)
+    total = np.zeros(C, F32)
+    for ty in range(tiles):
+        part = v[ty * rows:(ty + 1) * rows].reshape(rows // 32, 32, C)
+        s = part[0].copy()
+        for h in range(1, rows // 32):
+            s = s + part[h]
+        eights = []
+        for q in range(4):
+            acc = s[8 * q].copy()
+            for k in range(1, 8):
+                acc = acc + s[8 * q + k]
+            eights.append(acc)
+        total = total + (((eights[0] + eights[1]) + eights[2]) + eights[3])
+    return dbias0.astype(F32) + total
+
+
+def test_quantize_dbias_numpy_and_bad_input(rng):
+    """NumPy: a gradient's cast with dbias writes the same bytes and adds x's column sums (float64)."""
+    x = _bf16(rng, (48, 32), 2.0)
+    scale = np.array([5.0], F32)
+    out, db = np.zeros((48, 32), np.uint8), np.full(32, 0.25, F32)
+    fp8_quantize(x, "e5m2", scale, out=out, dbias=db)
+    assert np.array_equal(out, fp8_quantize_reference(x, "e5m2", 5.0))
+    assert np.array_equal(db, (0.25 + x.astype(np.float64).sum(axis=0)).astype(F32))
+    with pytest.raises(ValueError, match="only a gradient's cast"):
+        fp8_quantize(x, "e4m3", scale, out=out, dbias=db)
+    with pytest.raises(ValueError, match="dbias"):
+        fp8_quantize(x, "e5m2", scale, out=out, dbias=np.zeros(31, F32))
+    with pytest.raises(TypeError, match="dbias: dtype"):
+        fp8_quantize(x, "e5m2", scale, out=out, dbias=np.zeros(32, np.float16))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("R,C", [(64, 64), (1040, 784), (4096, 2304)])
+def test_gpu_quantize_dbias_bitwise(rng, R, C):
+    """GPU: the E5M2 cast that also sums the columns (the qkv bias gradient from the dqkv cast) writes
+    the plain cast's bytes and amax, and its bias sums equal a float32 emulation of its tree bit for
+    bit (partial last tile at 1040 rows)."""
+    _need_fp8()
+    cp = runtime.cupy
+    x = _bf16(rng, (R, C), 2.0)
+    scale = cp.asarray([300.0], F32)
+    res = []
+    for with_bias in (True, False):
+        out, out_t = cp.full((R, C), 0xAB, np.uint8), cp.full((C, R), 0xAB, np.uint8)
+        amax, db = cp.zeros(1, F32), cp.full(C, 0.5, F32)
+        fp8_quantize(cp.asarray(x), "e5m2", scale, out=out, out_t=out_t, amax=amax, dbias=db if with_bias else None)
+        res.append([to_cpu(a) for a in (out, out_t, amax, db)])
+    (q, qt, am, db), (q2, qt2, am2, db2) = res
+    assert np.array_equal(q, q2) and np.array_equal(qt, qt2) and am[0] == am2[0]
+    assert np.all(db2 == 0.5)
+    want = _tile_colsums_emulated(x, np.full(C, 0.5, F32))
+    bad = np.argwhere(db != want)
+    assert len(bad) == 0, f"{len(bad)} sums differ, first at {tuple(bad[0])}: {db[bad[0][0]]} vs {want[bad[0][0]]}"
+    assert rel_err(db.astype(np.float64) - 0.5, x.astype(np.float64).sum(axis=0)) < 1e-5
+
+
 @pytest.mark.cuda
 def test_gpu_amax_and_nan(rng):
     _need_fp8()

@@ -117,15 +117,18 @@ def _check_scalar(name, a, xp):
 
 
 @profiler.profiled("fp8 cast", nbytes=profiler.io_bytes)
-def fp8_quantize(x, fmt: str, scale, *, out=None, out_t=None, amax=None):
+def fp8_quantize(x, fmt: str, scale, *, out=None, out_t=None, amax=None, dbias=None):
     """FP8 bytes of x * scale: x (R, C) bfloat16; scale (1,) float32 on x's device.
 
     out (R, C) and/or out_t (C, R) uint8 receive the cast (row-major, transposed); at least one.
-    amax (1,) float32, optional: amax = max(amax, max |x|) (of x, before scaling). On the GPU R
-    and C must be multiples of 16 (the FP8 GEMM's rule) and the GPU sm_89+.
+    amax (1,) float32, optional: amax = max(amax, max |x|) (of x, before scaling). dbias (C,)
+    bfloat16 or float32, optional, "e5m2" only (a gradient's cast): dbias += the column sums of x
+    (float32 in a fixed order on the GPU, from the same pass; float64 in the reference) -- the bias
+    gradient of the linear whose output gradient x is. On the GPU R and C must be multiples of 16
+    (the FP8 GEMM's rule) and the GPU sm_89+.
     Returns (out, out_t).
     """
-    return _quantize(x, fmt, scale, out, out_t, amax, None)
+    return _quantize(x, fmt, scale, out, out_t, amax, None, dbias=dbias)
 
 
 @profiler.profiled("fp8 re-cast (gated)")
@@ -185,11 +188,29 @@ def _grid(R, C, gated, rows=TILE):
     return gx, gy
 
 
-def _quantize(x, fmt, scale, out, out_t, amax, gate, gelu_first=False):
+def _check_dbias(dbias, C, xp, xname):
+    check_array("dbias", dbias, shape=(C,))
+    if dbias.dtype not in (dtypes.bfloat16, np.dtype(np.float32)):
+        raise TypeError(f"dbias: must be bfloat16 or float32, got {dtypes.name(dbias.dtype)}")
+    if (xp is np) != isinstance(dbias, np.ndarray):
+        raise TypeError(f"dbias: must live on the same device as {xname}")
+
+
+def _add_colsums(dbias, x):
+    """The reference of the kernels' column sums: dbias += x.sum(0), in float64."""
+    if x.shape[1]:
+        dbias[...] = (dbias.astype(np.float64) + x.astype(np.float64).sum(axis=0)).astype(dbias.dtype)
+
+
+def _quantize(x, fmt, scale, out, out_t, amax, gate, gelu_first=False, dbias=None):
     check_array("x", x, dtype=dtypes.bfloat16, ndim=2)
-    xp = runtime.array_module(x, scale, out, out_t, amax, gate)
+    xp = runtime.array_module(x, scale, out, out_t, amax, gate, dbias)
     check_cast_args(x, fmt, scale, out, out_t, amax, gate, xp)
     R, C = x.shape
+    if dbias is not None:
+        if fmt != "e5m2":
+            raise ValueError(f"dbias: only a gradient's cast (e5m2) sums its columns, got {fmt!r}")
+        _check_dbias(dbias, C, xp, "x")
     if xp is np:
         if gate is not None and float(gate[0]) == 0.0:
             return out, out_t
@@ -202,11 +223,20 @@ def _quantize(x, fmt, scale, out, out_t, amax, gate, gelu_first=False):
             out_t[...] = q.T
         if amax is not None and x.size:
             _fold_amax(amax, np.abs(np.asarray(x, dtype=np.float32)).max())
+        if dbias is not None:
+            _add_colsums(dbias, x)
         return out, out_t
     if x.size == 0:
         return out, out_t
-    kernel = runtime.get_kernel("fp8", "fp8_gelu_cast_kernel_e4m3" if gelu_first else f"fp8_cast_kernel_{fmt}")
     null = np.uint64(0)
+    if dbias is not None:          # the cast that also sums the columns, then colsum's stage 2
+        partials = xp.empty((-(-R // CAST_ROWS), C), np.float32)
+        runtime.launch(runtime.get_kernel("fp8", "fp8_cast_colsum_kernel_e5m2"), _grid(R, C, False, CAST_ROWS), 256,
+                       (null if out is None else out, null if out_t is None else out_t,
+                        null if amax is None else amax, partials, x, scale, np.int32(R), np.int32(C)))
+        reduce_partials(dbias, partials)
+        return out, out_t
+    kernel = runtime.get_kernel("fp8", "fp8_gelu_cast_kernel_e4m3" if gelu_first else f"fp8_cast_kernel_{fmt}")
     runtime.launch(kernel, _grid(R, C, gate is not None, CAST_ROWS), 256,
                    (null if out is None else out, null if out_t is None else out_t, null if amax is None else amax,
                     x, scale, null if gate is None else gate, np.int32(R), np.int32(C)))
@@ -239,11 +269,7 @@ def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate):
     xp = runtime.array_module(dout, x, scale, out, out_t, amax, dbias, gate)
     R, C = dout.shape
     if dbias is not None:
-        check_array("dbias", dbias, shape=(C,))
-        if dbias.dtype not in (dtypes.bfloat16, np.dtype(np.float32)):
-            raise TypeError(f"dbias: must be bfloat16 or float32, got {dtypes.name(dbias.dtype)}")
-        if (xp is np) != isinstance(dbias, np.ndarray):
-            raise TypeError("dbias: must live on the same device as dout")
+        _check_dbias(dbias, C, xp, "dout")
     if xp is np:
         if gate is not None:
             _check_scalar("gate", gate, xp)
@@ -251,8 +277,8 @@ def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate):
                 return out, out_t
         dx = gelu_backward_reference(dout, x).astype(dtypes.bfloat16)
         _quantize(dx, "e5m2", scale, out, out_t, amax, None)
-        if dbias is not None and C:
-            dbias[...] = (dbias.astype(np.float64) + dx.astype(np.float64).sum(axis=0)).astype(dbias.dtype)
+        if dbias is not None:
+            _add_colsums(dbias, dx)
         return out, out_t
     check_cast_args(dout, "e5m2", scale, out, out_t, amax, gate, xp, xname="dout")
     if x.data.ptr % 16:
@@ -375,19 +401,20 @@ class Fp8Scaling:
         """(scale, scale_inv, amax) (1,) views of tensor i."""
         return self._views[i][:3]
 
-    def cast(self, i: int, x, *, out=None, out_t=None, record: bool = True, current: bool = False):
+    def cast(self, i: int, x, *, out=None, out_t=None, record: bool = True, current: bool = False, dbias=None):
         """Tensor i (x, bf16 (R, C)) into out and/or out_t by the mode's rule; record=False: with
         the scale it already has and no amax (the backward's re-cast of a forward tensor);
-        current=True: current scaling for this cast whatever the mode (the weights)."""
+        current=True: current scaling for this cast whatever the mode (the weights); dbias (an
+        e5m2 tensor's): += x's column sums, from the first cast's pass (fp8_quantize)."""
         fmt = self.formats[i]
         scale, _, amax = self.tensor(i)
         if not record:
-            return fp8_quantize(x, fmt, scale, out=out, out_t=out_t)
+            return fp8_quantize(x, fmt, scale, out=out, out_t=out_t, dbias=dbias)
         if self.can_produce(i) and not current:
-            return self.produce(i, lambda sc, am: fp8_quantize(x, fmt, sc, out=out, out_t=out_t, amax=am),
+            return self.produce(i, lambda sc, am: fp8_quantize(x, fmt, sc, out=out, out_t=out_t, amax=am, dbias=dbias),
                                 lambda sc, gate: fp8_requantize_gated(x, fmt, sc, gate, out=out, out_t=out_t))
         self.prepare(i, x, current=current)
-        return fp8_quantize(x, fmt, scale, out=out, out_t=out_t, amax=amax)
+        return fp8_quantize(x, fmt, scale, out=out, out_t=out_t, amax=amax, dbias=dbias)
 
     def can_produce(self, i: int) -> bool:
         """Can tensor i be cast by the kernel that makes it (produce), with no bf16 copy to measure
