@@ -612,3 +612,85 @@ def test_gpu_fp8_forward_bitwise(rng, fused_residual, R, C):
     if not fused_residual:
         layernorm_forward_fp8(x, w, bias, scale, out8=o8, gate=cp.ones(1, np.float32))
         assert np.array_equal(to_cpu(o8), got[0])
+
+
+# ------------------------------------------------------- FP8 backward ------
+
+from gpucore.ops.layernorm import layernorm_backward, layernorm_backward_fp8   # noqa: E402
+
+
+def _fp8_ln_bwd_both(xp, R, C, rng, colsum):
+    """layernorm_backward_fp8 against layernorm_backward then fp8_quantize(dx, "e5m2"): for each, the
+    host arrays (dx, out8, out8_t, amax, dweight, dbias, dx_colsum or None)."""
+    bf = gpucore.bfloat16
+    x = (rng.standard_normal((R, C)) * 2 + 0.3).astype(bf)
+    w = (1.0 + 0.5 * rng.standard_normal(C)).astype(bf)
+    dout = rng.standard_normal((R, C)).astype(bf)
+    dx0 = rng.standard_normal((R, C)).astype(bf)
+    xg, wg = xp.asarray(x), xp.asarray(w)
+    _, mean, rstd = layernorm_forward(xg, wg, xp.asarray(np.zeros(C, bf)))
+    scale = xp.asarray([2000.0], np.float32)
+    res = []
+    for fused in (True, False):
+        dx, dw, db = xp.array(dx0), xp.zeros(C, np.float32), xp.zeros(C, np.float32)   # copies: += below
+        cs = xp.zeros(C, np.float32) if colsum else None
+        o8, o8t, amax = xp.full((R, C), 0xAB, np.uint8), xp.full((C, R), 0xAB, np.uint8), xp.zeros(1, np.float32)
+        if fused:
+            layernorm_backward_fp8(xp.asarray(dout), xg, wg, mean, rstd, scale, dx=dx, dweight=dw, dbias=db,
+                                   dx_colsum=cs, out8=o8, out8_t=o8t, amax=amax)
+        else:
+            layernorm_backward(xp.asarray(dout), xg, wg, mean, rstd, dx=dx, dweight=dw, dbias=db, dx_colsum=cs)
+            fp8_quantize(dx, "e5m2", scale, out=o8, out_t=o8t, amax=amax)
+        res.append([np.array(to_cpu(a)) if a is not None else None for a in (dx, o8, o8t, amax, dw, db, cs)])
+    return res
+
+
+def test_fp8_backward_reference_is_backward_then_cast(rng):
+    """NumPy: the FP8 backward is layernorm_backward then fp8_quantize of dx, bit for bit; bad input."""
+    got, want = _fp8_ln_bwd_both(np, 48, 32, rng, colsum=True)
+    for g, wnt in zip(got, want):
+        assert np.array_equal(g, wnt)
+    bf = gpucore.bfloat16
+    x = np.ones((16, 32), bf)
+    w, m, r, s = np.ones(32, bf), np.zeros(16, np.float32), np.ones(16, np.float32), np.ones(1, np.float32)
+    with pytest.raises(ValueError, match="at least one"):
+        layernorm_backward_fp8(x, x, w, m, r, s, dx=x.copy(), dweight=None, dbias=None)
+    with pytest.raises(TypeError, match="dx: dtype"):
+        layernorm_backward_fp8(x, x, w, m, r, s, dx=x.astype(np.float32), dweight=None, dbias=None,
+                               out8=np.zeros((16, 32), np.uint8))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("colsum", [False, True])
+@pytest.mark.parametrize("R,C", [(64, 768), (80, 64), (1040, 1600), (4096, 768), (48, 2048)])
+def test_gpu_fp8_backward_bitwise(rng, colsum, R, C):
+    """GPU: the FP8 backward's dx, E5M2 bytes (both orientations) and amax equal layernorm_backward
+    then fp8_quantize bit for bit (32-row chunks, partial at 80, 1040 and 48 rows); dweight, dbias
+    and the column sums (rows grouped in other blocks) to float32 rounding; twice the same bits."""
+    from gpucore.ops.fp8 import fp8_supported
+    ok, why = fp8_supported()
+    assert ok, why
+    got, want = _fp8_ln_bwd_both(runtime.cupy, R, C, np.random.default_rng(7), colsum)
+    again, _ = _fp8_ln_bwd_both(runtime.cupy, R, C, np.random.default_rng(7), colsum)
+    for name, g, wnt, g2 in zip(["dx", "out8", "out8_t", "amax", "dweight", "dbias", "dx_colsum"], got, want, again):
+        if g is None:
+            continue
+        assert g.tobytes() == g2.tobytes(), f"{name} not deterministic"
+        if name in ("dweight", "dbias", "dx_colsum"):
+            assert rel_err(g.astype(np.float64), wnt.astype(np.float64)) < 1e-5, name
+        else:
+            bad = np.argwhere(g != wnt)
+            assert len(bad) == 0, f"{name}: {len(bad)} differ, first at {tuple(bad[0])}"
+
+
+def test_fp8_backward_chunk_matches_the_kernel():
+    """ops/layernorm.py sizes the FP8 backward's grid and shared tile from FP8_BWD_ROWS, which must
+    equal layernorm.cu's (a mismatch would leave rows without their transposed bytes)."""
+    import re
+    from pathlib import Path
+    from gpucore.ops import layernorm as ln
+    src = (Path(runtime.KERNEL_DIR) / "layernorm.cu").read_text()
+    m = re.search(r"#define FP8_BWD_ROWS (\d+)", src)
+    assert m and int(m.group(1)) == ln.FP8_BWD_ROWS
+    w = re.search(r"#define WARPS (\d+)", src)
+    assert w and int(w.group(1)) == ln.WARPS and ln.FP8_BWD_ROWS % (4 * ln.WARPS) == 0
