@@ -554,12 +554,8 @@ __device__ void layernorm_backward_reduce(TW* dweight, TW* dbias, TC* dx_colsum,
 // the plain kernel's occupancy (the same grid gives dx/dweight/dbias the same
 // bits), so a COLSUM kernel needing more registers would run a second, mostly
 // empty wave. ptxas keeps the occupancy by itself everywhere except bf16 N = 2
-// (94 registers against 80: 5 blocks instead of 6) and, since the row body became
-// one lambda shared with the FP8 kernels, fp32 N = 1 and 2 (56 / 80 registers
-// against 48 / 64). 0 = no constraint.
-__host__ __device__ constexpr int colsum_min_blocks(int N, int P) {
-    return P == 8 ? (N == 2 ? 6 : 0) : (N == 1 ? 10 : N == 2 ? 8 : 0);
-}
+// (94 registers against 80: 5 blocks instead of 6). 0 = no constraint.
+__host__ __device__ constexpr int colsum_min_blocks(int N, int P) { return N == 2 && P == 8 ? 6 : 0; }
 
 #define LN_V1(T, SUF)                                                                                       \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_forward_kernel_v1_##SUF(            \

@@ -795,34 +795,3 @@ def test_fp8_tile_geometry_matches_the_kernels():
                          ("TRANSPOSE_CT", fp8.TRANSPOSE_TILES), ("TILE", fp8.TILE)):
         m = re.search(rf"#define {macro} (\d+)", src)
         assert m and int(m.group(1)) == value, macro
-
-
-@pytest.mark.parametrize("mode", ["adaptive", "delayed", "current"])
-def test_fp8_residual_gradient_bytes_come_from_the_layernorm_backward(monkeypatch, mode):
-    """fcproj's and attproj's output gradient is the residual gradient: where the scaling knows its
-    scale before the kernel runs (adaptive; delayed after the first step), the layernorm backward that
-    writes it also writes its E5M2 bytes (lnf, every ln2, ln1 but layer 0's: 2 L calls) and those
-    linears cast nothing; current scaling casts as before. The gradients are the same either way."""
-    import gpucore.model as gm
-    cfg = GPT2Config.from_preset("micro")
-    x, y = _tokens(cfg, 2, 16)
-    calls = []
-    real = gm.layernorm_backward_fp8
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(gm, "layernorm_backward_fp8", spy)
-    loss, g_fused, m = _model_grads(cfg, np, x, y, mode)
-    L = cfg.num_layers
-    assert len(calls) == (2 * L if mode == "adaptive" else 0)    # delayed: no history at step 1
-    if mode == "delayed":                                        # step 2 has one
-        m.zero_grad()
-        m.forward(x, y, for_backward=True)
-        m.backward()
-        assert len(calls) == 2 * L
-    import gpucore.fp8_linear as fl
-    monkeypatch.setattr(fl.Fp8Linears, "can_produce_dout", lambda self, l, j: False)
-    loss2, g_cast, _ = _model_grads(cfg, np, x, y, mode)
-    assert loss2 == loss and np.array_equal(g_cast, g_fused)
