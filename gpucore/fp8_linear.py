@@ -46,9 +46,8 @@ import numpy as np
 
 from . import settings
 from .ops.classifier import dlogits_fp8_scale
-from .ops.colsum import colsum
 from .ops.fp8 import (Fp8Scaling, fp8_gelu_backward, fp8_gelu_backward_gated, fp8_gelu_quantize,
-                      fp8_gelu_quantize_gated, fp8_matmul, fp8_requantize_gated, fp8_transpose)
+                      fp8_gelu_quantize_gated, fp8_matmul, fp8_transpose)
 from .ops.gelu import gelu, gelu_backward
 from .ops.layernorm import fp8_forward_fits, layernorm_forward_fp8
 
@@ -125,7 +124,6 @@ class Fp8Linears:
         self._n = None
         self._arena = None
         self._head = None               # (N, [lnf8, wte8, wte8T, dlogits8 flat uint8]) of the FP8 LM head
-        self._dout_made = None          # (l, j): the linear whose g8 / g8T produce_dout just made
 
     def bind_arena(self, arena):
         """Carve the FP8 scratch out of `arena` (a flat uint8 view of the LM-head logits chunk) when
@@ -191,31 +189,6 @@ class Fp8Linears:
                    fast_accum=True, gelu_out=gelu_out2d)
         return out2d
 
-    def can_produce_dout(self, l, j) -> bool:
-        """Can the kernel that writes linear j's output gradient also write its E5M2 bytes (the
-        scaling knows its scale before that kernel runs)?"""
-        return self.scaling.can_produce(self._slot(l, j, _G))
-
-    def produce_dout(self, l, j, N, first, dout2d):
-        """Linear j of layer l's output gradient dout2d (N, M), written by first(scale, amax, g8, g8t):
-        a kernel that writes dout2d and its E5M2 bytes (g8 (N, M), g8t (M, N) views of this object's
-        scratch) in one pass -- the layernorm backward, whose dx (the residual gradient) is fcproj's
-        and attproj's output gradient. Adaptive scaling re-casts from dout2d when the guard says so.
-        The linear's backward, called next, then skips its own cast. Needs can_produce_dout."""
-        M = dout2d.shape[1]
-        _, _, gb, gtb, _, _ = self._buffers(N)
-        g8, g8t = gb[: N * M].reshape(N, M), gtb[: N * M].reshape(M, N)
-        self.scaling.produce(self._slot(l, j, _G), lambda s, am: first(s, am, g8, g8t),
-                             lambda s, gate: fp8_requantize_gated(dout2d, "e5m2", s, gate, out=g8, out_t=g8t))
-        self._dout_made = (l, j)
-
-    def _add_colsums(self, dbias, dout2d):
-        """dbias += dout2d's column sums in a pass of its own (float64 in the NumPy path)."""
-        if self.xp is np:
-            dbias[...] = (dbias.astype(np.float64) + dout2d.astype(np.float64).sum(axis=0)).astype(dbias.dtype)
-        else:
-            colsum(dbias, dout2d)
-
     def backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias=None, x8t=None, gelu_x2d=None,
                  gelu_of=None):
         """dx2d (N, K) = dout2d @ weight [=]; dweight (M, K) += dout2d^T @ x [+=]; dbias (M,) += dout2d's
@@ -228,19 +201,14 @@ class Fp8Linears:
         gelu_x2d (N, M), optional: dout2d is the gradient of GELU(gelu_x2d) (the fc layer), and the
         output gradient is gelu_backward(dout2d, gelu_x2d): when the scaling allows, its FP8 bytes
         and bias sums come from one fused kernel and the bf16 gradient is never written; else
-        gelu_backward runs first, into dout2d (as the bf16 path does).
-        Right after produce_dout(l, j, ...) the E5M2 bytes of dout2d are already made, not cast here."""
+        gelu_backward runs first, into dout2d (as the bf16 path does)."""
         N, M = dout2d.shape
         K = weight.shape[1]
         _, xtb, gb, gtb, _, wtb = self._buffers(N)
         g8, g8t = gb[: N * M].reshape(N, M), gtb[: N * M].reshape(M, N)
         w8t = wtb[: M * K].reshape(K, M)
         sc, ix, iw, ig = self.scaling, self._slot(l, j, _X), self._slot(l, j, _W), self._slot(l, j, _G)
-        made, self._dout_made = self._dout_made == (l, j), None
-        if made:                        # g8 / g8t came with dout2d (produce_dout)
-            if dbias is not None:       # (fused_bias_grads off: nobody summed the columns)
-                self._add_colsums(dbias, dout2d)
-        elif gelu_x2d is not None and sc.can_produce(ig):
+        if gelu_x2d is not None and sc.can_produce(ig):
             db = dbias
             sc.produce(ig, lambda s, am: fp8_gelu_backward(dout2d, gelu_x2d, s, out=g8, out_t=g8t, amax=am, dbias=db),
                        lambda s, gate: fp8_gelu_backward_gated(dout2d, gelu_x2d, s, gate, out=g8, out_t=g8t))

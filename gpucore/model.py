@@ -47,8 +47,7 @@ from .ops.attention import attention_backward, attention_forward
 from .ops.classifier import fused_classifier
 from .ops.encoder import encoder_backward, encoder_backward_plan, encoder_forward
 from .ops.gelu import gelu, gelu_backward
-from .ops.layernorm import (LayerNormCall, fused_residual_layernorm_forward, layernorm_backward,
-                            layernorm_backward_fp8)
+from .ops.layernorm import LayerNormCall, fused_residual_layernorm_forward, layernorm_backward
 from .ops.matmul import matmul_backward, matmul_forward
 from .ops.reduce import reduce_sum as _sum
 from .fp8_linear import ATTPROJ, FC, FCPROJ, QKV, Fp8Linears, kept_x8t
@@ -585,19 +584,6 @@ class GPT2:
         return matmul_backward(dout2d, x2d, weight, dx=dx2d, dweight=dweight, dbias=dbias,
                                need_dbias=dbias is not None)
 
-    def _ln_backward(self, dout, x, weight, mean, rstd, dweight, dbias, dx_colsum, feeds=None):
-        """A layernorm's backward into the residual gradient (+=). feeds (l, j): the FP8 linear whose
-        output gradient the residual gradient is next (fcproj, attproj); when the scaling allows, its
-        E5M2 bytes come from this same pass (layernorm_backward_fp8, Fp8Linears.produce_dout)."""
-        dres = self.grad_acts.dresidual
-        if self.fp8 is None or feeds is None or not self.fp8.can_produce_dout(*feeds):
-            layernorm_backward(dout, x, weight, mean, rstd, dx=dres, dweight=dweight, dbias=dbias, dx_colsum=dx_colsum)
-            return
-        d2 = _2d(dres)
-        self.fp8.produce_dout(*feeds, d2.shape[0], lambda s, am, g8, g8t: layernorm_backward_fp8(
-            _2d(dout), _2d(x), weight, mean.reshape(-1), rstd.reshape(-1), s, dx=d2, dweight=dweight, dbias=dbias,
-            dx_colsum=dx_colsum, out8=g8, out8_t=g8t, amax=am), d2)
-
     def _ln_out(self, stack):
         """l -> the layernorm output buffer of layer l: stack[l], or with FP8 linears the one scratch."""
         return (lambda l: stack) if self.fp8 is not None else (lambda l: stack[l])
@@ -645,8 +631,8 @@ class GPT2:
         fuse = settings.current().fused_bias_grads
         lin_bwd = self._linear_backward
         ln1, ln2 = self._ln_out(a.ln1), self._ln_out(a.ln2)
-        self._ln_backward(dsmall, a.residual3[L - 1], p.lnfw, a.lnf_mean, a.lnf_rstd, g.lnfw, g.lnfb,
-                          g.fcprojb[L - 1] if fuse else None, feeds=(L - 1, FCPROJ))
+        layernorm_backward(dsmall, a.residual3[L - 1], p.lnfw, a.lnf_mean, a.lnf_rstd,
+                           dx=dres, dweight=g.lnfw, dbias=g.lnfb, dx_colsum=g.fcprojb[L - 1] if fuse else None)
         for l in reversed(range(L)):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
             # MLP branch: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
@@ -664,15 +650,17 @@ class GPT2:
             else:
                 gelu_backward(dfch, a.fch[l], dx=dfch, dbias=g.fcb[l] if fuse else None)
                 lin_bwd(l, FC, _2d(dfch), _2d(ln2(l)), p.fcw[l], _2d(dsmall), g.fcw[l], None if fuse else g.fcb[l])
-            self._ln_backward(dsmall, a.residual2[l], p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l], g.ln2w[l], g.ln2b[l],
-                              g.attprojb[l] if fuse else None, feeds=(l, ATTPROJ))
+            layernorm_backward(dsmall, a.residual2[l], p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l],
+                               dx=dres, dweight=g.ln2w[l], dbias=g.ln2b[l],
+                               dx_colsum=g.attprojb[l] if fuse else None)
             # attention branch: residual2 = residual + attproj(attention(qkv(ln1(residual))))
             lin_bwd(l, ATTPROJ, _2d(dres), _2d(a.atty[l]), p.attprojw[l], _2d(dsmall), g.attprojw[l],
                     None if fuse else g.attprojb[l])
             attention_backward(dsmall, a.qkv[l], a.atty[l], a.att_lse[l], NH, dqkv=dqkv)
             lin_bwd(l, QKV, _2d(dqkv), _2d(ln1(l)), p.qkvw[l], _2d(dsmall), g.qkvw[l], g.qkvb[l])
-            self._ln_backward(dsmall, residual, p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l], g.ln1w[l], g.ln1b[l],
-                              g.fcprojb[l - 1] if fuse and l > 0 else None, feeds=(l - 1, FCPROJ) if l > 0 else None)
+            layernorm_backward(dsmall, residual, p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l],
+                               dx=dres, dweight=g.ln1w[l], dbias=g.ln1b[l],
+                               dx_colsum=g.fcprojb[l - 1] if fuse and l > 0 else None)
             if on_layer_done is not None:       # fcprojb[l] was written by layer l+1 (or lnf) above
                 on_layer_done(l)
         plan, self._encoder_plan = self._encoder_plan, None

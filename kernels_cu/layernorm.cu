@@ -327,20 +327,10 @@ __device__ void layernorm_forward_fp8(bf16* residual, u8* out8, u8* out8_t, floa
 // Stage 1 of the backward, fused: dx += ... for every row, and this block's
 // partial dweight/dbias into scratch[blockIdx.x][0 / 1][:]; with COLSUM also
 // the partial column sums of the stored dx into scratch[blockIdx.x][2][:].
-// FP8 (bf16 only; --dtype fp8): the stored dx also goes to E5M2 -- out8 (rows, C) and/or out8_t
-// (C, rows), the bytes fp8_cast would make of it with *scale, amax its max |dx| -- for the next
-// linear's gradient GEMMs (dx is the residual gradient, that linear's output gradient), so no cast
-// pass reads dx again. Rows then go to blocks in chunks of FP8_BWD_ROWS consecutive rows (each
-// warp FP8_BWD_ROWS / WARPS of them, one at a time) whose bytes gather in a shared tile (dynamic,
-// FP8_BWD_ROWS x (C / 4 + 1) words, an odd pitch as the FP8 forward's) for the transposed store; so
-// its dweight/dbias partials group rows differently from the plain kernel's (fp32 rounding).
-#define FP8_BWD_ROWS 32
-template <typename T, int N, bool COLSUM, bool FP8 = false>
+template <typename T, int N, bool COLSUM>
 __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, const T* x,   // (grid,2|3,C) (rows,C) x3
                                       const T* weight, const float* mean, const float* rstd,   // (C,) (rows,) (rows,)
-                                      int rows, int C, u8* out8 = nullptr, u8* out8_t = nullptr,
-                                      float* amax = nullptr, const float* scale = nullptr) {
-    static_assert(!FP8 || sizeof(T) == 2, "the FP8 backward takes bf16");
+                                      int rows, int C) {
     constexpr int P = Pack16<T>::size;
     constexpr int NQ = COLSUM ? 3 : 2;        // partial slices per block in scratch
     constexpr int H = P / 4;                  // float4 slots per pack
@@ -364,14 +354,12 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
         for (int s = 0; s < N * H; s++) csum[s * 32 + lane] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
 
-    [[maybe_unused]] const float s8 = FP8 ? *scale : 0.0f;
-    [[maybe_unused]] u32 mb = 0;               // FP8: max |dx| bits (quantize8)
-    // One row: dx += ..., the accumulators; FP8: its E5M2 bytes into tile_row (and out8).
-    // `next`: this warp's next row, brought into L2 while this one computes: at large C the
-    // registers hold one row per warp (N = 7: 254 registers, 8 warps per SM), so nothing else
-    // overlaps its loads.
-    auto do_row = [&](int row, int next, u32* tile_row) {
+    // No barrier inside this loop: warps may run different numbers of rows.
+    for (int row = blockIdx.x * WARPS + warp; row < rows; row += gridDim.x * WARPS) {
         const size_t off = (size_t)row * C;
+        // This warp's next row into L2 while this one computes: at large C the registers hold one
+        // row per warp (N = 7: 254 registers, 8 warps per SM), so nothing else overlaps its loads.
+        const int next = row + gridDim.x * WARPS;
         if (next < rows && lane < 3)
             prefetch_l2((lane == 0 ? dout : lane == 1 ? x : dx) + (size_t)next * C, C * sizeof(T));
         uint4 g[N], v[N], d[N];                // raw packs (fast_packs.cuh): unpacked where used
@@ -425,12 +413,6 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
                 }
                 d[j] = exact ? Raw<T>::pack_exact(fd) : Raw<T>::pack_fast(fd);
                 *reinterpret_cast<uint4*>(dx + off + i * P) = d[j];
-                if constexpr (FP8) {           // the bytes fp8_cast makes of the stored dx
-                    const uint2 q = quantize8<E5M2>(d[j], s8, mb);
-                    tile_row[2 * i] = q.x;
-                    tile_row[2 * i + 1] = q.y;
-                    if (out8) *reinterpret_cast<uint2*>(out8 + off + i * P) = q;
-                }
                 if constexpr (COLSUM) {
                     // The stored (rounded) values: what a later reader of dx sees.
                     Raw<T>::unpack(d[j], fd);
@@ -445,33 +427,6 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
                 }
             }
         }
-    };
-    if constexpr (!FP8) {
-        // No barrier inside this loop: warps may run different numbers of rows.
-        for (int row = blockIdx.x * WARPS + warp; row < rows; row += gridDim.x * WARPS)
-            do_row(row, row + gridDim.x * WARPS, nullptr);
-    } else {
-        extern __shared__ __align__(16) u32 ln_bwd_tile[];
-        constexpr int RW = FP8_BWD_ROWS / WARPS;   // rows per warp and chunk
-        const int pw = C / 4 + 1;                  // tile row pitch in words: odd
-        for (int c0 = blockIdx.x * FP8_BWD_ROWS; c0 < rows; c0 += gridDim.x * FP8_BWD_ROWS) {   // block-uniform
-            for (int rr = 0; rr < RW; rr++) {
-                const int lr = warp * RW + rr, row = c0 + lr;
-                if (row >= rows) break;            // warp-uniform
-                do_row(row, rr + 1 < RW ? row + 1 : rows, ln_bwd_tile + lr * pw);
-            }
-            __syncthreads();
-            if (out8_t) {                          // 4 x 4 blocks, as the FP8 forward's
-                constexpr int RB = FP8_BWD_ROWS / 4;
-                for (int idx = threadIdx.x; idx < RB * (C / 4); idx += blockDim.x) {
-                    const int r4 = 4 * (idx % RB), cb = idx / RB;
-                    if (c0 + r4 < rows)            // rows % 16 == 0: a block's 4 rows all in or all out
-                        store_block4_t(out8_t, ln_bwd_tile + r4 * pw + cb, pw, rows, 4 * cb, c0 + r4);
-                }
-            }
-            __syncthreads();                       // the tile is free for the next chunk
-        }
-        if (amax) block_amax(amax, mb);
     }
 
     // Reduce the block's warps, pack slot by pack slot, in warp order. Value t
@@ -625,24 +580,6 @@ LN_REDUCE_COLSUM(float, float, f32_f32)
 LN_REDUCE_COLSUM(float, bf16, f32_bf16)
 LN_REDUCE_COLSUM(bf16, float, bf16_f32)
 LN_REDUCE_COLSUM(bf16, bf16, bf16_bf16)
-
-// The FP8 backward (bf16, dx also as E5M2): layernorm_backward_fp8_[colsum_]kernel_n<N>; dynamic shared
-// memory FP8_BWD_ROWS * (C + 4) bytes.
-#define LN_BWD_FP8(N)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_backward_fp8_kernel_n##N(             \
-        float* scratch, bf16* dx, u8* out8, u8* out8_t, float* amax, const bf16* dout, const bf16* x,        \
-        const bf16* weight, const float* mean, const float* rstd, const float* scale, int rows, int C) {     \
-        layernorm_backward_v2<bf16, N, false, true>(scratch, dx, dout, x, weight, mean, rstd, rows, C,       \
-                                                    out8, out8_t, amax, scale);                              \
-    }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, colsum_min_blocks(N, 8))                        \
-        layernorm_backward_fp8_colsum_kernel_n##N(                                                           \
-        float* scratch, bf16* dx, u8* out8, u8* out8_t, float* amax, const bf16* dout, const bf16* x,        \
-        const bf16* weight, const float* mean, const float* rstd, const float* scale, int rows, int C) {     \
-        layernorm_backward_v2<bf16, N, true, true>(scratch, dx, dout, x, weight, mean, rstd, rows, C,        \
-                                                   out8, out8_t, amax, scale);                               \
-    }
-LN_BWD_FP8(1) LN_BWD_FP8(2) LN_BWD_FP8(3) LN_BWD_FP8(4) LN_BWD_FP8(5) LN_BWD_FP8(6) LN_BWD_FP8(7) LN_BWD_FP8(8)
 
 // The FP8 forward (bf16 in, E4M3 out): layernorm_[residual_]forward_fp8_kernel_n<N>_r<ROWS>.
 #define LN_FP8(N, R)                                                                                         \

@@ -43,7 +43,6 @@ from .colsum import colsum
 WARPS = 4                 # rows (forward) / warps (backward) per block, as WARPS in layernorm.cu
 BLOCK = 32 * WARPS
 REDUCE_BLOCK = 256        # stage 2: 8 warps, 32 columns per block
-FP8_BWD_ROWS = 32         # the FP8 backward's row chunk, as FP8_BWD_ROWS in layernorm.cu
 V1_DWDB_BLOCK = 256       # v1 dweight/dbias stage 1: one thread per column
 V2_N = range(1, 9)        # packs per lane instantiated in layernorm.cu
 VERSIONS = (1, 2)
@@ -123,18 +122,17 @@ def _v2_packs(C: int, P: int) -> int:
     return -(-(C // P) // 32)
 
 
-_RESIDENT: dict[tuple, int] = {}
+_RESIDENT: dict[int, int] = {}
 
 
-def _resident_blocks(kernel, block: int, dynamic_smem: int = 0) -> int:
-    """Blocks of `block` threads one SM holds at once, from the kernel's registers and shared memory
-    (static, plus `dynamic_smem` bytes per block)."""
-    key = (id(kernel), dynamic_smem)
+def _resident_blocks(kernel, block: int) -> int:
+    """Blocks of `block` threads one SM holds at once, from the kernel's registers and shared memory."""
+    key = id(kernel)
     if key not in _RESIDENT:
         a = runtime.kernel_attributes(kernel)
         regs_per_warp = -(-max(a["registers"], 1) * 32 // 256) * 256      # allocated per warp, in 256s
         by_regs = (65536 // regs_per_warp) // (block // 32)
-        by_smem = (227 * 1024) // (a["shared_bytes"] + dynamic_smem + 1024)   # + the 1 KB reserved per block
+        by_smem = (227 * 1024) // (a["shared_bytes"] + 1024)                # + the 1 KB reserved per block
         _RESIDENT[key] = max(1, min(by_regs, 2048 // block, by_smem, 32))
     return _RESIDENT[key]
 
@@ -328,31 +326,6 @@ def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias
     it nothing changes (same kernels, same bits); with it dx, dweight and
     dbias get the same bits as without.
     """
-    return _layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias, version, dx_colsum, None)
-
-
-@profiler.profiled("layernorm backward (fp8 out)", nbytes=profiler.io_bytes)
-def layernorm_backward_fp8(dout, x, weight, mean, rstd, scale, *, dx, dweight, dbias, dx_colsum=None,
-                           out8=None, out8_t=None, amax=None):
-    """layernorm_backward (dx, dweight, dbias, dx_colsum += as there), and the E5M2 bytes of the
-    final dx * scale -- what fp8_quantize(dx, "e5m2", scale, out=out8, out_t=out8_t, amax=amax) makes
-    of it -- from the same pass: in FP8 training dx is the residual gradient, the next linear's
-    output gradient, so no cast reads it again. dout, x, dx (R, C) bfloat16; out8 (R, C) and/or
-    out8_t (C, R) uint8; scale (1,), amax (1,) float32 as fp8_quantize's. On the GPU (R, C multiples
-    of 16) one kernel where v2 applies: dx and the bytes are the plain path's bit for bit, dweight,
-    dbias and dx_colsum to float32 rounding (its rows go to blocks in 32-row chunks); elsewhere
-    layernorm_backward then fp8_quantize. Returns (dx, dweight, dbias).
-    """
-    from .fp8 import check_cast_args
-    check_array("dx", dx, dtype=dtypes.bfloat16, ndim=2)
-    xp = runtime.array_module(dx, scale, out8, out8_t, amax)
-    check_cast_args(dx, "e5m2", scale, out8, out8_t, amax, None, xp, xname="dx")
-    return _layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias, None, dx_colsum,
-                               (scale, out8, out8_t, amax))
-
-
-def _layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias, version, dx_colsum, fp8):
-    """layernorm_backward's body; fp8 = (scale, out8, out8_t, amax) for layernorm_backward_fp8."""
     check_array("dout", dout, min_ndim=1)
     rows, C = _rows_cols(dout, "dout")
     check_array("x", x, shape=dout.shape)
@@ -379,30 +352,13 @@ def _layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias, version
         if dx_colsum is not None:   # of the final, rounded dx (old values included)
             dx_colsum[...] = (dx_colsum.astype(np.float64)
                               + dx.reshape(-1, C).astype(np.float64).sum(axis=0)).astype(dx_colsum.dtype)
-        if fp8 is not None:
-            _cast_dx(dx, fp8)
         return dx, dweight, dbias
     version, N = pick_version(version, dout.dtype, C, (dout, x, weight, dx))
     if rows == 0:
         return dx, dweight, dbias
     suf = dtypes.kernel_suffix(dout.dtype)
     i32 = np.int32
-    if version == 2 and fp8 is not None:
-        # Rows in 32-row chunks (FP8_BWD_ROWS in layernorm.cu), the chunk's E5M2 bytes in a tile of
-        # 32 x (C + 4) bytes for the transposed store; its grid from its own occupancy.
-        scale, out8, out8_t, amax = fp8
-        name = f"layernorm_backward_fp8_{'colsum_' if dx_colsum is not None else ''}kernel_n{N}"
-        kernel = runtime.get_kernel("layernorm", name)
-        smem = FP8_BWD_ROWS * (C + 4)
-        grid = min(runtime.sm_count() * _resident_blocks(kernel, BLOCK, smem), -(-rows // FP8_BWD_ROWS))
-        scratch = xp.empty((grid, 2 if dx_colsum is None else 3, C), dtype=np.float32)
-        null = np.uint64(0)
-        runtime.launch(kernel, grid, BLOCK, (scratch, dx, null if out8 is None else out8,
-                                             null if out8_t is None else out8_t, null if amax is None else amax,
-                                             dout, x, weight, mean, rstd, scale, i32(rows), i32(C)),
-                       shared_mem=smem)
-        fp8 = None                     # done
-    elif version == 2:
+    if version == 2:
         kernel = runtime.get_kernel("layernorm", f"layernorm_backward_kernel_v2_n{N}_{suf}")
         # The grid (hence the partials' row grouping) comes from the plain kernel even when the
         # colsum one runs: dweight/dbias must not change bits with dx_colsum (layernorm.cu's
@@ -429,18 +385,9 @@ def _layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias, version
                                                 f"{dtypes.kernel_suffix(dx_colsum.dtype)}")
         runtime.launch(k_red, -(-C // 32), REDUCE_BLOCK,
                        (dweight, dbias, dx_colsum, scratch, i32(scratch.shape[0]), i32(C)))
-    else:
-        k_red = runtime.get_kernel("layernorm", f"layernorm_backward_reduce_kernel_{wsuf}")
-        runtime.launch(k_red, -(-C // 32), REDUCE_BLOCK, (dweight, dbias, scratch, i32(scratch.shape[0]), i32(C)))
-        if dx_colsum is not None:      # v1: a second pass over the finished dx
-            colsum(dx_colsum, dx.reshape(rows, C))
-    if fp8 is not None:                # v1: the cast as a pass of its own
-        _cast_dx(dx, fp8)
+        return dx, dweight, dbias
+    k_red = runtime.get_kernel("layernorm", f"layernorm_backward_reduce_kernel_{wsuf}")
+    runtime.launch(k_red, -(-C // 32), REDUCE_BLOCK, (dweight, dbias, scratch, i32(scratch.shape[0]), i32(C)))
+    if dx_colsum is not None:      # v1: a second pass over the finished dx
+        colsum(dx_colsum, dx.reshape(rows, C))
     return dx, dweight, dbias
-
-
-def _cast_dx(dx, fp8):
-    """layernorm_backward_fp8's bytes by the standalone cast (the reference, and v1's path)."""
-    from .fp8 import fp8_quantize
-    scale, out8, out8_t, amax = fp8
-    fp8_quantize(dx.reshape(-1, dx.shape[-1]), "e5m2", scale, out=out8, out_t=out8_t, amax=amax)
