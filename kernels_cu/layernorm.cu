@@ -44,6 +44,12 @@
  *      registers (the N = 8 kernels already use ~255 registers; N more packs
  *      of accumulators would spill or cost occupancy), each lane owning its
  *      columns' slots, so no barrier or atomic is needed until the end.
+ *      v2 rounds to bf16 with cvt.rn.bf16x2 (fast_packs.cuh's pack_fast, one
+ *      instruction a pair; float_to_bf16 took ~8 a value): the same bits for
+ *      every non-NaN value. Rows whose statistics (forward) or sums (backward)
+ *      are not finite take the exact conversion, so a NaN row keeps
+ *      float_to_bf16's NaN bits. The FP8 forward's and the backward's row loops
+ *      prefetch their next row into L2 (ptx.cuh's prefetch_l2).
  *   v1 (any C, any alignment): one warp per row, element by element, the row
  *      re-read from L1/L2 by each pass; the backward's dweight/dbias stage 1
  *      is a separate column kernel (one thread per column and row chunk);
