@@ -364,7 +364,7 @@ def saved_fp8_lm_head(cfg, arrays) -> bool | None:
     return len(arrays["fp8_scale"]) == 12 * cfg.num_layers + 3
 
 
-def build_model(args: TrainArgs, setup: RunSetup):
+def build_model(args: TrainArgs, setup: RunSetup, echo=print):
     """(model, optimizer, rng), restored from the checkpoint when resuming."""
     from .model import GPT2
     from .optim import AdamW, ScheduleFreeAdamW
@@ -474,7 +474,7 @@ def run(args: TrainArgs, echo=print) -> dict:
         train_loader, val_loader = make_loaders(args, setup, echo)
         if dp is None or dp.is_main:
             check_output_paths(args, setup, echo)
-        model, opt, rng = build_model(args, setup)
+        model, opt, rng = build_model(args, setup, echo)
         restore_data_position(setup, train_loader, echo)
         print_header(args, setup, model, train_loader, val_loader, echo)
         with open_metrics(args, setup) as log:

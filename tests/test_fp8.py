@@ -573,6 +573,20 @@ def test_train_fp8_cpu_resumes_bit_identically(shards, tmp_path, mode):
     assert meta["fp8"]["mode"] == mode and meta["fp8"]["step_index"] == 4 and "fp8_scale" in a
 
 
+def test_train_fp8_resume_keeps_the_saved_lm_head_and_says_so(shards, tmp_path):
+    """A run saved with the FP8 LM head, resumed while settings.fp8_lm_head says off, resumes with
+    the head on (the checkpoint's scaling state) and says so in one line."""
+    from gpucore import settings
+    from gpucore.train import run
+    straight = run(_train_args(shards, tmp_path / "a", ckpt_every=2), echo=lambda s: None)
+    lines = []
+    with settings.using(fp8_lm_head=False):
+        resumed = run(_train_args(shards, tmp_path / "b", resume=str(tmp_path / "a" / "ckpt_000002.ckpt"),
+                                  dtype="auto"), echo=lines.append)
+    assert any("resuming with the FP8 LM head on, as the checkpoint was saved" in s for s in lines)
+    assert resumed["losses"] == straight["losses"][2:]
+
+
 def test_train_fp8_adaptive_is_the_default(shards, tmp_path):
     from gpucore.train import run
     lines = []
