@@ -59,6 +59,22 @@ __device__ __forceinline__ uint4 gelu_pack8(uint4 p) {
 #endif
 __device__ __forceinline__ int swz(int r, int w) { return r * 16 + (w ^ ((r >> 2) & 15)); }
 
+// After a barrier: a TR-row tile's bytes (the swizzled words above) to out_t (C, R) in 4 x 4 blocks,
+// by 256 threads: TR / 4 threads cover TR contiguous bytes of an out_t row, TR / 64 blocks each.
+// R, C % 16 == 0: a block is all in or all out.
+template <int TR>
+__device__ __forceinline__ void tile_store_t(u8* __restrict__ out_t, const u32* tile, int t, int r0, int c0,
+                                             int R, int C) {
+    constexpr int RB = TR / 4;
+    const int r4 = 4 * (t % RB);               // this thread's row block; its column blocks below
+    #pragma unroll
+    for (int j = 0; j < TR / 64; j++) {
+        const int cb = t / RB + (256 / RB) * j, c4 = 4 * cb;
+        if (c0 + c4 < C && r0 + r4 < R)
+            store_block4_t(out_t, tile + swz(r4, cb), 16, R, c0 + c4, r0 + r4);   // rows r4.. share the swizzle
+    }
+}
+
 // A TR-row tile's column sums (a bias gradient's stage 1, colsum.py's stage 2 adds the tiles in order)
 // in a fixed tree, all 256 threads adding: each thread's 8 columns over its H rows in order
 // (colsum_add), then 8 threads' sums in order, then the 4 eights in order. Deterministic.
@@ -111,7 +127,7 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
                          float* __restrict__ partials, const bf16* __restrict__ in, const float* __restrict__ scale,
                          const float* __restrict__ gate, int R, int C) {
     static_assert(!(GELU && COLSUM), "the GELU cast sums nothing");
-    constexpr int H = TR / 32, RB = TR / 4;    // packs per thread; threads per out_t row segment
+    constexpr int H = TR / 32;                 // packs per thread
     __shared__ u32 tile[TR * 16];              // the cast bytes, for the transposed store
     __shared__ TileColsum cs;
     if (gate && *gate == 0.0f) return;         // the adaptive re-cast, not needed this time (block-uniform)
@@ -151,15 +167,7 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
     if constexpr (COLSUM) colsum_share(cs, sum, t, col);
     if (out_t || COLSUM) __syncthreads();
     if constexpr (COLSUM) colsum_eights(cs, t);
-    if (out_t) {
-        const int i = t % RB, r4 = 4 * i;      // this thread's row block; its column blocks below
-        #pragma unroll
-        for (int j = 0; j < TR / 64; j++) {
-            const int cb = t / RB + (256 / RB) * j, c4 = 4 * cb;
-            if (c0 + c4 < C && r0 + r4 < R)    // R, C % 16 == 0: all of the block in or all out
-                store_block4_t(out_t, tile + swz(r4, cb), 16, R, c0 + c4, r0 + r4);   // rows r4.. share the swizzle
-        }
-    }
+    if (out_t) tile_store_t<TR>(out_t, tile, t, r0, c0, R, C);
     if constexpr (COLSUM) {
         __syncthreads();
         colsum_write(partials, cs, t, ty, c0, C);
@@ -267,7 +275,7 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
                                   float* __restrict__ partials, const bf16* __restrict__ dout,
                                   const bf16* __restrict__ x, const float* __restrict__ scale,
                                   const float* __restrict__ gate, int R, int C) {
-    constexpr int H = TR / 32, RB = TR / 4;    // as fp8_cast
+    constexpr int H = TR / 32;                 // as fp8_cast
     __shared__ u32 tile[TR * 16];              // swizzled as fp8_cast's
     __shared__ TileColsum cs;
     if (gate && *gate == 0.0f) return;         // block-uniform
@@ -311,15 +319,7 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
     if (partials) colsum_share(cs, sum, t, col);
     if (out_t || partials) __syncthreads();
     if (partials) colsum_eights(cs, t);
-    if (out_t) {
-        const int i = t % RB, r4 = 4 * i;      // as fp8_cast
-        #pragma unroll
-        for (int j = 0; j < TR / 64; j++) {
-            const int cb = t / RB + (256 / RB) * j, c4 = 4 * cb;
-            if (c0 + c4 < C && r0 + r4 < R)
-                store_block4_t(out_t, tile + swz(r4, cb), 16, R, c0 + c4, r0 + r4);
-        }
-    }
+    if (out_t) tile_store_t<TR>(out_t, tile, t, r0, c0, R, C);
     if (partials) {
         __syncthreads();
         colsum_write(partials, cs, t, ty, c0, C);
