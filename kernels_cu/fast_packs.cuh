@@ -1,6 +1,6 @@
 /*
  * fast_packs.cuh -- lean per-element arithmetic for memory-bound row kernels
- * (softmax v3, classifier v3, encoder dwte v3).
+ * (softmax v3, classifier v3, encoder dwte v3, layernorm v2).
  *
  * Why: without -use_fast_math, __expf compiles to MUFU.EX2 wrapped in a
  * denormal fix-up (FSETP + 2 predicated FMUL), float_to_bf16 is ~8 integer

@@ -240,7 +240,7 @@ __device__ __forceinline__ uint4 layernorm_out_pack(const uint4 (&v)[N], int j, 
 
 // The row's outputs need float_to_bf16's NaN bits only when its statistics are not finite.
 __device__ __forceinline__ bool layernorm_stats_exact(float m, float rs) {
-    return !(fabsf(m) <= 3.4e38f && fabsf(rs) <= 3.4e38f);
+    return !(isfinite(m) && isfinite(rs));
 }
 
 template <typename T, int N, bool FUSED>
@@ -400,7 +400,7 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
         s2 = warp_sum(s2) / C;
         // dx rounds with pack_fast; float_to_bf16's NaN bits (pack_exact) where the row's sums are not
         // finite (a NaN in dout, x or weight). A NaN already in dx comes out as 0x7fff (a quiet NaN).
-        const bool exact = !(fabsf(s1) <= 3.4e38f && fabsf(s2) <= 3.4e38f);   // warp-uniform
+        const bool exact = !(isfinite(s1) && isfinite(s2));   // warp-uniform
         #pragma unroll
         for (int j = 0; j < N; j++) {
             const int i = j * 32 + lane;

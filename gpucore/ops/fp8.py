@@ -179,9 +179,10 @@ def check_cast_args(x, fmt, scale, out, out_t, amax, gate, xp, xname="x"):
 
 def _grid(R, C, gated, rows=TILE):
     """Tiles (C/64, R/rows) for the casts (rows: CAST_ROWS for fp8_cast's, GELU_BWD_ROWS for the
-    GELU backward's; at most MAX_GRID_Y row tiles, the kernels walk the rest); a gated launch (adaptive re-cast) gets at most GATED_BLOCKS_PER_SM blocks per SM
-    that walk the tiles in a loop, so a no-op costs a few blocks' start, not tens of thousands (and a
-    real re-cast still fills the GPU). Same bits either way."""
+    GELU backward's; at most MAX_GRID_Y row tiles, the kernels walk the rest). A gated launch
+    (adaptive re-cast) gets at most GATED_BLOCKS_PER_SM blocks per SM that walk the tiles in a loop,
+    so a no-op costs a few blocks' start, not tens of thousands (and a real re-cast still fills the
+    GPU). Same bits either way."""
     gx, gy = -(-C // TILE), min(-(-R // rows), MAX_GRID_Y)   # the kernels walk the rest
     if gated:
         gy = max(1, min(gy, GATED_BLOCKS_PER_SM * runtime.sm_count() // gx))
