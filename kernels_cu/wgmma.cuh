@@ -177,6 +177,14 @@ __device__ __forceinline__ void bulk_store_s2g(void* dst, u32 src, u32 bytes) {
     asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
                  : "memory");
 }
+// The same, but the source's f32 values are added to what dst holds, in the L2 (cp.reduce.async.bulk
+// .add.f32, the f32 add of red.add.f32); completion as above. Two reductions into one address land in
+// issue order only if the first has completed (wait_done) before the second is issued.
+__device__ __forceinline__ void bulk_reduce_add_s2g(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }

@@ -527,9 +527,15 @@ def test_gpu_backward_v3_onepass(rng, shape):
 
 @pytest.mark.cuda
 def test_gpu_backward_v3_onepass_deterministic_and_default(rng):
-    """Same bits run after run; settings.attention_v3_onepass "on" routes attention_backward's v3
-    path there (same bits as calling it directly), and "off" to the two-pass backward (close to it)."""
+    """Same bits run after run, also with every SM busy (dQ's parts are added into the scratch by
+    bulk reductions in the L2, whose order only the kernel's waits fix); settings.attention_v3_onepass
+    "on" routes attention_backward's v3 path there (same bits as calling it directly), and "off" to
+    the two-pass backward (close to it)."""
     need_sm90()
+    NH, qkv, dout, out, lse = v3_backward_case(rng, 64, B=24, NH=12, T=1024)
+    big = v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_onepass)
+    for _ in range(3):
+        assert v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_onepass) == big
     NH, qkv, dout, out, lse = v3_backward_case(rng, 64, B=3, NH=5, T=333)
     for wgs in attn.ONEPASS_WGS[1:]:
         bits = v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_onepass, wgs=wgs)

@@ -17,17 +17,20 @@
  *     dQ^T_i (+)= K^T dS^T over all 128 keys, warpgroup w for queries 32w..32w+31 (dS^T staged in
  *                 smem; both operands MN-major; m64n32, B starting 64 bytes into swizzled rows)
  *   dQ^T of Q tile i is summed over the KV tiles in order in an f32 scratch per head in global
- *   memory (a 16 KB tile per Q tile): the partial sums are copied into shared memory one tile
- *   ahead (cp.async), the owning thread adds its part there, and one bulk copy (cp.async.bulk,
- *   async proxy) writes the tile back while the block goes on; the next KV tile's copies of it
- *   wait for those writes to complete. At the last (diagonal) KV tile the sum goes to dqkv as
- *   bf16 (times scale) instead. No atomics; same bits run after run. dK, dV of KV tile j are
- *   stored when its Q loop ends.
+ *   memory (a 16 KB tile per Q tile): each thread puts its part into a shared staging tile and one
+ *   bulk copy (async proxy) stores it to the scratch (first KV tile) or adds it to the scratch's
+ *   sum in the L2 (cp.reduce.async.bulk .add.f32) while the block goes on; every bulk operation of
+ *   a KV tile completes before the next KV tile issues its own, so the additions land in KV-tile
+ *   order. At Q tile i's last (diagonal) KV tile its sums so far are copied into shared memory a
+ *   tile ahead (cp.async) and the sum plus this part goes to dqkv as bf16 (times scale) instead.
+ *   Only ordered bulk adds, no atomics; same bits run after run. dK, dV of KV tile j are stored
+ *   when its Q loop ends.
  * Pipelining (per warpgroup): per tile, after the loop-top barrier: S^T group; wait<0> (S^T, and
  * the previous tile's dV, dK, dQ^T groups) -> dP^T group, running on -> P^T -> dV group ->
- * wait<1> (dP^T) -> dS^T -> dK group -> the previous tile's dQ^T read-modify-written in smem
- * while dV and dK run; dS^T to smem (its last reader, the previous dQ^T, retired at the wait<0>)
- * -> fence.proxy.async + barrier -> the previous tile's bulk store, the dQ^T group; dV, dK and
+ * wait<1> (dP^T) -> dS^T -> dK group -> the previous tile's dQ^T into the staging tile (or, at its
+ * diagonal, added to the sums there and stored to dqkv) while dV and dK run; dS^T to smem (its last
+ * reader, the previous dQ^T, retired at the wait<0>) -> fence.proxy.async + barrier -> the previous
+ * tile's bulk store or add, the dQ^T group; dV, dK and
  * dQ^T run on into the next tile. Q/dO/lse/D stream through a 3-stage cp.async ring (the stage a
  * running group reads is never the one prefetched), prefetched one tile ahead, across KV tiles too.
  * Measured: tools/notes/attention.md (H200, d12 B=64: 1.20 vs the two-pass 1.25 ms); a block is a
@@ -46,17 +49,19 @@
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// The read-modify-write of Q tile i's dQ^T. Its partial sums are copied into shared memory a tile
-// ahead (v3_dq_prefetch, cp.async); v3_dq_store adds this KV tile's part from the accumulator
-// there; a bulk copy writes the tile back (measured on an H200: per-thread loads where the sums
-// are needed cost 1.6 ms of a 2.4 ms kernel; per-thread stores and one 256-byte bulk copy per row
-// were slower than one 16 KB bulk copy per tile). Its reads come after a wait<0>: ptxas
+// Q tile i's dQ^T, one KV tile's part at a time. v3_dq_store puts the part from the accumulator into
+// a staging tile, and one bulk operation per tile stores it to the scratch or adds it there
+// (v3_dq_flush). Measured on an H200: per-thread loads where the sums are needed cost 1.6 ms of a
+// 2.4 ms kernel; per-thread stores and one 256-byte bulk copy per row were slower than one 16 KB
+// bulk copy per tile; copying the sums into shared memory a tile ahead (cp.async), adding there
+// and bulk-storing them back cost ~0.35 ms of 1.15 (tools/notes/attention.md), so only the last
+// (diagonal) KV tile's sums are copied in now (v3_dq_prefetch). The part's reads come after a wait<0>: ptxas
 // serialises every wgmma of a kernel whose accumulator is read where it cannot prove the group
 // retired, and a wait<1> across the loop's back edge is such a place.
 // The f32 scratch holds, per head, one 16 KB tile per Q tile (HD rows x 64 queries of dQ^T), laid
 // out as the staging tile in shared memory so that one bulk copy moves it: element (hd, q) of a
 // tile at v3_dq_off(hd, q) (q even; q + 1 follows), the float2 pairs of a row permuted by hd & 7 so
-// the read-modify-write's accesses hit 2 banks each at most.
+// the staging tile's accesses hit 2 banks each at most.
 __device__ __forceinline__ int v3_dq_off(int hd, int q) { return hd * 64 + ((((q >> 1) ^ ((hd & 7) << 2))) << 1); }
 
 // Q tile i's partial sums (the scratch tile at qtile) -> the staging tile at shared address s_old.
@@ -69,15 +74,26 @@ __device__ __forceinline__ void v3_dq_prefetch(u32 s_old, const float* qtile) {
     }
 }
 
-// old + this thread's part dq (NJ n8 blocks: head-dim rows 16 w4 + g (+8), query columns
-// c0 + 8 jj + 2 t4 (+1) of the tile; first: old = 0) back into the staging tile s_old, from where a
-// bulk copy moves it to the scratch; at the last KV tile (last) the sum times `scale` to dq_g
-// (rows t < T of Q tile i, bf16) instead.
+// This thread's part dq of Q tile i's dQ^T (NJ n8 blocks: head-dim rows 16 w4 + g (+8), query
+// columns c0 + 8 jj + 2 t4 (+1) of the tile). Before Q tile i's last (diagonal) KV tile it goes into
+// the staging tile s_old, from where one bulk copy stores it to the scratch (first KV tile) or adds
+// it to the scratch's sum (cp.reduce.async.bulk); at the last KV tile the sums so far (copied into
+// s_old by v3_dq_prefetch; none when it is also the first) plus dq, times `scale`, go to dq_g (rows
+// t < T of Q tile i, bf16).
 template <int NJ>
 __device__ __forceinline__ void v3_dq_store(bf16* dq_g, float* s_old, const float* dq, int i,
                                             int c0, bool first, bool last, float scale, int T, int stride,
                                             int w4, int lane) {
     const int g = lane >> 2, t4 = lane & 3;
+    if (!last) {
+        #pragma unroll
+        for (int jj = 0; jj < NJ; jj++)
+            #pragma unroll
+            for (int r = 0; r < 2; r++)
+                *reinterpret_cast<float2*>(s_old + v3_dq_off(16 * w4 + g + 8 * r, c0 + 8 * jj + 2 * t4)) =
+                    make_float2(dq[4 * jj + 2 * r], dq[4 * jj + 2 * r + 1]);
+        return;
+    }
     #pragma unroll
     for (int half = 0; half < NJ / 4; half++) {   // 8 values at a time: fewer live registers
         float2 old[8];
@@ -91,16 +107,22 @@ __device__ __forceinline__ void v3_dq_store(bf16* dq_g, float* s_old, const floa
         #pragma unroll
         for (int k = 0; k < 8; k++) {
             const int jj = 4 * half + (k >> 1), r = k & 1, e = 4 * jj + 2 * r;
-            const int hd = 16 * w4 + g + 8 * r, ql = c0 + 8 * jj + 2 * t4, q = 64 * i + ql;
+            const int hd = 16 * w4 + g + 8 * r, q = 64 * i + c0 + 8 * jj + 2 * t4;
             const float2 v = make_float2(old[k].x + dq[e], old[k].y + dq[e + 1]);
-            if (last) {
-                if (q < T) dq_g[(size_t)q * stride + hd] = float_to_bf16(v.x * scale);
-                if (q + 1 < T) dq_g[(size_t)(q + 1) * stride + hd] = float_to_bf16(v.y * scale);
-            } else {                              // back into the staging tile: bulk-stored later
-                *reinterpret_cast<float2*>(s_old + v3_dq_off(hd, ql)) = v;
-            }
+            if (q < T) dq_g[(size_t)q * stride + hd] = float_to_bf16(v.x * scale);
+            if (q + 1 < T) dq_g[(size_t)(q + 1) * stride + hd] = float_to_bf16(v.y * scale);
         }
     }
+}
+
+// The staged part of Q tile pi (at shared address s) to its scratch tile: stored at the first KV tile,
+// added to the sum from the second on. One thread issues it; thread 0 issues every bulk operation of
+// the block, and waits for them all to complete at the end of each KV tile, so the additions into a
+// scratch tile land in KV-tile order: the same sum, bit for bit, every run.
+__device__ __forceinline__ void v3_dq_flush(float* qtile, u32 s, int j, u32 bytes) {
+    if (j == 0) bulk_store_s2g(qtile, s, bytes);
+    else bulk_reduce_add_s2g(qtile, s, bytes);
+    bulk_commit();
 }
 
 // NWG = 2 warpgroups: 128 keys per KV tile, warpgroup w owning keys 64w.. for S^T .. dK, 1 block
@@ -150,8 +172,8 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         load_vec_async<BM, NT>(sL + st * BM, l_g, r, T);
         load_vec_async<BM, NT>(sD + st * BM, d_g, r, T);
     };
-    // The read-modify-write of Q tile pi's dQ^T (KV tile pj's part in the accumulator, retired),
-    // the staged partial sums at `old`; this warpgroup's query columns QN * wg...
+    // KV tile pj's part of Q tile pi's dQ^T (in the accumulator, retired) into the staging tile at
+    // `old` (holding the sums so far at pi's diagonal); this warpgroup's query columns QN * wg...
     auto dq_rmw = [&](const float* dq, int pi, int pj, float* old) {
         v3_dq_store<QN / 8>(dq_g, old, dq, pi, QN * wg, pj == 0, pj == pi * BM / BN, scale, T, stride,
                             w4, lane);
@@ -188,9 +210,10 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                                                   // reads of the staging buffer
             if (i + 1 < nt) load_q_tile(nxt, (i + 1) * BM);
             else if (j + 1 < nkv) load_q_tile(nxt, (j + 1) * BN);  // the next KV tile's first Q tile
-            // this tile's dQ^T is read-modify-written at the next tile (or after the loop): its
-            // partial sums so far, into the staging buffer the previous tile's RMW has finished with
-            if (j > 0)
+            // this tile's dQ^T is stored at the next tile (or after the loop); at its last (diagonal)
+            // KV tile, it needs the partial sums so far: into the staging buffer the previous
+            // tile's part has left
+            if (j > 0 && i * BM / BN == j)
                 v3_dq_prefetch<NT>(sA + (tc + 1) % SA * A_BYTES, qacc + i * HD * 64);
             cp_async_commit();
             const int m0 = i * BM;
@@ -249,11 +272,9 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                 wgmma_m64n32k16_ss_mnmn(dq, smem_desc(sK + ks * 2048, BN * 128, 1024),
                                         smem_desc(sS + ks * 2048 + 2 * QN * wg, BN * 128, 1024), ks > 0);
             wgmma_commit();
-            // the staged sums of the previous tile (not its last KV tile) to the scratch
-            if (threadIdx.x == 0 && pend_i >= 0 && j != pend_i * BM / BN) {
-                bulk_store_s2g(qacc + pend_i * HD * 64, sA + tc % SA * A_BYTES, A_BYTES);
-                bulk_commit();
-            }
+            // the previous tile's staged part (not its last KV tile) into the scratch
+            if (threadIdx.x == 0 && pend_i >= 0 && j != pend_i * BM / BN)
+                v3_dq_flush(qacc + pend_i * HD * 64, sA + tc % SA * A_BYTES, j, A_BYTES);
             pend_i = i;
         }
         wgmma_wait<0>();                          // this KV tile's dK, dV and last dQ^T
@@ -266,13 +287,11 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         if (j != pend_i * BM / BN) {
             fence_proxy_async();
             __syncthreads();
-            if (threadIdx.x == 0) {
-                bulk_store_s2g(qacc + pend_i * HD * 64, sA + tc % SA * A_BYTES, A_BYTES);
-                bulk_commit();
-            }
+            if (threadIdx.x == 0) v3_dq_flush(qacc + pend_i * HD * 64, sA + tc % SA * A_BYTES, j, A_BYTES);
         }
-        // The next KV tile's staging copies read what this one's bulk stores wrote: complete them
-        // (thread 0 issued them all), then the barrier below publishes that.
+        // The next KV tile's bulk additions must land after this one's, and its staging copies
+        // read what they wrote: complete them (thread 0 issued them all), then the barrier below
+        // publishes that.
         if (threadIdx.x == 0) bulk_wait_done<0>();
         pend_i = -1;
         bf16* dk_g = dqkv + (size_t)b * T * stride + C + h * HD;

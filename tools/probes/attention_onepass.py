@@ -1,17 +1,44 @@
 """Probe: the v3 attention backward, two passes (dK/dV + dQ, the default) against the one-pass
 kernel (attention/flash_v3_bwd1.cu), at the d12 shape (B=64 NH=12 T=1024 hd=64, bf16) and a
 d48-like one (B=16 NH=25). Timed in alternation (medians); TFLOP/s counted as 2.5x the causal
-forward, as `gpucore bench attention` does. Run:  PYTHONPATH=. python3 tools/probes/attention_onepass.py
+forward, as `gpucore bench attention` does.
+
+With OLD (a tree, e.g. `.old` from `git archive`), the one-pass kernel of OLD's
+kernels_cu/attention/flash_v3_bwd1.cu (compiled with this tree's headers) is timed in the same
+rounds, and its dqkv compared bit for bit with this tree's.
+Run:  PYTHONPATH=. python3 tools/probes/attention_onepass.py [OLD]
 """
+import math
+import sys
+from pathlib import Path
+
 import cupy as cp
 import numpy as np
 
 import gpucore
+from gpucore import runtime
 from gpucore.bench import time_interleaved
 from gpucore.ops import attention as attn
 
+OLD = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else None
 T, hd = 1024, 64
 rng = np.random.default_rng(0)
+
+
+def old_onepass(kernel, dout, qkv, out, lse, NH, dqkv):
+    """OLD's one-pass kernel, launched as backward_v3_onepass launches this tree's."""
+    B = qkv.shape[0]
+    D = attn._preprocess(dout, out, NH)
+    dqacc = cp.empty((B * NH, -(-T // 64), hd, 64), dtype=np.float32)
+    runtime.launch(kernel, B * NH, 256, (dqkv, dqacc, qkv, dout, lse, D, np.int32(T), np.int32(NH),
+                                         np.float32(1.0 / math.sqrt(hd))), shared_mem=attn.v3_onepass_smem(hd, 2))
+
+
+old_kernel = None
+if OLD is not None:
+    old_kernel = runtime.load_module(OLD / "kernels_cu/attention/flash_v3_bwd1.cu", attn.v3_compile_options(),
+                                     attn.V3_ARCH).get_function("attention_backward_onepass_kernel_v3_hd64_g2_bf16")
+
 for B, NH in ((64, 12), (16, 25)):
     qkv = cp.asarray(rng.standard_normal((B, T, 3 * NH * hd)).astype(np.float32).astype(gpucore.bfloat16))
     dout = cp.asarray(rng.standard_normal((B, T, NH * hd)).astype(np.float32).astype(gpucore.bfloat16))
@@ -20,8 +47,14 @@ for B, NH in ((64, 12), (16, 25)):
     rows = [("two-pass (default)", lambda: attn.backward_v3(dout, qkv, out, lse, NH, dqkv))]
     rows += [(f"one-pass, {g} warpgroup(s)", lambda g=g: attn.backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=g))
              for g in attn.ONEPASS_WGS]
+    if old_kernel is not None:
+        rows.append(("one-pass, OLD tree", lambda: old_onepass(old_kernel, dout, qkv, out, lse, NH, dqkv)))
+        attn.backward_v3_onepass(dout, qkv, out, lse, NH, dqkv)
+        new_bits = cp.asnumpy(dqkv).tobytes()
+        old_onepass(old_kernel, dout, qkv, out, lse, NH, dqkv)
+        same = cp.asnumpy(dqkv).tobytes() == new_bits
+        print(f"B={B} NH={NH}  dqkv of this tree's one-pass kernel and OLD's: {'bitwise equal' if same else 'DIFFER'}")
     ms = time_interleaved([f for _, f in rows], rounds=9)
     flops = 2.5 * 4.0 * B * NH * T * T * hd / 2
     for (name, _), t in zip(rows, ms):
         print(f"B={B} NH={NH}  {name:<26} {t:7.3f} ms  {flops / t / 1e9:6.1f} TFLOP/s")
-
