@@ -185,6 +185,14 @@ __device__ __forceinline__ void bulk_reduce_add_s2g(float* dst, u32 src, u32 byt
                  "r"(bytes)
                  : "memory");
 }
+// stmatrix .x4 (PTX ISA "stmatrix", sm_90): four 8 x 8 b16 matrices from registers to shared
+// memory, each register in the mma-fragment layout (lane 4g+t: row g, columns 2t, 2t+1; the lower
+// half the even column); lanes 8m..8m+7 give the (16-byte aligned) row addresses of matrix m.
+__device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+                 "r"(r2), "r"(r3)
+                 : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }

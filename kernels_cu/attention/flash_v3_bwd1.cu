@@ -30,16 +30,18 @@
  * wait<1> (dP^T) -> dS^T -> dK group -> the previous tile's dQ^T into the staging tile (or, at its
  * diagonal, added to the sums there and stored to dqkv) while dV and dK run; dS^T to smem (its last
  * reader, the previous dQ^T, retired at the wait<0>) -> fence.proxy.async + barrier -> the previous
- * tile's bulk store or add, the dQ^T group; dV, dK and
- * dQ^T run on into the next tile. Q/dO/lse/D stream through a 3-stage cp.async ring (the stage a
- * running group reads is never the one prefetched), prefetched one tile ahead, across KV tiles too.
- * Measured: tools/notes/attention.md (H200, d12 B=64: 1.20 vs the two-pass 1.25 ms); a block is a
+ * tile's bulk store or add, the dQ^T group; dV, dK and dQ^T run on into the next tile. Q/dO/lse/D
+ * stream through a 3-stage cp.async ring (the stage a running group reads is never the one
+ * prefetched), prefetched one tile ahead, across KV tiles too; K and V of the next KV tile are
+ * copied into the second K/V buffer at its predecessor's first Q tile. At a KV tile's end dK and dV
+ * go out through the free dS^T tile (stmatrix, then 16-byte stores of whole rows).
+ * Measured: tools/notes/attention.md (H200, d12 B=64: 1.07 vs the two-pass 1.24 ms); a block is a
  * whole head, so gpucore/ops/attention.py takes this kernel only where B*NH fills the SMs' waves.
  * (The 1-warpgroup instantiation, 2 blocks per SM, lost and spills at 255 registers: not built.)
  *
- * Shared memory: K, V (128 x HD), 3 stages of Q, dO (64 x HD), the dS^T tile (128 keys x 64
+ * Shared memory: 2 x K, V (128 x HD), 3 stages of Q, dO (64 x HD), the dS^T tile (128 keys x 64
  * queries), all 128B-swizzled (wgmma.cuh); 3 staged dQ^T partial-sum tiles (16 KB each); 3 x 64
- * lse and D: 150,016 bytes with the alignment slack (gpucore/ops/attention.py: v3_onepass_smem).
+ * lse and D: 182,784 bytes with the alignment slack (gpucore/ops/attention.py: v3_onepass_smem).
  * Compiled for anything but sm_90a the kernel traps; Python launches it only on sm_90 devices.
  */
 #include "attention/flash.cuh"
@@ -143,8 +145,8 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     extern __shared__ unsigned char smem_v3[];
     const u32 raw = smem_u32_asm(smem_v3);
     const u32 sK = (raw + 1023u) & ~1023u;        // swizzle atoms need 1024-byte alignment
-    const u32 sV = sK + KV_BYTES;
-    const u32 sQ = sV + KV_BYTES;                 // ST stages
+    // two K/V buffers (KV tile j in buffer j & 1): buffer b's K at sK + b * 2 KV_BYTES, V after it
+    const u32 sQ = sK + 4 * KV_BYTES;             // ST stages
     const u32 sO = sQ + ST * Q_BYTES;             // ST stages (dout)
     const u32 sS = sO + ST * Q_BYTES;             // the dS^T tile (BN keys x BM queries)
     unsigned char* sS_gen = smem_v3 + (sS - raw);
@@ -178,8 +180,12 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         v3_dq_store<QN / 8>(dq_g, old, dq, pi, QN * wg, pj == 0, pj == pi * BM / BN, scale, T, stride,
                             w4, lane);
     };
-    v3_load_tile<BN, HD, NT>(sK, q_g + C, 0, T, stride);
-    v3_load_tile<BN, HD, NT>(sV, q_g + 2 * C, 0, T, stride);
+    auto load_kv_tile = [&](int jj) {
+        const u32 k_s = sK + (jj & 1) * 2 * KV_BYTES;
+        v3_load_tile<BN, HD, NT>(k_s, q_g + C, jj * BN, T, stride);
+        v3_load_tile<BN, HD, NT>(k_s + KV_BYTES, q_g + 2 * C, jj * BN, T, stride);
+    };
+    load_kv_tile(0);
     load_q_tile(0, 0);
     cp_async_commit();
 
@@ -196,6 +202,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         const int n0 = j * BN;
         const int wk0 = n0 + 64 * wg;             // this warpgroup's first key
         const int key0 = wk0 + 16 * w4 + g;       // this thread's keys: key0, key0 + 8
+        const u32 cK = sK + (j & 1) * 2 * KV_BYTES, cV = cK + KV_BYTES;
         #pragma unroll
         for (int e = 0; e < HD / 2; e++) dk[e] = dv[e] = 0.f;
         wg_fence_regs<HD / 2>(dk);
@@ -210,6 +217,9 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                                                   // reads of the staging buffer
             if (i + 1 < nt) load_q_tile(nxt, (i + 1) * BM);
             else if (j + 1 < nkv) load_q_tile(nxt, (j + 1) * BN);  // the next KV tile's first Q tile
+            // the next KV tile's K and V, a whole KV tile ahead, into the buffer KV tile j - 1 used
+            // (its last wgmma retired before the barrier at its end)
+            if (i == i_first && j + 1 < nkv) load_kv_tile(j + 1);
             // this tile's dQ^T is stored at the next tile (or after the loop); at its last (diagonal)
             // KV tile, it needs the partial sums so far: into the staging buffer the previous
             // tile's part has left
@@ -223,13 +233,13 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             wg_fence_regs<BM / 2>(st);
             wg_fence_regs<BM / 2>(dpt);
             wgmma_fence();
-            v3_product_kk<BM, HD>(st, sK + wg * 8192, BN, q_s);   // S^T = K Q^T
+            v3_product_kk<BM, HD>(st, cK + wg * 8192, BN, q_s);   // S^T = K Q^T
             wgmma_commit();
             wgmma_wait<0>();                      // S^T and the previous tile's dV, dK, dQ^T retired
             wg_fence_regs<BM / 2>(st);
             wg_fence_regs<QN / 2>(dq);
             wgmma_fence();
-            v3_product_kk<BM, HD>(dpt, sV + wg * 8192, BN, o_s);  // dP^T = V dO^T, runs on
+            v3_product_kk<BM, HD>(dpt, cV + wg * 8192, BN, o_s);  // dP^T = V dO^T, runs on
             wgmma_commit();
             // P^T = exp(S^T * scale - lse[query]); 0 where key > query or query >= T
             v3_pt_from_st<BM>(st, l_s, sl2, wk0 + 63 > m0 || m0 + BM > T, key0, m0, T, t4);
@@ -269,7 +279,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             wgmma_fence();
             #pragma unroll
             for (int ks = 0; ks < BN / 16; ks++)  // dQ^T = K^T dS^T over all BN keys
-                wgmma_m64n32k16_ss_mnmn(dq, smem_desc(sK + ks * 2048, BN * 128, 1024),
+                wgmma_m64n32k16_ss_mnmn(dq, smem_desc(cK + ks * 2048, BN * 128, 1024),
                                         smem_desc(sS + ks * 2048 + 2 * QN * wg, BN * 128, 1024), ks > 0);
             wgmma_commit();
             // the previous tile's staged part (not its last KV tile) into the scratch
@@ -295,14 +305,11 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         if (threadIdx.x == 0) bulk_wait_done<0>();
         pend_i = -1;
         bf16* dk_g = dqkv + (size_t)b * T * stride + C + h * HD;
-        v3_store_acc<HD>(dk_g, dk, scale, key0, T, stride, t4);
-        v3_store_acc<HD>(dk_g + C, dv, 1.f, key0, T, stride, t4);
-        if (j + 1 < nkv) {
-            __syncthreads();                      // every warp's wgmma on sK / sV retired
-            v3_load_tile<BN, HD, NT>(sK, q_g + C, n0 + BN, T, stride);
-            v3_load_tile<BN, HD, NT>(sV, q_g + 2 * C, n0 + BN, T, stride);
-            cp_async_commit();
-        }
+        // dK, dV through the dS^T tile (free: every dQ^T that read it retired before the barrier
+        // above; the next KV tile writes it after its loop-top barrier), 8 KB per warpgroup
+        const u32 stage = sS + wg * (64 * HD * 2);
+        v3_store_acc_staged<HD>(dk_g, dk, scale, wk0, T, stride, stage, sS_gen + wg * (64 * HD * 2), w4, lane);
+        v3_store_acc_staged<HD>(dk_g + C, dv, 1.f, wk0, T, stride, stage, sS_gen + wg * (64 * HD * 2), w4, lane);
     }
     cp_async_wait<0>();
 }

@@ -3,10 +3,11 @@ kernel (attention/flash_v3_bwd1.cu), at the d12 shape (B=64 NH=12 T=1024 hd=64, 
 d48-like one (B=16 NH=25). Timed in alternation (medians); TFLOP/s counted as 2.5x the causal
 forward, as `gpucore bench attention` does.
 
-With OLD (a tree, e.g. `.old` from `git archive`), the one-pass kernel of OLD's
-kernels_cu/attention/flash_v3_bwd1.cu (compiled with this tree's headers) is timed in the same
-rounds, and its dqkv compared bit for bit with this tree's.
-Run:  PYTHONPATH=. python3 tools/probes/attention_onepass.py [OLD]
+Each further argument adds a one-pass variant, timed in the same rounds and its dqkv compared bit
+for bit with this tree's: a tree (e.g. `.old` from `git archive`: its
+kernels_cu/attention/flash_v3_bwd1.cu, compiled with this tree's headers) or an NVRTC option
+(`-DNAME=VALUE`: this tree's kernel compiled with it).
+Run:  PYTHONPATH=. python3 tools/probes/attention_onepass.py [OLD_TREE | -DNAME=VALUE ...]
 """
 import math
 import sys
@@ -20,13 +21,13 @@ from gpucore import runtime
 from gpucore.bench import time_interleaved
 from gpucore.ops import attention as attn
 
-OLD = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else None
+HERE = Path(__file__).resolve().parents[2]
 T, hd = 1024, 64
 rng = np.random.default_rng(0)
 
 
-def old_onepass(kernel, dout, qkv, out, lse, NH, dqkv):
-    """OLD's one-pass kernel, launched as backward_v3_onepass launches this tree's."""
+def variant_onepass(kernel, dout, qkv, out, lse, NH, dqkv):
+    """A variant's one-pass kernel, launched as backward_v3_onepass launches this tree's."""
     B = qkv.shape[0]
     D = attn._preprocess(dout, out, NH)
     dqacc = cp.empty((B * NH, -(-T // 64), hd, 64), dtype=np.float32)
@@ -34,10 +35,12 @@ def old_onepass(kernel, dout, qkv, out, lse, NH, dqkv):
                                          np.float32(1.0 / math.sqrt(hd))), shared_mem=attn.v3_onepass_smem(hd, 2))
 
 
-old_kernel = None
-if OLD is not None:
-    old_kernel = runtime.load_module(OLD / "kernels_cu/attention/flash_v3_bwd1.cu", attn.v3_compile_options(),
-                                     attn.V3_ARCH).get_function("attention_backward_onepass_kernel_v3_hd64_g2_bf16")
+variants = []
+for arg in sys.argv[1:]:
+    tree, opts = (HERE, (arg,)) if arg.startswith("-D") else (Path(arg).resolve(), ())
+    mod = runtime.load_module(tree / "kernels_cu/attention/flash_v3_bwd1.cu", attn.v3_compile_options() + opts,
+                              attn.V3_ARCH)
+    variants.append((arg, mod.get_function("attention_backward_onepass_kernel_v3_hd64_g2_bf16")))
 
 for B, NH in ((64, 12), (16, 25)):
     qkv = cp.asarray(rng.standard_normal((B, T, 3 * NH * hd)).astype(np.float32).astype(gpucore.bfloat16))
@@ -47,14 +50,15 @@ for B, NH in ((64, 12), (16, 25)):
     rows = [("two-pass (default)", lambda: attn.backward_v3(dout, qkv, out, lse, NH, dqkv))]
     rows += [(f"one-pass, {g} warpgroup(s)", lambda g=g: attn.backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=g))
              for g in attn.ONEPASS_WGS]
-    if old_kernel is not None:
-        rows.append(("one-pass, OLD tree", lambda: old_onepass(old_kernel, dout, qkv, out, lse, NH, dqkv)))
-        attn.backward_v3_onepass(dout, qkv, out, lse, NH, dqkv)
-        new_bits = cp.asnumpy(dqkv).tobytes()
-        old_onepass(old_kernel, dout, qkv, out, lse, NH, dqkv)
+    attn.backward_v3_onepass(dout, qkv, out, lse, NH, dqkv)
+    new_bits = cp.asnumpy(dqkv).tobytes()
+    for name, kernel in variants:
+        rows.append((f"one-pass, {name}", lambda k=kernel: variant_onepass(k, dout, qkv, out, lse, NH, dqkv)))
+        dqkv.fill(0)
+        variant_onepass(kernel, dout, qkv, out, lse, NH, dqkv)
         same = cp.asnumpy(dqkv).tobytes() == new_bits
-        print(f"B={B} NH={NH}  dqkv of this tree's one-pass kernel and OLD's: {'bitwise equal' if same else 'DIFFER'}")
+        print(f"B={B} NH={NH}  dqkv of this tree's one-pass kernel and {name}'s: {'bitwise equal' if same else 'DIFFER'}")
     ms = time_interleaved([f for _, f in rows], rounds=9)
     flops = 2.5 * 4.0 * B * NH * T * T * hd / 2
     for (name, _), t in zip(rows, ms):
-        print(f"B={B} NH={NH}  {name:<26} {t:7.3f} ms  {flops / t / 1e9:6.1f} TFLOP/s")
+        print(f"B={B} NH={NH}  {name:<34} {t:7.3f} ms  {flops / t / 1e9:6.1f} TFLOP/s")
