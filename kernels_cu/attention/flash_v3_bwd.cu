@@ -164,13 +164,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_v3(bf16* dqkv, const bf16* qkv, c
     wg_fence_regs<HD / 2>(dk);
     wg_fence_regs<HD / 2>(dv);
     cp_async_wait<0>();
-    // dK, dV out through this warpgroup's own K and V rows: only its own wgmma read them, and
-    // those retired at the wait above (the other warpgroup may still be running)
     bf16* dk_g = dqkv + (size_t)b * T * stride + C + h * HD;
-    v3_store_acc_staged<HD, BN * 128>(dk_g, dk, scale, wk0, T, stride, sK + wg * 8192,
-                                      smem_v3 + (sK - raw) + wg * 8192, w4, lane);
-    v3_store_acc_staged<HD, BN * 128>(dk_g + C, dv, 1.f, wk0, T, stride, sV + wg * 8192,
-                                      smem_v3 + (sV - raw) + wg * 8192, w4, lane);
+    v3_store_acc<HD>(dk_g, dk, scale, key0, T, stride, t4);
+    v3_store_acc<HD>(dk_g + C, dv, 1.f, key0, T, stride, t4);
 }
 
 // FD (fused D): the block computes D = rowsum(dout * out) of its own rows itself (no preprocess
@@ -310,9 +306,7 @@ __device__ __forceinline__ void flash_bwd_dq_v3(bf16* dqkv, float* Dw, const bf1
     wgmma_wait<0>();
     wg_fence_regs<HD / 2>(dq);
     cp_async_wait<0>();
-    // dQ out through this warpgroup's own Q rows (only its own wgmma read them; retired above)
-    v3_store_acc_staged<HD, BM * 128>(dqkv + (size_t)b * T * stride + h * HD, dq, scale, wm0, T, stride,
-                                      sQ + wg * 8192, smem_v3 + (sQ - raw) + wg * 8192, w4, lane);
+    v3_store_acc<HD>(dqkv + (size_t)b * T * stride + h * HD, dq, scale, row0, T, stride, t4);
 }
 
 #define V3_DKDV_BODY(HD, NWG, BM, MINB, RA) \

@@ -100,13 +100,12 @@ __device__ __forceinline__ void v3_dst_from_pt(float* dpt, const float* pt, cons
 // One warpgroup's 64 x HD accumulator d (times mul) -> bf16 rows row_base + 0..63 of global g (row
 // stride `stride`, rows >= T skipped), through a staging tile: stmatrix puts the accumulator's 8 x 8
 // blocks into the warp's 16 rows of the warpgroup's 128B-swizzled (64, HD) tile at shared address
-// `stage` (generic address stage_gen; HD / 64 column blocks of 64 x 128 bytes, CB bytes apart: the
-// warpgroup's rows of a larger tile may serve), then each lane
+// `stage` (generic address stage_gen; HD / 64 column blocks of 64 x 128 bytes), then each lane
 // stores whole 16-byte chunks of rows. v3_store_acc's 4-byte stores (HD / 2 per accumulator and
 // thread) filled the store queue at the one-pass kernel's KV-tile ends (ncu: lg stalls, 16% excess
 // sectors). A warp touches only its own 16 rows, so __syncwarp orders it; the caller makes sure no
 // one else uses the tile meanwhile. Same bits as v3_store_acc.
-template <int HD, int CB = 64 * 128>
+template <int HD>
 __device__ __forceinline__ void v3_store_acc_staged(bf16* g, const float* d, float mul, int row_base, int T,
                                                     int stride, u32 stage, const unsigned char* stage_gen,
                                                     int w4, int lane) {
@@ -114,7 +113,7 @@ __device__ __forceinline__ void v3_store_acc_staged(bf16* g, const float* d, flo
     #pragma unroll
     for (int j = 0; j < HD / 8; j += 2) {     // n8 blocks j, j + 1, rows g and g + 8 of each
         const int cc = j + (m >> 1);          // this lane's row address: matrix m's chunk
-        stmatrix_x4(stage + (cc >> 3) * CB + wg_swz128(row_m, cc & 7),
+        stmatrix_x4(stage + (cc >> 3) * (64 * 128) + wg_swz128(row_m, cc & 7),
                     pack_bf16x2_rn(d[4 * j] * mul, d[4 * j + 1] * mul),
                     pack_bf16x2_rn(d[4 * j + 2] * mul, d[4 * j + 3] * mul),
                     pack_bf16x2_rn(d[4 * j + 4] * mul, d[4 * j + 5] * mul),
@@ -125,7 +124,7 @@ __device__ __forceinline__ void v3_store_acc_staged(bf16* g, const float* d, flo
     #pragma unroll
     for (int k = 0; k < 16 * CPR / 32; k++) {
         const int q = 32 * k + lane, row = 16 * w4 + q / CPR, cc = q % CPR;
-        const uint4 v = *reinterpret_cast<const uint4*>(stage_gen + (cc >> 3) * CB + wg_swz128(row, cc & 7));
+        const uint4 v = *reinterpret_cast<const uint4*>(stage_gen + (cc >> 3) * (64 * 128) + wg_swz128(row, cc & 7));
         if (row_base + row < T) *reinterpret_cast<uint4*>(g + (size_t)(row_base + row) * stride + 8 * cc) = v;
     }
     __syncwarp();                             // the next call may overwrite the rows just read
