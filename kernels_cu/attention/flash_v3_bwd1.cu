@@ -31,17 +31,17 @@
  * diagonal, added to the sums there and stored to dqkv) while dV and dK run; dS^T to smem (its last
  * reader, the previous dQ^T, retired at the wait<0>) -> fence.proxy.async + barrier -> the previous
  * tile's bulk store or add, the dQ^T group; dV, dK and dQ^T run on into the next tile. Q/dO/lse/D
- * stream through a 3-stage cp.async ring (the stage a running group reads is never the one
- * prefetched), prefetched one tile ahead, across KV tiles too; K and V of the next KV tile are
+ * stream through a 4-stage cp.async ring (the stage a running group reads is never the one
+ * prefetched), prefetched two tiles ahead, across KV tiles too; K and V of the next KV tile are
  * copied into the second K/V buffer at its predecessor's first Q tile. At a KV tile's end dK and dV
  * go out through the free dS^T tile (stmatrix, then 16-byte stores of whole rows).
- * Measured: tools/notes/attention.md (H200, d12 B=64: 1.07 vs the two-pass 1.24 ms); a block is a
+ * Measured: tools/notes/attention.md (H200, d12 B=64: 1.03 vs the two-pass 1.25 ms); a block is a
  * whole head, so gpucore/ops/attention.py takes this kernel only where B*NH fills the SMs' waves.
  * (The 1-warpgroup instantiation, 2 blocks per SM, lost and spills at 255 registers: not built.)
  *
- * Shared memory: 2 x K, V (128 x HD), 3 stages of Q, dO (64 x HD), the dS^T tile (128 keys x 64
- * queries), all 128B-swizzled (wgmma.cuh); 3 staged dQ^T partial-sum tiles (16 KB each); 3 x 64
- * lse and D: 182,784 bytes with the alignment slack (gpucore/ops/attention.py: v3_onepass_smem).
+ * Shared memory: 2 x K, V (128 x HD), 4 stages of Q, dO (64 x HD), the dS^T tile (128 keys x 64
+ * queries), all 128B-swizzled (wgmma.cuh); 3 staged dQ^T partial-sum tiles (16 KB each); 4 x 64
+ * lse and D: 199,680 bytes with the alignment slack (gpucore/ops/attention.py: v3_onepass_smem).
  * Compiled for anything but sm_90a the kernel traps; Python launches it only on sm_90 devices.
  */
 #include "attention/flash.cuh"
@@ -135,7 +135,9 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                                                      const float* lse, const float* Dv, int T, int NH, float scale) {
     static_assert(HD == 64, "one-pass backward: head dim 64");
     static_assert(NWG == 2, "one-pass backward: 2 warpgroups (1 lost and spills: tools/notes/attention.md)");
-    constexpr int BM = 64, BN = 64 * NWG, NT = 128 * NWG, ST = 3;
+    // ST ring stages: Q tiles copied two tiles ahead; the stage a running group reads (the previous
+    // tile's) is never the one being filled
+    constexpr int BM = 64, BN = 64 * NWG, NT = 128 * NWG, ST = 4;
     constexpr int KV_BYTES = BN * HD * 2, Q_BYTES = BM * HD * 2, DS_BYTES = BN * BM * 2;
     constexpr int A_BYTES = HD * 64 * 4;
     // staging tiles, by tile counter: tile tc's sums are copied in at tc-1, added to at tc and bulk-
@@ -185,9 +187,20 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         v3_load_tile<BN, HD, NT>(k_s, q_g + C, jj * BN, T, stride);
         v3_load_tile<BN, HD, NT>(k_s + KV_BYTES, q_g + 2 * C, jj * BN, T, stride);
     };
+    // The Q tile (row) of the tile after (jj, ii); -1 past the last.
+    auto next_tile = [&](int& jj, int& ii) {
+        if (ii + 1 < nt) { ii++; return; }
+        jj++;
+        ii = jj < nkv ? jj * BN / BM : 0;
+    };
     load_kv_tile(0);
     load_q_tile(0, 0);
     cp_async_commit();
+    int aj = 0, ai = 0;                           // the tile two ahead of the current one
+    next_tile(aj, ai);
+    if (aj < nkv) load_q_tile(1, ai * BM);
+    cp_async_commit();
+    next_tile(aj, ai);
 
     float dk[HD / 2], dv[HD / 2], st[BM / 2], dpt[BM / 2], dq[QN / 2];
     #pragma unroll
@@ -209,14 +222,15 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         wg_fence_regs<HD / 2>(dv);
         const int i_first = n0 / BM;
         for (int i = i_first; i < nt; i++, tc++) {
-            const int buf = tc % ST, nxt = (tc + 1) % ST;
-            cp_async_wait<0>();                   // this thread's copies of tile i (and K/V) landed
+            const int buf = tc % ST;
+            cp_async_wait<1>();                   // this thread's copies of tile i, K/V and the staged
+                                                  // sums landed (only tile tc+1's copies may pend)
             if (threadIdx.x == 0) bulk_wait_read<1>();   // tile tc-2's bulk store has read its staging tile
             fence_proxy_async();                  // ... visible to wgmma (async proxy)
             __syncthreads();                      // ... everyone's; every warp is past tile tc-1's
                                                   // reads of the staging buffer
-            if (i + 1 < nt) load_q_tile(nxt, (i + 1) * BM);
-            else if (j + 1 < nkv) load_q_tile(nxt, (j + 1) * BN);  // the next KV tile's first Q tile
+            // two commit groups per tile: first what the next tile needs (the next KV tile's K and V,
+            // this tile's staged sums), then the Q tile two ahead (across KV tiles too)
             // the next KV tile's K and V, a whole KV tile ahead, into the buffer KV tile j - 1 used
             // (its last wgmma retired before the barrier at its end)
             if (i == i_first && j + 1 < nkv) load_kv_tile(j + 1);
@@ -226,6 +240,9 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             if (j > 0 && i * BM / BN == j)
                 v3_dq_prefetch<NT>(sA + (tc + 1) % SA * A_BYTES, qacc + i * HD * 64);
             cp_async_commit();
+            if (aj < nkv) load_q_tile((tc + 2) % ST, ai * BM);
+            cp_async_commit();
+            next_tile(aj, ai);
             const int m0 = i * BM;
             const u32 q_s = sQ + buf * Q_BYTES, o_s = sO + buf * Q_BYTES;
             const float* l_s = sL + buf * BM;
@@ -291,7 +308,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         wg_fence_regs<HD / 2>(dk);
         wg_fence_regs<HD / 2>(dv);
         wg_fence_regs<QN / 2>(dq);
-        cp_async_wait<0>();                       // the staged partial sums (and the next Q tile)
+        cp_async_wait<1>();                       // the staged partial sums (the Q tile two ahead may pend)
         __syncthreads();                          // ... everyone's copies
         dq_rmw(dq, pend_i, j, sA_gen + tc % SA * (A_BYTES / 4));
         if (j != pend_i * BM / BN) {
