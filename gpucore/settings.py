@@ -44,7 +44,7 @@ class Settings:
     attention_v3_streams: bool = True     # v3 backward: the dQ pass on a side stream beside the dK/dV pass
     attention_head_group: int = 16        # v3 block order: blocks walk groups of this many heads (0: plain order)
     attention_v3_onepass: str = "auto"    # v3 backward, hd 64: the one-pass kernel: auto (when its blocks fill
-                                          # the SMs' waves: ops/attention.py onepass_applies), on, off
+                                          # the SMs' waves: ops/attention.py onepass_batches), on, off
     # ---- encoder (gpucore/ops/encoder.py)
     encoder_dwpe_beside: bool = True      # backward v3/v4: dwpe on a side stream beside the sort and dwte
     # ---- model (gpucore/model.py)

@@ -405,21 +405,24 @@ def test_v3_onepass_sizes_and_bad_head_dim():
 
 
 def test_v3_onepass_auto_rule():
-    """settings.attention_v3_onepass "auto" takes the one-pass backward only where its blocks (one
-    per batch x head) fill the last wave of the SMs (ONEPASS_MIN_WAVE_FILL): d12 B=64 and d24 B=32
-    on 132 SMs yes, d48 B=16 (400 heads), small batches and hd 128 no; "on" / "off" force it (hd 64
-    only); any other value is refused."""
-    assert attn.onepass_applies(64, 12, 64, 132, "auto")          # 768 heads: 97% of 6 waves
-    assert attn.onepass_applies(32, 16, 64, 132, "auto")          # 512: 97% of 4
-    assert not attn.onepass_applies(16, 25, 64, 132, "auto")      # 400: 76% of 4
-    assert not attn.onepass_applies(8, 12, 64, 132, "auto")       # 96: one short wave
-    assert not attn.onepass_applies(64, 12, 128, 132, "auto")     # no hd-128 kernel
-    assert attn.onepass_applies(8, 12, 64, 132, "on") and not attn.onepass_applies(8, 12, 128, 132, "on")
-    assert not attn.onepass_applies(64, 12, 64, 132, "off")
+    """settings.attention_v3_onepass "auto" gives the one-pass backward the heads of the most
+    leading batch elements whose blocks (one per batch x head) fill their waves of the SMs to
+    ONEPASS_MIN_WAVE_FILL, the rest to the two passes: d12 B=64 and d24 B=32 on 132 SMs all, d48
+    B=16 (400 heads: 76%) the first 15 (375: 94.7%), small batches and hd 128 none; "on" / "off"
+    force it (hd 64 only); any other value is refused."""
+    assert attn.wave_fill(768, 132) == 768 / 792 and attn.wave_fill(0, 132) == 0.0
+    assert attn.onepass_batches(64, 12, 64, 132, "auto") == 64       # 768 heads: 97% of 6 waves
+    assert attn.onepass_batches(32, 16, 64, 132, "auto") == 32       # 512: 97% of 4
+    assert attn.onepass_batches(16, 25, 64, 132, "auto") == 15       # 375 of 400: 94.7% of 3
+    assert attn.onepass_batches(16, 20, 64, 132, "auto") == 13       # d36: 260 of 320, 98.5% of 2
+    assert attn.onepass_batches(8, 12, 64, 132, "auto") == 0         # 96: one short wave
+    assert attn.onepass_batches(64, 12, 128, 132, "auto") == 0       # no hd-128 kernel
+    assert attn.onepass_batches(8, 12, 64, 132, "on") == 8 and attn.onepass_batches(8, 12, 128, 132, "on") == 0
+    assert attn.onepass_batches(64, 12, 64, 132, "off") == 0
     with pytest.raises(ValueError, match="auto, on or off"):
-        attn.onepass_applies(64, 12, 64, 132, "yes")
+        attn.onepass_batches(64, 12, 64, 132, "yes")
     with settings.using(attention_v3_onepass="off"):
-        assert not attn.onepass_applies(64, 12, 64, 132)
+        assert attn.onepass_batches(64, 12, 64, 132) == 0
 
 
 def test_v3_backward_version_argument_on_numpy(rng):
@@ -549,6 +552,30 @@ def test_gpu_backward_v3_onepass_deterministic_and_default(rng):
         two = to_cpu(gpucore.attention_backward(dout, qkv, out, lse, NH, version=3)).astype(np.float32)
     got = np.frombuffer(one, dtype=BF16).astype(np.float32).reshape(two.shape)
     assert rel_err(got, two) < 1e-2
+
+
+@pytest.mark.cuda
+def test_gpu_backward_v3_split_is_each_part_bit_for_bit(rng):
+    """backward_v3_split: batch elements [0, b1) bit for bit the one-pass kernel's, [b1, B) the
+    two-pass kernels', run beside each other, also from a non-default stream; and the dispatch
+    takes it where onepass_batches says so (B=16 NH=25 on 132+ SMs: 15 + 1)."""
+    need_sm90()
+    cp = runtime.cupy
+    NH, qkv, dout, out, lse = v3_backward_case(rng, 64, B=5, NH=4, T=333)
+    one = np.frombuffer(v3_backward_bits(qkv[:3], dout[:3], out[:3], lse[:3], NH, backward=attn.backward_v3_onepass),
+                        dtype=np.uint16)
+    two = np.frombuffer(v3_backward_bits(qkv[3:], dout[3:], out[3:], lse[3:], NH), dtype=np.uint16)
+    want = np.concatenate([one, two]).tobytes()
+    assert v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_split, b1=3) == want
+    with cp.cuda.Stream(non_blocking=True):
+        assert v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_split, b1=3) == want
+    sms = runtime.sm_count()
+    B, NH = 16, 25
+    b1 = attn.onepass_batches(B, NH, 64, sms)
+    if 0 < b1 < B:
+        NH, qkv, dout, out, lse = v3_backward_case(rng, 64, B=B, NH=NH, T=256)
+        split = v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_split, b1=b1)
+        assert to_cpu(gpucore.attention_backward(dout, qkv, out, lse, NH, version=3)).tobytes() == split
 
 
 @pytest.mark.cuda

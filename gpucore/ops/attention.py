@@ -19,8 +19,10 @@ The production path (version=None), picked per call by `pick_version`:
                  pass (V3_DKDV_CONFIG[hd]; at hd 64 the register-A kernel, V3_RA) and the dQ pass
                  (V3_DQ_CONFIG[hd]) on a side stream beside it (setting attention_v3_streams).
                  Or, at hd 64 where its blocks fill the SMs' waves (settings.attention_v3_onepass,
-                 onepass_applies), kernels_cu/attention/flash_v3_bwd1.cu: ONE pass, a block per
-                 (batch, head) summing dQ over the KV tiles in order (backward_v3_onepass).
+                 onepass_batches), kernels_cu/attention/flash_v3_bwd1.cu: ONE pass, a block per
+                 (batch, head) summing dQ over the KV tiles in order (backward_v3_onepass); where
+                 only the heads of the first B' batch elements fill them, those take it and the
+                 rest the two passes, beside it on a side stream (backward_v3_split).
      Both walk the heads in groups of settings.attention_head_group (block order, compiled in
      with -DV3_HEAD_GROUP).
   2  elsewhere, same conditions but any GPU (or v3 switched off): FlashAttention-2 on mma.sync,
@@ -432,8 +434,8 @@ def backward_v3_dkdv(dout, qkv, lse, D, NH, dqkv, config=None):
                    shared_mem=v3_dkdv_smem(hd, wgs, bm))
 
 
-def backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_config=None, dq_config=None, streams=None):
-    """v3 wgmma backward: v2's preprocess (D), then the dK/dV pass (`dkdv_config`, default
+def backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_config=None, dq_config=None, streams=None, D=None):
+    """v3 wgmma backward: v2's preprocess (D; or given), then the dK/dV pass (`dkdv_config`, default
     V3_DKDV_CONFIG[hd]) and the dQ pass (`dq_config` (warpgroups, BN[, V3_RA]), default
     V3_DQ_CONFIG[hd]).
 
@@ -450,7 +452,7 @@ def backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_config=None, dq_config=None,
     q_wgs, bn = dq_config[:2]
     k2 = _v3_bwd_kernel("dq", hd, dq_config)
     streams = settings.current().attention_v3_streams if streams is None else streams
-    D = _preprocess(dout, out, NH)
+    D = _preprocess(dout, out, NH) if D is None else D
     args = (dqkv, qkv, dout, lse, D, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd)))
     q_grid, q_smem = (B * NH, -(-T // (64 * q_wgs))), v3_dq_smem(hd, q_wgs, bn)
     if not streams:
@@ -471,23 +473,33 @@ def backward_v3(dout, qkv, out, lse, NH, dqkv, dkdv_config=None, dq_config=None,
 
 ONEPASS_HD = (64,)          # head dims of attention/flash_v3_bwd1.cu (the one-pass backward)
 ONEPASS_WGS = (2,)          # its warpgroups per block (first = default): KV tiles of 64 * wgs keys
-# settings.attention_v3_onepass "auto" takes the one-pass backward where its one block per (batch,
-# head), one per SM, fills the last wave this well: a block is a whole head, so a short last wave
-# idles SMs for a head's whole time. H200, bf16 T=1024: d12 B=64 (768 heads over 132 SMs, 97%)
-# trains 1.2% faster with it; d48 B=16 (400 heads, 76%) 2.1% slower (tools/notes/attention.md).
-ONEPASS_MIN_WAVE_FILL = 0.95
+# settings.attention_v3_onepass "auto" gives the one-pass backward the heads of as many leading
+# batch elements as keep its waves this full (one block per (batch, head), one per SM: a short last
+# wave idles SMs for a head's whole time), and the other heads to the two-pass backward, run beside
+# it on a side stream, whose small blocks fill that last wave. H200, T=1024 hd 64: per head the
+# one-pass kernel costs ~0.78x the two-pass one at full waves, so it loses below ~78% fill (d48
+# B=16 all one-pass, 400 heads over 132 SMs, 76%: x0.979 whole step; tools/notes/attention.md).
+ONEPASS_MIN_WAVE_FILL = 0.9
 
 
-def onepass_applies(B, NH, hd, sms, mode=None) -> bool:
-    """Whether the v3 backward of a (B, NH, hd) call takes the one-pass kernel on a GPU of `sms`
-    multiprocessors; mode (None: settings.attention_v3_onepass) "auto", "on" or "off"."""
+def wave_fill(blocks, sms) -> float:
+    """blocks / (the waves of `sms` blocks they take x sms)."""
+    return blocks / (-(-blocks // sms) * sms) if blocks else 0.0
+
+
+def onepass_batches(B, NH, hd, sms, mode=None) -> int:
+    """How many leading batch elements' heads the v3 backward of a (B, NH, hd) call gives the
+    one-pass kernel on a GPU of `sms` multiprocessors (the rest go to the two-pass kernels):
+    mode (None: settings.attention_v3_onepass) "on": all B, "off": none, "auto": the most whose
+    B' * NH blocks fill their waves to ONEPASS_MIN_WAVE_FILL (0 where none do)."""
     mode = settings.current().attention_v3_onepass if mode is None else mode
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"attention_v3_onepass: expected auto, on or off, got {mode!r}")
     if mode == "off" or hd not in ONEPASS_HD:
-        return False
-    heads = B * NH
-    return mode == "on" or heads / (-(-heads // sms) * sms) >= ONEPASS_MIN_WAVE_FILL
+        return 0
+    if mode == "on":
+        return B
+    return next((b for b in range(B, 0, -1) if wave_fill(b * NH, sms) >= ONEPASS_MIN_WAVE_FILL), 0)
 
 
 def v3_onepass_smem(hd, wgs):
@@ -498,11 +510,11 @@ def v3_onepass_smem(hd, wgs):
     return 1024 + (4 * wgs + 2 * 4 + wgs) * 64 * hd * 2 + 3 * hd * 64 * 4 + 2 * 4 * 64 * 4
 
 
-def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None):
-    """v3 one-pass backward (attention/flash_v3_bwd1.cu, hd 64): v2's preprocess (D), then one
-    block per (batch, head) computing dK, dV and dQ together, dQ summed over the KV tiles in order
-    in an f32 scratch (B*NH, ceil(T/64), hd, 64): 5 tile products per tile pair instead of the
-    two-pass backward's 7, deterministic. wgs: warpgroups per block (ONEPASS_WGS)."""
+def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None, D=None):
+    """v3 one-pass backward (attention/flash_v3_bwd1.cu, hd 64): v2's preprocess (D; or given),
+    then one block per (batch, head) computing dK, dV and dQ together, dQ summed over the KV tiles
+    in order in an f32 scratch (B*NH, ceil(T/64), hd, 64): 5 tile products per tile pair instead of
+    the two-pass backward's 7, deterministic. wgs: warpgroups per block (ONEPASS_WGS)."""
     cp = runtime.cupy
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
@@ -511,12 +523,32 @@ def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None):
     wgs = wgs or ONEPASS_WGS[0]
     if wgs not in ONEPASS_WGS:
         raise ValueError(f"wgs: {wgs} warpgroups per block; the kernels have {ONEPASS_WGS}")
-    D = _preprocess(dout, out, NH)
+    D = _preprocess(dout, out, NH) if D is None else D
     dqacc = cp.empty((B * NH, -(-T // 64), hd, 64), dtype=F32)      # per head, a tile per 64 queries
     k = runtime.get_kernel("attention/flash_v3_bwd1", f"attention_backward_onepass_kernel_v3_hd{hd}_g{wgs}_bf16",
                            options=v3_compile_options(), arch=V3_ARCH)
     runtime.launch(k, B * NH, 128 * wgs, (dqkv, dqacc, qkv, dout, lse, D, np.int32(T), np.int32(NH),
                                           np.float32(1.0 / math.sqrt(hd))), shared_mem=v3_onepass_smem(hd, wgs))
+
+
+def backward_v3_split(dout, qkv, out, lse, NH, dqkv, b1):
+    """The one-pass backward for batch elements [0, b1) on the caller's stream and the two-pass
+    backward for [b1, B) beside it on a side stream (onepass_batches says why); D for all heads by
+    one preprocess first, so that nothing is allocated on the side stream. Each head's bits are
+    those of the kernel that took it, whatever runs beside it; the caller's stream waits for both."""
+    cp = runtime.cupy
+    D = _preprocess(dout, out, NH)
+    main = cp.cuda.get_current_stream()
+    side, forked, joined = runtime.side_stream("attention two-pass part")
+    forked.record(main)          # inputs, D and dqkv's allocation are ready
+    side.wait_event(forked)
+    # the one-pass blocks (a whole head each) first in launch order: the two-pass part's small
+    # blocks take the SMs its last wave leaves
+    backward_v3_onepass(dout[:b1], qkv[:b1], out[:b1], lse[:b1], NH, dqkv[:b1], D=D[:b1])
+    with side:
+        backward_v3(dout[b1:], qkv[b1:], out[b1:], lse[b1:], NH, dqkv[b1:], D=D[b1:])
+    joined.record(side)
+    main.wait_event(joined)      # whatever the caller queues next (and D's release) sees both done
 
 
 def _sms() -> int:
@@ -534,8 +566,8 @@ def scratch_bytes(B, T, NH, hd, dtype, version, backward=False) -> int:
     it = dtype.itemsize
     n_tt = B * NH * T * T
     if version in (2, 3):
-        onepass = version == 3 and backward and onepass_applies(B, NH, hd, _sms())
-        return (4 * B * NH * T + (4 * B * NH * hd * -(-T // 64) * 64 if onepass else 0)) if backward else 0
+        b1 = onepass_batches(B, NH, hd, _sms()) if version == 3 and backward else 0
+        return (4 * B * NH * T + 4 * b1 * NH * hd * -(-T // 64) * 64) if backward else 0
     qkvp = 3 * B * T * NH * hd * it
     att = n_tt * 4 + (0 if dtype == F32 else n_tt * it)
     if not backward:
@@ -602,8 +634,11 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None):
                            _misaligned((("qkv", qkv), ("dout", dout), ("out", out), ("dqkv", dqkv))))
     if B * T == 0:
         return dqkv
-    if version == 3 and onepass_applies(B, NH, hd, runtime.sm_count()):
+    b1 = onepass_batches(B, NH, hd, runtime.sm_count()) if version == 3 else 0
+    if version == 3 and b1 == B:
         backward_v3_onepass(dout, qkv, out, lse, NH, dqkv)
+    elif version == 3 and b1 > 0:
+        backward_v3_split(dout, qkv, out, lse, NH, dqkv, b1)
     elif version == 3:
         backward_v3(dout, qkv, out, lse, NH, dqkv)
     elif version == 2:
