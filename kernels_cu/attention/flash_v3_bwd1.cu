@@ -57,9 +57,9 @@
 // 2.4 ms kernel; per-thread stores and one 256-byte bulk copy per row were slower than one 16 KB
 // bulk copy per tile; copying the sums into shared memory a tile ahead (cp.async), adding there
 // and bulk-storing them back cost ~0.35 ms of 1.15 (tools/notes/attention.md), so only the last
-// (diagonal) KV tile's sums are copied in now (v3_dq_prefetch). The part's reads come after a wait<0>: ptxas
-// serialises every wgmma of a kernel whose accumulator is read where it cannot prove the group
-// retired, and a wait<1> across the loop's back edge is such a place.
+// (diagonal) KV tile's sums are copied in now (v3_dq_prefetch). The part's reads come after a
+// wait<0>: ptxas serialises every wgmma of a kernel whose accumulator is read where it cannot
+// prove the group retired, and a wait<1> across the loop's back edge is such a place.
 // The f32 scratch holds, per head, one 16 KB tile per Q tile (HD rows x 64 queries of dQ^T), laid
 // out as the staging tile in shared memory so that one bulk copy moves it: element (hd, q) of a
 // tile at v3_dq_off(hd, q) (q even; q + 1 follows), the float2 pairs of a row permuted by hd & 7 so
@@ -129,7 +129,7 @@ __device__ __forceinline__ void v3_dq_flush(float* qtile, u32 s, int j, u32 byte
 
 // NWG = 2 warpgroups: 128 keys per KV tile, warpgroup w owning keys 64w.. for S^T .. dK, 1 block
 // per SM. Warpgroup w computes dQ^T for query columns 32w..32w+31 over all 128 keys (m64n32, B
-// starting 64 bytes into dS^T's swizzled rows) and read-modify-writes that half.
+// starting 64 bytes into dS^T's swizzled rows) and stages or finishes that half.
 template <int HD, int NWG>
 __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, const bf16* qkv, const bf16* dout,
                                                      const float* lse, const float* Dv, int T, int NH, float scale) {
@@ -140,8 +140,9 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     constexpr int BM = 64, BN = 64 * NWG, NT = 128 * NWG, ST = 4;
     constexpr int KV_BYTES = BN * HD * 2, Q_BYTES = BM * HD * 2, DS_BYTES = BN * BM * 2;
     constexpr int A_BYTES = HD * 64 * 4;
-    // staging tiles, by tile counter: tile tc's sums are copied in at tc-1, added to at tc and bulk-
-    // stored from at tc; the copy for tc+2 reuses the buffer at tc+2 (the bulk store had a tile)
+    // staging tiles, by tile counter: tile tc's part is staged at tc+1 (at its diagonal, onto the
+    // sums copied in at tc) and bulk-stored or -added from there; the buffer comes round again at
+    // tc+3, after the loop top's wait for the bulk operation's read (the bulk operation had a tile)
     constexpr int SA = 3;
     constexpr int QN = 64 / NWG;                  // query columns of this warpgroup's dQ^T
     extern __shared__ unsigned char smem_v3[];
@@ -187,7 +188,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         v3_load_tile<BN, HD, NT>(k_s, q_g + C, jj * BN, T, stride);
         v3_load_tile<BN, HD, NT>(k_s + KV_BYTES, q_g + 2 * C, jj * BN, T, stride);
     };
-    // The Q tile (row) of the tile after (jj, ii); -1 past the last.
+    // (jj, ii) -> the tile after it, in the order the loops below walk them (jj >= nkv past the last)
     auto next_tile = [&](int& jj, int& ii) {
         if (ii + 1 < nt) { ii++; return; }
         jj++;
@@ -229,10 +230,9 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             fence_proxy_async();                  // ... visible to wgmma (async proxy)
             __syncthreads();                      // ... everyone's; every warp is past tile tc-1's
                                                   // reads of the staging buffer
-            // two commit groups per tile: first what the next tile needs (the next KV tile's K and V,
-            // this tile's staged sums), then the Q tile two ahead (across KV tiles too)
-            // the next KV tile's K and V, a whole KV tile ahead, into the buffer KV tile j - 1 used
-            // (its last wgmma retired before the barrier at its end)
+            // two commit groups per tile: first what the next tile needs, then the Q tile two ahead
+            // (across KV tiles too). The next KV tile's K and V, a whole KV tile ahead, into the
+            // buffer KV tile j - 1 used (its last wgmma retired before the barrier at its end):
             if (i == i_first && j + 1 < nkv) load_kv_tile(j + 1);
             // this tile's dQ^T is stored at the next tile (or after the loop); at its last (diagonal)
             // KV tile, it needs the partial sums so far: into the staging buffer the previous
@@ -317,8 +317,8 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             if (threadIdx.x == 0) v3_dq_flush(qacc + pend_i * HD * 64, sA + tc % SA * A_BYTES, j, A_BYTES);
         }
         // The next KV tile's bulk additions must land after this one's, and its staging copies
-        // read what they wrote: complete them (thread 0 issued them all), then the barrier below
-        // publishes that.
+        // read what they wrote: complete them (thread 0 issued them all); the next loop-top
+        // barrier publishes that.
         if (threadIdx.x == 0) bulk_wait_done<0>();
         pend_i = -1;
         bf16* dk_g = dqkv + (size_t)b * T * stride + C + h * HD;
