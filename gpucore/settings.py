@@ -43,8 +43,9 @@ class Settings:
     attention_v3_backward: bool = True    # version=None backward: likewise
     attention_v3_streams: bool = True     # v3 backward: the dQ pass on a side stream beside the dK/dV pass
     attention_head_group: int = 16        # v3 block order: blocks walk groups of this many heads (0: plain order)
-    attention_v3_onepass: str = "auto"    # v3 backward, hd 64: the one-pass kernel: auto (when its blocks fill
-                                          # the SMs' waves: ops/attention.py onepass_batches), on, off
+    attention_v3_onepass: str = "auto"    # v3 backward, hd 64: the one-pass kernel: auto (for the batch elements
+                                          # whose heads fill the SMs' waves, the two passes beside it for the
+                                          # rest: ops/attention.py onepass_batches), on, off
     # ---- encoder (gpucore/ops/encoder.py)
     encoder_dwpe_beside: bool = True      # backward v3/v4: dwpe on a side stream beside the sort and dwte
     # ---- model (gpucore/model.py)

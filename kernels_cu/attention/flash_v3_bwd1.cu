@@ -226,7 +226,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             const int buf = tc % ST;
             cp_async_wait<1>();                   // this thread's copies of tile i, K/V and the staged
                                                   // sums landed (only tile tc+1's copies may pend)
-            if (threadIdx.x == 0) bulk_wait_read<1>();   // tile tc-2's bulk store has read its staging tile
+            if (threadIdx.x == 0) bulk_wait_read<1>();   // tile tc-2's bulk store / add has read its staging tile
             fence_proxy_async();                  // ... visible to wgmma (async proxy)
             __syncthreads();                      // ... everyone's; every warp is past tile tc-1's
                                                   // reads of the staging buffer
