@@ -38,7 +38,9 @@ algorithms round differently, and two training runs must agree bit for bit.
 Inside a CUDA-graph capture nothing is timed (the first candidate is used).
 
 Choices come from gpucore.settings: `cublaslt` (False: lt_gemm declines),
-`lt_autotune`, `lt_try_gemmex`, `lt_autotune_min_flops`, `lt_tune_cache`.
+`lt_autotune`, `lt_try_gemmex`, `lt_autotune_min_flops`, `lt_tune_cache`, and
+`lt_search` (> 0: configurations beyond the heuristic's join the race, gpucore/lt_search.py;
+a winner saved from such a race is restored by its bytes in later processes).
 The fused bias gradient (CUBLASLT_EPILOGUE_BGRADB) was measured slower than
 our column-sum kernel at every GPT-2 shape and is not bound here any more
 (tools/notes/matmul.md, "Removed in the restructuring").
@@ -53,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import dtypes, runtime, settings
+from . import dtypes, lt_search, runtime, settings
 
 LT_ALGO_CANDIDATES = 8                  # heuristic results requested per plan
 LT_TUNE_MARGIN = 0.02                   # another algorithm must be 2% faster to replace the first choice
@@ -266,18 +268,31 @@ def _capturing() -> bool:
 class Plan:
     """Descriptors, the heuristic's candidate algorithms and (once decided) the choice."""
 
-    def __init__(self, desc, lay_b, lay_a, lay_c, results, candidates):
+    def __init__(self, desc, lay_b, lay_a, lay_c, results, candidates, lt_types=None):
         self.desc, self.lay_b, self.lay_a, self.lay_c = desc, lay_b, lay_a, lay_c
         self.results = results          # the heuristic-result array (kept alive: algos point into it)
         self.candidates = candidates    # indices of the usable results, heuristic order
+        self.lt_types = lt_types        # (Lt's A, B, C = D) cudaDataTypes: what AlgoInit needs (lt_search)
+        self.extra = []                 # 96-byte algorithm buffers added later (searched, or from the cache)
+        self.raced = None               # the indices the race timed (candidates + searched), in order
         self.choice = None              # an index into results, GEMMEX, or None (not decided yet)
-        self.times = None               # ms per candidate (+ gemmEx) when it was timed
+        self.times = None               # ms per raced candidate (+ gemmEx) when it was timed
 
     def algo_ptr(self, i):
-        return ctypes.addressof(self.results) + i * _HEURISTIC_BYTES
+        n = len(self.results) // _HEURISTIC_BYTES
+        return ctypes.addressof(self.results) + i * _HEURISTIC_BYTES if i < n else ctypes.addressof(self.extra[i - n])
 
     def algo_hex(self, i):
-        return bytes(self.results[i * _HEURISTIC_BYTES:i * _HEURISTIC_BYTES + _ALGO_BYTES]).hex()
+        return ctypes.string_at(self.algo_ptr(i), _ALGO_BYTES).hex()
+
+    def add(self, algo) -> int:
+        """Index of a further algorithm buffer (at least _ALGO_BYTES, kept alive here)."""
+        self.extra.append(algo)
+        return len(self.results) // _HEURISTIC_BYTES + len(self.extra) - 1
+
+    def label(self, i) -> str:
+        """"lt#k/n" for the heuristic's k-th of n candidates, "searched" for any other."""
+        return f"lt#{self.candidates.index(i) + 1}/{len(self.candidates)}" if i in self.candidates else "searched"
 
 
 class CublasLt:
@@ -392,7 +407,7 @@ class CublasLt:
                 ws = int.from_bytes(bytes(results[off + 64:off + 72]), "little")
                 if state == 0 and ws <= LT_WORKSPACE_BYTES:
                     candidates.append(i)
-        plan = Plan(desc, lay_b, lay_a, lay_c, results, candidates) if candidates else None
+        plan = Plan(desc, lay_b, lay_a, lay_c, results, candidates, (tb, ta, tc)) if candidates else None
         self.plans[key] = plan
         return plan
 
@@ -418,18 +433,27 @@ class CublasLt:
             if saved == plan.algo_hex(i):
                 plan.choice = i
                 return
+        if saved and saved != GEMMEX:   # a searched winner: restored when it still checks for this plan
+            restored = lt_search.restore(self, plan, saved, LT_WORKSPACE_BYTES)
+            if restored is not None:
+                plan.choice = restored
+                return
         if _capturing():
             return                      # undecided: candidate 0 now, timed on a later call outside capture
         # beta == 0: the output is only written, and the chosen algorithm rewrites it last -> time in place.
         # beta != 0: out is read (+=); time on a scratch copy of its shape so out is untouched.
         target = out if beta == 0.0 else runtime.cupy.empty_like(out)
-        fns = [lambda i=i: launch(i, target.data.ptr) for i in plan.candidates]
+        raced = list(plan.candidates)
+        budget = settings.current().lt_search
+        if budget > 0 and plan.lt_types is not None:
+            raced += lt_search.search(self, plan, launch, target.data.ptr, budget, tkey, LT_WORKSPACE_BYTES)
+        fns = [lambda i=i: launch(i, target.data.ptr) for i in raced]
         if gemmex is not None:
             fns.append(lambda: gemmex(target))
         times = _time_each(fns)
         best = pick_fastest(times)
-        plan.times = times
-        plan.choice = GEMMEX if best == len(plan.candidates) else plan.candidates[best]
+        plan.raced, plan.times = raced, times
+        plan.choice = GEMMEX if best == len(raced) else raced[best]
         cache.put(tkey, GEMMEX if plan.choice == GEMMEX else plan.algo_hex(plan.choice))
 
 
@@ -585,5 +609,5 @@ def plan_choice(M, N, K, transpose_a=False, transpose_b=False, bias=False, accum
             return "untuned"
         if plan.choice == GEMMEX:
             return "gemmEx"
-        return f"lt#{plan.candidates.index(plan.choice) + 1}/{len(plan.candidates)}"
+        return plan.label(plan.choice)
     return "?"

@@ -37,6 +37,8 @@ class Settings:
     lt_try_gemmex: bool = True            # gemmEx takes part in the race of epilogue-free GEMMs
     lt_autotune_min_flops: float = 2e9    # below: the heuristic's first choice (timing costs more than it saves)
     lt_tune_cache: str | None = None      # the winners' file; None: <kernel cache dir>/cublaslt_algos.json
+    lt_search: int = 0                    # > 0: the race also gets the fastest of up to this many configurations
+                                          # drawn from cuBLASLt's whole space (gpucore/lt_search.py); 0: heuristic only
     gelu_epilogue: bool = True            # bf16 matmul_forward(gelu_out=): GELU in Lt's epilogue (GELU_AUX_BIAS)
     # ---- attention (gpucore/ops/attention.py)
     attention_v3_forward: bool = True     # version=None forward: v3 (Hopper wgmma) where it applies, else v2

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import gpucore
-from gpucore import cublas, runtime, settings
+from gpucore import cublas, lt_search, runtime, settings
 from gpucore.ops import matmul as mm
 from conftest import poison, to_cpu
 from matmul_checks import check_close, rand
@@ -48,6 +48,38 @@ def test_cublaslt_off_declines_without_touching_the_library():
     with settings.using(cublaslt=False):
         assert cublas.lt_binding() is None
         assert cublas.lt_gemm(None, None, None, 1, 1, 1) is False
+
+
+def test_plan_algorithms_beyond_the_heuristic_results():
+    """Added (searched or restored) algorithms get indices after the heuristic's slots, their own
+    bytes and the label "searched"; the heuristic's keep theirs."""
+    import ctypes
+    results = (ctypes.c_ubyte * (cublas.LT_ALGO_CANDIDATES * 96))()
+    results[96:96 + 64] = bytes(range(64))                            # candidate 1's algorithm bytes
+    plan = cublas.Plan(None, None, None, None, results, [0, 1])
+    extra = (ctypes.c_ubyte * 96)()
+    extra[:64] = bytes([7] * 64)
+    i = plan.add(extra)
+    assert i == cublas.LT_ALGO_CANDIDATES
+    assert plan.algo_hex(i) == "07" * 64 and plan.algo_hex(1) == bytes(range(64)).hex()
+    assert plan.algo_ptr(i) == ctypes.addressof(extra)
+    assert plan.label(1) == "lt#2/2" and plan.label(i) == "searched"
+
+
+def test_mixed_radix_walks_every_configuration_once():
+    radices = [3, 1, 4, 2]
+    seen = {tuple(lt_search.mixed_radix(k, radices)) for k in range(24)}
+    assert len(seen) == 24 and all(all(0 <= d < r for d, r in zip(t, radices)) for t in seen)
+    assert lt_search.mixed_radix(0, radices) == [0, 0, 0, 0]
+    assert lt_search.mixed_radix(23, radices) == [2, 0, 3, 1]
+    assert lt_search.mixed_radix(2, radices) == [0, 0, 1, 0]            # the last radix varies fastest
+
+
+def test_lt_search_setting_parses_from_the_environment():
+    assert settings.Settings().lt_search == 0
+    assert settings.from_env({"GPUCORE_SETTINGS": "lt_search=1500"}).lt_search == 1500
+    with pytest.raises(ValueError, match="lt_search"):
+        settings.from_env({"GPUCORE_SETTINGS": "lt_search=many"})
 
 
 # ------------------------------------------------------------------ GPU ----
@@ -125,6 +157,53 @@ def test_gpu_lt_every_candidate_algorithm(rng, tmp_path, fresh_lt, case):
         assert plan2.times is None, "timed again instead of reading the tune cache"
         saved = list(winner.values())[0]
         assert (plan2.choice == cublas.GEMMEX) if saved == cublas.GEMMEX else (plan2.algo_hex(plan2.choice) == saved)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["forward_bias", "dweight"])
+def test_gpu_lt_search_every_raced_configuration(rng, tmp_path, fresh_lt, case):
+    """With lt_search, configurations beyond the heuristic's join the race; each one raced is
+    forced in turn and checked against the reference, and a searched winner saved on disk is
+    restored by its bytes in a fresh process (no timing) and gives the same bits."""
+    cp = runtime.cupy
+    lt = fresh_lt
+    N, K, M = 512, 256, 384
+    x, w, b = rand(rng, (N, K), BF16), rand(rng, (M, K), BF16, 0.05), rand(rng, (M,), BF16)
+    dout, dw0 = rand(rng, (N, M), BF16), rand(rng, (M, K), np.float32)
+    gx, gw, gb, gd = (cp.asarray(a) for a in (x, w, b, dout))
+    x64, d64 = x.astype(np.float64), dout.astype(np.float64)
+
+    def run_and_check(label):
+        if case == "dweight":
+            dw = cp.asarray(dw0)
+            gpucore.matmul_backward(gd, gx, gw, dweight=dw, need_dx=False, need_dbias=False)
+            check_close(dw, dw0 + d64.T @ x64, np.float32, f"dweight +=, {label}", tol=1e-5)
+            return dw
+        out = poison((N, M), BF16)
+        gpucore.matmul_forward(gx, gw, gb, out=out)
+        check_close(out, mm.matmul_forward_reference(x, w, b, np.float64), BF16, f"matmul_forward, {label}")
+        return out
+
+    with settings.using(lt_search=200):
+        run_and_check("after the race")
+    plan = [p for p in lt.plans.values() if p is not None][0]
+    searched = [i for i in plan.raced if i not in plan.candidates]
+    assert searched, "the search found no configuration beyond the heuristic's"
+    assert len(plan.times) == len(plan.raced) + (case == "dweight")       # gemmEx races for dW (no epilogue)
+    for i in plan.raced:
+        plan.choice = i
+        run_and_check(f"{plan.label(i)} {lt_search.describe(lt.lib, plan.algo_ptr(i))}")
+    # Save a searched configuration as the winner; a fresh process restores it from its bytes.
+    key = list(lt.tune_cache().entries())[0]
+    lt.tune_cache().put(key, plan.algo_hex(searched[0]))
+    plan.choice = searched[0]
+    expected = cp.asnumpy(run_and_check("searched, before"))
+    lt.forget()
+    got = cp.asnumpy(run_and_check("searched, restored"))
+    plan2 = [p for p in lt.plans.values() if p is not None][0]
+    assert plan2.times is None and plan2.choice not in plan2.candidates
+    assert plan2.algo_hex(plan2.choice) == plan.algo_hex(searched[0])
+    assert np.array_equal(got.view(np.uint8), expected.view(np.uint8)), "restored configuration gave other bits"
 
 
 @pytest.mark.cuda
