@@ -482,9 +482,11 @@ _register_learning_commands()
 
 
 def _register_profile_command():
-    # `profile` (gpucore/profile.py) lives beside the code it runs.
+    # `profile` (gpucore/profile.py) and `tune` (gpucore/tune.py) live beside the code they run.
     from .profile import profile_command
+    from .tune import tune_command
     main.add_command(profile_command)
+    main.add_command(tune_command)
 
 
 _register_profile_command()

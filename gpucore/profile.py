@@ -53,23 +53,19 @@ def copy_bandwidth_gbps(nbytes: int = COPY_BYTES) -> float:
     return measure(nbytes)
 
 
-def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int = 3, device: str = "auto",
-                dtype: str = "auto", fp8_scaling: str = "adaptive") -> dict:
-    """Profile `steps` training steps; returns the report as a JSON-able dict (see format_table).
-    fp8_scaling: the FP8 linears' scaling mode with dtype "fp8"."""
+def synthetic_training(model: str, B: int, T: int | None, device: str, dtype: str, fp8_scaling: str = "adaptive"):
+    """(step, device, dtype) for a model preset training on random tokens: step() runs one
+    training step (forward, backward, AdamW) and returns (loss, norm). Shared by `profile` and `tune`."""
     from .model import GPT2, GPT2Config
     from .optim import AdamW
-    from .startup import peak_flops, resolve_backend
+    from .startup import resolve_backend
     from .train import train_step
-    if steps < 1:
-        raise ValueError(f"--steps {steps}: must be at least 1")
     cfg = GPT2Config.from_preset(model)
     T = T or min(1024, cfg.max_seq_len)
     if T > cfg.max_seq_len:
         raise ValueError(f"-T {T}: longer than the model's max_seq_len {cfg.max_seq_len}")
     fp8 = fp8_scaling if dtype == "fp8" else None
     device, xp, dt = resolve_backend(device, "bfloat16" if fp8 else dtype)
-    from . import dtypes
     net = GPT2(cfg, xp=xp, dtype=dt, seed=1337, fp8=fp8)
     net.allocate_grads()
     net.allocate_activations(B, T)
@@ -80,7 +76,22 @@ def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int
 
     def step():
         return train_step(net, opt, lambda: (x, y), 1, 1e-4)
+    step.net, step.opt, step.x, step.y, step.config = net, opt, x, y, cfg
+    return step, device, dt
 
+
+def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int = 3, device: str = "auto",
+                dtype: str = "auto", fp8_scaling: str = "adaptive") -> dict:
+    """Profile `steps` training steps; returns the report as a JSON-able dict (see format_table).
+    fp8_scaling: the FP8 linears' scaling mode with dtype "fp8"."""
+    from .startup import peak_flops
+    if steps < 1:
+        raise ValueError(f"--steps {steps}: must be at least 1")
+    step, device, dt = synthetic_training(model, B, T, device, dtype, fp8_scaling)
+    net, opt, x, y, cfg = step.net, step.opt, step.x, step.y, step.config
+    T = x.shape[1]
+    fp8 = fp8_scaling if dtype == "fp8" else None
+    from . import dtypes
     float(step()[0])                       # warm-up: compiles, autotune, first allocations
     _sync(device)
     t0 = time.perf_counter()

@@ -9,6 +9,7 @@
 #   B=32 STEPS=50 tools/train_d12.sh       # other settings
 #   MODEL=d48 B=16 STEPS=20 tools/train_d12.sh     # the d48 variant (the d12 loss targets are not checked)
 #   DTYPE=fp8 tools/train_d12.sh           # --dtype fp8 (or any --dtype)
+#   TUNE=1 tools/train_d12.sh              # `gpucore tune` first (searched cuBLASLt algorithms, cached)
 #
 # Logs and metrics go to $OUT/train_d12 (default out/train_d12). Runs from the source tree.
 set -euo pipefail
@@ -25,6 +26,10 @@ mkdir -p "$LOG"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1 || true
 if [ ! -f data/tinyshakespeare/tinyshakespeare_train.bin ]; then
   $PY -m gpucore.cli prepro
+fi
+
+if [ -n "${TUNE:-}" ]; then
+  $PY -m gpucore.cli tune --model "$MODEL" -B "$B" -T 1024 --dtype "$DTYPE" 2>&1 | tee "$LOG/tune.txt" | tail -3
 fi
 
 $PY -m gpucore.cli train --model "$MODEL" -B "$B" -T 1024 --steps "$STEPS" --lr 3e-4 --dtype "$DTYPE" --device cuda \
