@@ -713,3 +713,65 @@ def test_gpu_default_forward_is_v3_on_sm90(rng):
         gpucore.attention_forward(cp.asarray(make_qkv(rng, 1, 8, 2, 32, BF16)), 2, version=3)
     o32, _ = gpucore.attention_forward(cp.asarray(make_qkv(rng, 1, 8, 2, 32, BF16)), 2)   # default falls back
     assert not np.isnan(to_cpu(o32).astype(np.float32)).any()
+
+
+def _whole_batch_onepass_B(NH, hd=64):
+    """The smallest batch whose heads the one-pass kernel takes whole (onepass_batches == B)."""
+    sms = runtime.sm_count()
+    return next(B for B in range(-(-sms // NH), 8 * sms) if attn.onepass_batches(B, NH, hd, sms) == B)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T", [128, 80])
+def test_gpu_attention_backward_fp8_is_the_backward_then_the_cast(rng, T):
+    """attention_backward_fp8 (the one-pass kernel's FP8 variant + the Q columns' cast): dqkv bit for
+    bit attention_backward's; g8, g8t and amax bit for bit fp8_quantize's of that dqkv (a quarter of
+    the range saturating); the qkv bias sums within float32 rounding of float64's; same bits twice.
+    T = 80: the last KV tile's warps past T write nothing."""
+    need_sm90()
+    from gpucore.ops.fp8 import fp8_quantize, fp8_supported
+    ok, why = fp8_supported()
+    assert ok, why
+    cp = runtime.cupy
+    NH = 4
+    B = _whole_batch_onepass_B(NH)
+    NH, qkv, dout, out, lse = v3_backward_case(rng, 64, B=B, NH=NH, T=T)
+    C, N = NH * 64, B * T
+    assert attn.fp8_fused_reason(qkv, NH) is None
+    ref = gpucore.attention_backward(dout, qkv, out, lse, NH)
+    ref2d = ref.reshape(N, 3 * C)
+    scale = cp.asarray([4 * 57344.0 / float(cp.abs(ref.astype(np.float32)).max())], np.float32)
+    want8, want8t, want_amax = cp.zeros((N, 3 * C), np.uint8), cp.zeros((3 * C, N), np.uint8), cp.zeros(1, np.float32)
+    fp8_quantize(ref2d, "e5m2", scale, out=want8, out_t=want8t, amax=want_amax)
+    runs = []
+    for _ in range(2):
+        dqkv = poison(qkv.shape, BF16)
+        g8, g8t = cp.full((N, 3 * C), 0xAB, np.uint8), cp.full((3 * C, N), 0xAB, np.uint8)
+        amax, db = cp.zeros(1, np.float32), cp.full(3 * C, 0.5, np.float32)
+        attn.attention_backward_fp8(dout, qkv, out, lse, NH, dqkv, scale, g8, g8t, amax, db)
+        runs.append([to_cpu(a).tobytes() for a in (dqkv, g8, g8t, amax, db)])
+        assert runs[-1][0] == to_cpu(ref).tobytes(), "dqkv differs from attention_backward's"
+        assert bool((g8 == want8).all()), f"{int((g8 != want8).sum())} bytes of g8 differ from the cast"
+        assert bool((g8t == want8t).all()), f"{int((g8t != want8t).sum())} bytes of g8t differ"
+        assert float(amax[0]) == float(want_amax[0])
+        sums = to_cpu(db).astype(np.float64) - 0.5
+        assert rel_err(sums, to_cpu(ref2d).astype(np.float64).sum(axis=0)) < 1e-5
+    assert runs[0] == runs[1]
+    assert int((want8 == 0x7B).sum() + (want8 == 0xFB).sum()) > 0, "nothing saturated: the scale is off"
+
+
+@pytest.mark.cuda
+def test_gpu_attention_backward_fp8_says_where_it_does_not_apply(rng):
+    need_sm90()
+    cp = runtime.cupy
+    NH, qkv, dout, out, lse = v3_backward_case(rng, 64, B=1, NH=2, T=64)
+    assert "whole batch" in attn.fp8_fused_reason(qkv, NH)
+    g8, g8t = cp.zeros((64, 384), np.uint8), cp.zeros((384, 64), np.uint8)
+    with pytest.raises(ValueError, match="whole batch"):
+        attn.attention_backward_fp8(dout, qkv, out, lse, NH, cp.empty_like(qkv), cp.ones(1, np.float32), g8, g8t,
+                                    cp.zeros(1, np.float32))
+    B = _whole_batch_onepass_B(2)
+    NH, qkv, *_ = v3_backward_case(rng, 64, B=B, NH=2, T=72)
+    assert "multiple of 16" in attn.fp8_fused_reason(qkv, NH)
+    with settings.using(fp8_dqkv_from_attention=False):
+        assert "off" in attn.fp8_fused_reason(qkv, NH)
