@@ -502,11 +502,6 @@ def onepass_batches(B, NH, hd, sms, mode=None) -> int:
     return next((b for b in range(B, 0, -1) if wave_fill(b * NH, sms) >= ONEPASS_MIN_WAVE_FILL), 0)
 
 
-# the FP8 variant's extra shared memory: column sums (8 warps x 128 floats) after D, then dK's staging
-# tile (2 x 8 KB, 1024-aligned)
-ONEPASS_FP8_SUMS_BYTES = 8 * 128 * 4 + 1024 + 2 * 64 * 64 * 2
-
-
 def v3_onepass_smem(hd, wgs):
     """Dynamic shared memory of a one-pass backward block: two K/V buffers (64 wgs x hd each; the
     next KV tile's copied in a tile ahead), 4 stages of Q and dO (64 x hd; copied two tiles ahead),
@@ -534,8 +529,7 @@ def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None, D=None, fp8=Non
     name = f"attention_backward_onepass_kernel_v3_hd{hd}_g{wgs}_bf16" + ("_e5m2" if fp8 is not None else "")
     k = runtime.get_kernel("attention/flash_v3_bwd1", name, options=v3_compile_options(), arch=V3_ARCH)
     args = (dqkv, dqacc, qkv, dout, lse, D, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd)))
-    smem = v3_onepass_smem(hd, wgs) + (ONEPASS_FP8_SUMS_BYTES if fp8 is not None else 0)
-    runtime.launch(k, B * NH, 128 * wgs, args + tuple(fp8 or ()), shared_mem=smem)
+    runtime.launch(k, B * NH, 128 * wgs, args + tuple(fp8 or ()), shared_mem=v3_onepass_smem(hd, wgs))
 
 
 def backward_v3_split(dout, qkv, out, lse, NH, dqkv, b1):
@@ -709,7 +703,7 @@ def attention_backward_fp8(dout, qkv, out, lse, num_heads, dqkv, scale, g8, g8t,
         raise ValueError(f"attention_backward_fp8: {reason}")
     if N == 0:
         return dqkv
-    part = runtime.cupy.empty((B, 2 * C), F32)            # per batch element: dK's then dV's column sums
+    part = runtime.cupy.empty((N // 16, 2 * C), F32)      # dK's then dV's column sums per 16 rows
     backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, fp8=(g8, g8t, amax, part, scale))
     fp8_quantize_columns(dqkv.reshape(N, 3 * C), C, scale, out=g8, out_t=g8t, amax=amax,
                          dbias=None if dbias is None else dbias[:C])

@@ -128,89 +128,59 @@ __device__ __forceinline__ void v3_dq_flush(float* qtile, u32 s, int j, u32 byte
     bulk_commit();
 }
 
-// The FP8 variant (F8): after v3_store_acc_staged wrote a warpgroup's 64 rows of dK or dV (bf16, still
-// in its 8 KB of the stage: warp w4's 16 rows at 2 KB * w4, swizzled), the same values as E5M2 for the
-// qkv linear's FP8 backward, as fp8.cu's cast makes them from dqkv (bit for bit: bf16 value * s,
-// cvt.rn.satfinite). Per warp (rows all in or all out of T: T % 16 == 0):
-//   *csum += its rows' column sums (lane c: columns 2c, 2c + 1, rows in order), kept in shared memory
-//   over the block's KV tiles (in registers they cost 6 more through the loop) and summed over the
-//   warps at the kernel's end: one row of the qkv bias gradient's stage 1 per (batch, head)
-//   (measured: a row per warp and tile, 4096 at d12, made colsum's stage 2 cost ~0.15 ms);
-//   g8 (N, ld8) row-major at column col0: 32 bytes per lane (row lane / 2, half lane & 1);
-//   the bytes also into a byte tile over its own bf16 rows (row r at 68 r + 64 w4: the padding keeps
-//   the transposed gathers at 2-way bank conflicts at most), |x| bits into mbits.
-// Then, after a warpgroup barrier, g8t (3C, N) rows col0..col0 + 63: thread t of the warpgroup turns
-// 8 tokens (8 (t & 7)..) x 4 columns (4 (t >> 3)..) with byte permutes and stores 8 bytes per row, 8
-// threads covering a row's 64 tokens (measured: 4 x 4 blocks per warp with 16-byte row pieces cost
-// the kernel 0.09 ms at d12). A second barrier: the next staged store overwrites the stage.
-__device__ __forceinline__ u32 v3_f8_row(int r) { return (r >> 4) * 2048 + (r >> 4) * 64 + (r & 15) * 68; }
-
-__device__ __forceinline__ void v3_wg_barrier(int wg) {
-    asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg) : "memory");
-}
-
+// The FP8 variant (F8): after v3_store_acc_staged wrote a warp's 16 rows of dK or dV (bf16, still in
+// its 2 KB of the stage, swizzled), the same values as E5M2 for the qkv linear's FP8 backward, as
+// fp8.cu's cast would make them from dqkv (bit for bit: bf16 value * s, cvt.rn.satfinite):
+//   g8 (N, ld8) row-major at column col0 (32 bytes per lane: row lane/2, half lane&1);
+//   g8t (3C, N) at rows col0.. (the 16 rows' bytes as a 16 x 64 byte tile in the warp's stage, then
+//   4 x 4 blocks stored transposed, 16 contiguous bytes per g8t row);
+//   part (N / 16, pld) at column pcol0: the 16 rows' column sums (lane c: columns 2c, 2c + 1, rows
+//   in order), the qkv bias gradient's stage 1 (colsum's stage 2 adds the row groups in order);
+//   mbits: |x| bits for the amax (quantize8's). T % 16 == 0, so a warp's rows are all in or all out.
 template <int HD>
-__device__ __forceinline__ void v3_stage_fp8(u8* g8, u8* g8t, float2* csum, unsigned char* stage, float s,
-                                             u32& mbits, int wg_row0, long long gwg0, int T, int ld8, long long N,
-                                             int col0, int wg, int w4, int lane) {
+__device__ __forceinline__ void v3_stage_fp8(u8* g8, u8* g8t, float* part, unsigned char* rows, float s, u32& mbits,
+                                             int row_base, long long grow0, int T, int ld8, long long N, int col0,
+                                             int pcol0, int pld, int lane) {
     static_assert(HD == 64, "FP8 variant: head dim 64");
-    unsigned char* rows = stage + 16 * w4 * 128;      // this warp's 16 bf16 rows (swizzled)
-    const long long grow0 = gwg0 + 16 * w4;
-    if (wg_row0 + 16 * w4 < T) {                       // warp-uniform
-        float2 cs = *csum;
-        #pragma unroll
-        for (int r = 0; r < 16; r++) {
-            const u32 v = *reinterpret_cast<const u32*>(rows + wg_swz128(r, lane >> 2) + 4 * (lane & 3));
-            cs.x += __uint_as_float(v << 16);
-            cs.y += __uint_as_float(v & 0xffff0000u);
-        }
-        *csum = cs;
-        const int row = lane >> 1, half = lane & 1;
-        uint2 q[4];
-        #pragma unroll
-        for (int k = 0; k < 4; k++)
-            q[k] = quantize8<E5M2>(*reinterpret_cast<const uint4*>(rows + wg_swz128(row, 4 * half + k)), s, mbits);
-        u8* o = g8 + (grow0 + row) * ld8 + col0 + 32 * half;
-        *reinterpret_cast<uint4*>(o) = make_uint4(q[0].x, q[0].y, q[1].x, q[1].y);
-        *reinterpret_cast<uint4*>(o + 16) = make_uint4(q[2].x, q[2].y, q[3].x, q[3].y);
-        __syncwarp();                                  // every lane read its bf16 rows: bytes go over them
-        u32* wt = reinterpret_cast<u32*>(stage + v3_f8_row(16 * w4 + row)) + 8 * half;
-        #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            wt[2 * k] = q[k].x;
-            wt[2 * k + 1] = q[k].y;
-        }
+    if (row_base >= T) return;                // warp-uniform
+    float sx = 0.f, sy = 0.f;
+    #pragma unroll
+    for (int r = 0; r < 16; r++) {
+        const u32 v = *reinterpret_cast<const u32*>(rows + wg_swz128(r, lane >> 2) + 4 * (lane & 3));
+        sx += __uint_as_float(v << 16);
+        sy += __uint_as_float(v & 0xffff0000u);
     }
-    v3_wg_barrier(wg);                                 // the warpgroup's 64 byte rows are in the tile
-    const int t = threadIdx.x & 127, oct = t & 7, wc = t >> 3;
-    if (wg_row0 + 8 * oct < T) {
-        u32 w[8];
-        #pragma unroll
-        for (int i = 0; i < 8; i++) w[i] = reinterpret_cast<const u32*>(stage + v3_f8_row(8 * oct + i))[wc];
-        u32 col[2][4];                                 // col[b][c]: column c's bytes of tokens 4b..4b+3
-        #pragma unroll
-        for (int b = 0; b < 2; b++) {
-            const u32 lo01 = __byte_perm(w[4 * b], w[4 * b + 1], 0x5140), lo23 = __byte_perm(w[4 * b + 2], w[4 * b + 3], 0x5140);
-            const u32 hi01 = __byte_perm(w[4 * b], w[4 * b + 1], 0x7362), hi23 = __byte_perm(w[4 * b + 2], w[4 * b + 3], 0x7362);
-            col[b][0] = __byte_perm(lo01, lo23, 0x5410);
-            col[b][1] = __byte_perm(lo01, lo23, 0x7632);
-            col[b][2] = __byte_perm(hi01, hi23, 0x5410);
-            col[b][3] = __byte_perm(hi01, hi23, 0x7632);
-        }
-        #pragma unroll
-        for (int c = 0; c < 4; c++)
-            __stcs(reinterpret_cast<uint2*>(g8t + (long long)(col0 + 4 * wc + c) * N + gwg0 + 8 * oct),
-                   make_uint2(col[0][c], col[1][c]));
+    *reinterpret_cast<float2*>(part + (grow0 >> 4) * pld + pcol0 + 2 * lane) = make_float2(sx, sy);
+    const int row = lane >> 1, half = lane & 1;
+    uint2 q[4];
+    #pragma unroll
+    for (int k = 0; k < 4; k++)
+        q[k] = quantize8<E5M2>(*reinterpret_cast<const uint4*>(rows + wg_swz128(row, 4 * half + k)), s, mbits);
+    u8* o = g8 + (grow0 + row) * ld8 + col0 + 32 * half;
+    *reinterpret_cast<uint4*>(o) = make_uint4(q[0].x, q[0].y, q[1].x, q[1].y);
+    *reinterpret_cast<uint4*>(o + 16) = make_uint4(q[2].x, q[2].y, q[3].x, q[3].y);
+    __syncwarp();                             // every lane read its bf16 rows: the bytes go over them
+    u32* wt = reinterpret_cast<u32*>(rows);   // 16 rows x 16 words
+    #pragma unroll
+    for (int k = 0; k < 4; k++) {
+        wt[row * 16 + 8 * half + 2 * k] = q[k].x;
+        wt[row * 16 + 8 * half + 2 * k + 1] = q[k].y;
     }
-    v3_wg_barrier(wg);                                 // the next staged store may overwrite the tile
+    __syncwarp();
+    #pragma unroll
+    for (int i = 0; i < 2; i++) {             // 64 blocks of 4 rows x 4 columns, two per lane
+        const int blk = lane + 32 * i, tg = blk & 3, wc = blk >> 2;
+        store_block4_t(g8t, wt + 4 * tg * 16 + wc, 16, N, col0 + 4 * wc, grow0 + 4 * tg);
+    }
+    __syncwarp();                             // the next staged store may overwrite the tile
 }
 
 // NWG = 2 warpgroups: 128 keys per KV tile, warpgroup w owning keys 64w.. for S^T .. dK, 1 block
 // per SM. Warpgroup w computes dQ^T for query columns 32w..32w+31 over all 128 keys (m64n32, B
 // starting 64 bytes into dS^T's swizzled rows) and stages or finishes that half.
 // F8: also dK and dV as E5M2 (v3_stage_fp8) into g8 / g8t with the scale *gscale, their |x| max
-// into *amax (atomicMax of the bits, as the casts do) and the head's column sums into part (B, 2C:
-// dK's columns, then dV's; each (batch, head) writes its 2 x HD).
+// into *amax (atomicMax of the bits, as the casts do) and their 16-row column sums into part
+// (N / 16, 2C: dK's columns, then dV's).
 template <int HD, int NWG, bool F8 = false>
 __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, const bf16* qkv, const bf16* dout,
                                                      const float* lse, const float* Dv, int T, int NH, float scale,
@@ -254,22 +224,6 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     float* qacc = dqacc + (size_t)bh * HD * Tp;   // nt tiles of HD x 64 (v3_dq_off)
     const float sl2 = scale * FA_LOG2E;
     u32 f8m = 0;                                  // F8: |x| bits of this thread's dK, dV values so far
-    // F8: each warp's column sums of dK (64) then dV (64), lane c's at 2c, 2c + 1: after lse and D
-    float2* f8sum = reinterpret_cast<float2*>(sD + ST * BM) + warp * 64 + lane;
-    if constexpr (F8) f8sum[0] = f8sum[32] = make_float2(0.f, 0.f);
-    // F8: dK's staging tile (8 KB per warpgroup, 1024-aligned for the swizzle) after the sums
-    const u32 sF = (sA + SA * A_BYTES + 2 * ST * BM * 4 + 8 * 128 * 4 + 1023u) & ~1023u;
-    unsigned char* sF_gen = smem_v3 + (sF - raw);
-    // F8: KV tile jj's dK (in sF) and dV (in the dS^T tile) as E5M2, their sums and |x| bits
-    auto f8_tile = [&](int jj) {
-        const int k0 = jj * BN + 64 * wg;
-        const long long g0 = (long long)b * T + k0, n = (long long)(gridDim.x / NH) * T;
-        const float s8 = *gscale;
-        v3_stage_fp8<HD>(g8, g8t, f8sum, sF_gen + wg * (64 * HD * 2), s8, f8m, k0, g0, T, stride, n, C + h * HD,
-                         wg, w4, lane);
-        v3_stage_fp8<HD>(g8, g8t, f8sum + 32, sS_gen + wg * (64 * HD * 2), s8, f8m, k0, g0, T, stride, n,
-                         2 * C + h * HD, wg, w4, lane);
-    };
 
     auto load_q_tile = [&](int st, int r) {
         v3_load_tile<BM, HD, NT>(sQ + st * Q_BYTES, q_g, r, T, stride);
@@ -377,8 +331,6 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                 // the previous tile's dQ^T (retired at the wait<0>) into the staging tile / dqkv,
                 // while dV and dK run
                 if (pend_i >= 0) dq_rmw(dq, pend_i, j, sA_gen + tc % SA * (A_BYTES / 4));
-                else if constexpr (F8)   // a KV tile's first visit: the previous KV tile's FP8 bytes (the
-                    if (j > 0) f8_tile(j - 1);   // dS^T stores below wait for it: v3_stage_fp8 ends in a barrier
                 // dS^T (keys x queries) into smem, swizzled like any (BN, 64) tile: the A fragment
                 // of k-step k holds rows r, r+8 (keys) x columns 16k + 2t4 (+1), 16k + 8 + 2t4 (+1)
                 // (v3_tile_frags' inverse). The last reader, tile tc-1's dQ^T, retired at the wait<0>.
@@ -425,34 +377,25 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         pend_i = -1;
         bf16* dk_g = dqkv + (size_t)b * T * stride + C + h * HD;
         // dK, dV through the dS^T tile (free: every dQ^T that read it retired before the barrier
-        // above; the next KV tile writes it after its loop-top barrier), 8 KB per warpgroup. F8: dK
-        // through its own tile sF instead, so that both stay there for f8_tile (the next KV tile's
-        // first visit, or right away after the last KV tile)
+        // above; the next KV tile writes it after its loop-top barrier), 8 KB per warpgroup
         const u32 stage = sS + wg * (64 * HD * 2);
         unsigned char* stage_gen = sS_gen + wg * (64 * HD * 2);
+        v3_store_acc_staged<HD>(dk_g, dk, scale, wk0, T, stride, stage, stage_gen, w4, lane);
+        const long long grow0 = (long long)b * T + wk0 + 16 * w4;      // this warp's first row of g8
+        // (F8: the scale and g8's row count read here, not held in registers through the loop)
         if constexpr (F8)
-            v3_store_acc_staged<HD>(dk_g, dk, scale, wk0, T, stride, sF + wg * (64 * HD * 2),
-                                    sF_gen + wg * (64 * HD * 2), w4, lane);
-        else
-            v3_store_acc_staged<HD>(dk_g, dk, scale, wk0, T, stride, stage, stage_gen, w4, lane);
+            v3_stage_fp8<HD>(g8, g8t, part, stage_gen + 16 * w4 * 128, *gscale, f8m, wk0 + 16 * w4, grow0, T,
+                             stride, (long long)(gridDim.x / NH) * T, C + h * HD, h * HD, 2 * C, lane);
         v3_store_acc_staged<HD>(dk_g + C, dv, 1.f, wk0, T, stride, stage, stage_gen, w4, lane);
         if constexpr (F8)
-            if (j == nkv - 1) f8_tile(j);
+            v3_stage_fp8<HD>(g8, g8t, part, stage_gen + 16 * w4 * 128, *gscale, f8m, wk0 + 16 * w4, grow0, T,
+                             stride, (long long)(gridDim.x / NH) * T, 2 * C + h * HD, C + h * HD, 2 * C, lane);
     }
     cp_async_wait<0>();
-    if constexpr (F8) {
-        u32 m = max(f8m >> 16, f8m & 0xffffu) << 16;    // the amax, one atomic per warp (order-free)
+    if constexpr (F8) {                           // the amax, one atomic per warp (order-free)
+        u32 m = max(f8m >> 16, f8m & 0xffffu) << 16;
         m = __reduce_max_sync(0xffffffffu, m);
         if (lane == 0 && m) atomicMax(reinterpret_cast<u32*>(amax), m);
-        // the head's column sums: the 8 warps' in warp order
-        const float* red = reinterpret_cast<const float*>(sD + ST * BM);   // 8 warps x (64 dK + 64 dV)
-        __syncthreads();
-        if (threadIdx.x < 2 * HD) {
-            float acc = red[threadIdx.x];
-            #pragma unroll
-            for (int w = 1; w < 4 * NWG; w++) acc += red[w * 128 + threadIdx.x];
-            part[(long long)b * 2 * C + (threadIdx.x >= HD ? C : 0) + h * HD + (threadIdx.x & (HD - 1))] = acc;
-        }
     }
 }
 
