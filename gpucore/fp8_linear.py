@@ -47,7 +47,7 @@ import numpy as np
 from . import settings
 from .ops.classifier import dlogits_fp8_scale
 from .ops.fp8 import (Fp8Scaling, fp8_gelu_backward, fp8_gelu_backward_gated, fp8_gelu_quantize,
-                      fp8_gelu_quantize_gated, fp8_matmul, fp8_transpose, fp8_requantize_gated)
+                      fp8_gelu_quantize_gated, fp8_matmul, fp8_transpose)
 from .ops.gelu import gelu, gelu_backward
 from .ops.layernorm import fp8_forward_fits, layernorm_forward_fp8
 
@@ -189,13 +189,8 @@ class Fp8Linears:
                    fast_accum=True, gelu_out=gelu_out2d)
         return out2d
 
-    def grad_producible(self, l, j) -> bool:
-        """Can linear j of layer l take its output gradient's FP8 bytes from the kernel that makes
-        it (backward's grad_producer)? Adaptive scaling: always; delayed: after its first step."""
-        return self.scaling.can_produce(self._slot(l, j, _G))
-
     def backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias=None, x8t=None, gelu_x2d=None,
-                 gelu_of=None, grad_producer=None):
+                 gelu_of=None):
         """dx2d (N, K) = dout2d @ weight [=]; dweight (M, K) += dout2d^T @ x [+=]; dbias (M,) += dout2d's
         column sums (of the bf16 values, as matmul_backward's), summed by the pass that casts dout2d
         (fp8_quantize(dbias=): no pass of its own) or by the fused GELU backward. x: its transposed
@@ -206,24 +201,14 @@ class Fp8Linears:
         gelu_x2d (N, M), optional: dout2d is the gradient of GELU(gelu_x2d) (the fc layer), and the
         output gradient is gelu_backward(dout2d, gelu_x2d): when the scaling allows, its FP8 bytes
         and bias sums come from one fused kernel and the bf16 gradient is never written; else
-        gelu_backward runs first, into dout2d (as the bf16 path does).
-        grad_producer(scale, amax, g8, g8t, dbias), optional (needs grad_producible(l, j)): the kernel
-        that makes dout2d writes its E5M2 bytes and bias sums too (qkv: attention_backward_fp8);
-        dout2d is written by it, and re-cast from there when adaptive scaling's gate fires."""
+        gelu_backward runs first, into dout2d (as the bf16 path does)."""
         N, M = dout2d.shape
         K = weight.shape[1]
         _, xtb, gb, gtb, _, wtb = self._buffers(N)
         g8, g8t = gb[: N * M].reshape(N, M), gtb[: N * M].reshape(M, N)
         w8t = wtb[: M * K].reshape(K, M)
         sc, ix, iw, ig = self.scaling, self._slot(l, j, _X), self._slot(l, j, _W), self._slot(l, j, _G)
-        if grad_producer is not None:
-            if not sc.can_produce(ig):
-                raise RuntimeError("grad_producer: this scaling cannot cast a gradient in its producer yet")
-            db = dbias
-            sc.produce(ig, lambda s, am: grad_producer(s, am, g8, g8t, db),
-                       lambda s, gate: fp8_requantize_gated(dout2d, "e5m2", s, gate, out=g8, out_t=g8t))
-            dbias = None
-        elif gelu_x2d is not None and sc.can_produce(ig):
+        if gelu_x2d is not None and sc.can_produce(ig):
             db = dbias
             sc.produce(ig, lambda s, am: fp8_gelu_backward(dout2d, gelu_x2d, s, out=g8, out_t=g8t, amax=am, dbias=db),
                        lambda s, gate: fp8_gelu_backward_gated(dout2d, gelu_x2d, s, gate, out=g8, out_t=g8t))

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from . import dtypes, runtime, settings
-from .ops.attention import attention_backward, attention_backward_fp8, attention_forward, fp8_fused_reason
+from .ops.attention import attention_backward, attention_forward
 from .ops.classifier import fused_classifier
 from .ops.encoder import encoder_backward, encoder_backward_plan, encoder_forward
 from .ops.gelu import gelu, gelu_backward
@@ -630,7 +630,6 @@ class GPT2:
         # second time for them.
         fuse = settings.current().fused_bias_grads
         lin_bwd = self._linear_backward
-        fused_dqkv = self.fp8 is not None and fp8_fused_reason(a.qkv[0], NH) is None
         ln1, ln2 = self._ln_out(a.ln1), self._ln_out(a.ln2)
         layernorm_backward(dsmall, a.residual3[L - 1], p.lnfw, a.lnf_mean, a.lnf_rstd,
                            dx=dres, dweight=g.lnfw, dbias=g.lnfb, dx_colsum=g.fcprojb[L - 1] if fuse else None)
@@ -657,15 +656,8 @@ class GPT2:
             # attention branch: residual2 = residual + attproj(attention(qkv(ln1(residual))))
             lin_bwd(l, ATTPROJ, _2d(dres), _2d(a.atty[l]), p.attprojw[l], _2d(dsmall), g.attprojw[l],
                     None if fuse else g.attprojb[l])
-            if fused_dqkv and self.fp8.grad_producible(l, QKV):
-                # FP8: the attention backward writes dqkv's E5M2 bytes and qkv bias sums itself
-                def produce(s, am, g8, g8t, db, l=l):
-                    attention_backward_fp8(dsmall, a.qkv[l], a.atty[l], a.att_lse[l], NH, dqkv, s, g8, g8t, am, db)
-                self.fp8.backward(l, QKV, _2d(dqkv), _2d(ln1(l)), p.qkvw[l], _2d(dsmall), g.qkvw[l], g.qkvb[l],
-                                  x8t=self._kept_x8t(l, QKV, B * T), grad_producer=produce)
-            else:
-                attention_backward(dsmall, a.qkv[l], a.atty[l], a.att_lse[l], NH, dqkv=dqkv)
-                lin_bwd(l, QKV, _2d(dqkv), _2d(ln1(l)), p.qkvw[l], _2d(dsmall), g.qkvw[l], g.qkvb[l])
+            attention_backward(dsmall, a.qkv[l], a.atty[l], a.att_lse[l], NH, dqkv=dqkv)
+            lin_bwd(l, QKV, _2d(dqkv), _2d(ln1(l)), p.qkvw[l], _2d(dsmall), g.qkvw[l], g.qkvb[l])
             layernorm_backward(dsmall, residual, p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l],
                                dx=dres, dweight=g.ln1w[l], dbias=g.ln1b[l],
                                dx_colsum=g.fcprojb[l - 1] if fuse and l > 0 else None)

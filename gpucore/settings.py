@@ -61,8 +61,6 @@ class Settings:
     fp8_lm_head: bool = True              # the LM head's logits and dlnf GEMMs in FP8 too
     fp8_lm_head_dwte: bool = True         # with fp8_lm_head, its dwte GEMM too (dlogits8, lnf8 transposed per chunk)
     fp8_fast_accum_dgrad: bool = True     # the linears' dx GEMMs (K <= 4C) on Hopper's fast FP8 accumulation too
-    fp8_dqkv_from_attention: bool = True  # the one-pass attention backward writes dK, dV's E5M2 bytes (and bias
-                                          # sums) itself; only dQ's columns get a cast (attention_backward_fp8)
 
     def replace(self, **changes) -> "Settings":
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

@@ -122,12 +122,10 @@ __device__ __forceinline__ void colsum_write(float* partials, const TileColsum& 
 // COLSUM: also partials (ceil(R / TR), C) float32, each tile's column sums of in (the bf16 values
 // read) by TileColsum's tree -- the qkv bias gradient from the dqkv cast, without a colsum pass
 // reading dqkv again. A template flag: the sums cost the plain casts 12 registers (48 -> 60).
-// ld_in, ld_out: the row strides of in and out (C for whole matrices; larger for a column block of a
-// wider matrix, as the Q block of dqkv: attention backward's FP8 path, ops/fp8.py fp8_quantize_columns).
 template <int FMT, bool GELU = false, bool COLSUM = false, int TR = CAST_ROWS>
 __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __restrict__ amax,
                          float* __restrict__ partials, const bf16* __restrict__ in, const float* __restrict__ scale,
-                         const float* __restrict__ gate, int R, int C, int ld_in, int ld_out) {
+                         const float* __restrict__ gate, int R, int C) {
     static_assert(!(GELU && COLSUM), "the GELU cast sums nothing");
     constexpr int H = TR / 32;                 // packs per thread
     __shared__ u32 tile[TR * 16];              // the cast bytes, for the transposed store
@@ -148,7 +146,7 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
     for (int h = 0; h < H; h++) {              // all loads first: H packs in flight
         const long long r = r0 + (t >> 3) + 32 * h;
         if (COLSUM) p[h] = make_uint4(0u, 0u, 0u, 0u);   // zero past the edges: the sums ignore them
-        if (r < R && c0 + col < C) p[h] = __ldcs(reinterpret_cast<const uint4*>(in + r * ld_in + c0 + col));
+        if (r < R && c0 + col < C) p[h] = __ldcs(reinterpret_cast<const uint4*>(in + r * C + c0 + col));
     }
     float sum[8];                              // partials: this thread's 8 columns over its H rows
     #pragma unroll
@@ -159,7 +157,7 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
             const uint2 q = quantize8<FMT>(GELU ? gelu_pack8(p[h]) : p[h], s, m);
             tile[swz(row, col / 4)] = q.x;
             tile[swz(row, col / 4 + 1)] = q.y;
-            if (out) *reinterpret_cast<uint2*>(out + r * ld_out + c0 + col) = q;
+            if (out) *reinterpret_cast<uint2*>(out + r * C + c0 + col) = q;
         }
         if constexpr (COLSUM) {
             const u32 d[4] = {p[h].x, p[h].y, p[h].z, p[h].w};
@@ -183,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(256) fp8_cast_kernel_e4m3(
         const bf16* in, const float* scale,   // (R, C), (1,)
         const float* gate,                    // (1,) | null: cast only when *gate != 0
         int R, int C) {
-    fp8_cast<E4M3>(out, out_t, amax, nullptr, in, scale, gate, R, C, C, C);
+    fp8_cast<E4M3>(out, out_t, amax, nullptr, in, scale, gate, R, C);
 }
 
 extern "C" __global__ void __launch_bounds__(256) fp8_cast_kernel_e5m2(
@@ -191,7 +189,7 @@ extern "C" __global__ void __launch_bounds__(256) fp8_cast_kernel_e5m2(
         const bf16* in, const float* scale,   // (R, C), (1,)
         const float* gate,                    // (1,) | null: cast only when *gate != 0
         int R, int C) {
-    fp8_cast<E5M2>(out, out_t, amax, nullptr, in, scale, gate, R, C, C, C);
+    fp8_cast<E5M2>(out, out_t, amax, nullptr, in, scale, gate, R, C);
 }
 
 // The gradient cast that also sums the columns (a bias gradient's stage 1): the dqkv cast.
@@ -200,16 +198,7 @@ extern "C" __global__ void __launch_bounds__(256) fp8_cast_colsum_kernel_e5m2(
         float* partials,                      // (ceil(R / CAST_ROWS), C): the tiles' column sums of in
         const bf16* in, const float* scale,   // (R, C), (1,)
         int R, int C) {
-    fp8_cast<E5M2, false, true>(out, out_t, amax, partials, in, scale, nullptr, R, C, C, C);
-}
-
-// The same for the first C columns of wider matrices: in (R, ld_in), out (R, ld_out) (both at their
-// first column; 16-byte aligned rows), out_t (C, R). dqkv's Q block, whose K and V blocks the
-// attention backward casts itself (attention/flash_v3_bwd1.cu, FP8 variant).
-extern "C" __global__ void __launch_bounds__(256) fp8_cast_colsum_strided_kernel_e5m2(
-        u8* out, u8* out_t, float* amax, float* partials, const bf16* in, const float* scale,
-        int R, int C, int ld_in, int ld_out) {
-    fp8_cast<E5M2, false, true>(out, out_t, amax, partials, in, scale, nullptr, R, C, ld_in, ld_out);
+    fp8_cast<E5M2, false, true>(out, out_t, amax, partials, in, scale, nullptr, R, C);
 }
 
 extern "C" __global__ void __launch_bounds__(256) fp8_gelu_cast_kernel_e4m3(
@@ -217,7 +206,7 @@ extern "C" __global__ void __launch_bounds__(256) fp8_gelu_cast_kernel_e4m3(
         const bf16* in, const float* scale,   // (R, C): GELU's input (fch), (1,)
         const float* gate,                    // (1,) | null: cast only when *gate != 0
         int R, int C) {
-    fp8_cast<E4M3, true>(out, out_t, amax, nullptr, in, scale, gate, R, C, C, C);
+    fp8_cast<E4M3, true>(out, out_t, amax, nullptr, in, scale, gate, R, C);
 }
 
 // FP8 bytes transposed: out (C, R) = in (R, C)^T, uint8 row-major, R and C multiples of 16. The

@@ -341,42 +341,6 @@ def test_gpu_quantize_dbias_bitwise(rng, R, C):
     assert rel_err(db.astype(np.float64) - 0.5, x.astype(np.float64).sum(axis=0)) < 1e-5
 
 
-def _columns_case(xp, rng, R, W, n):
-    from gpucore.ops.fp8 import fp8_quantize_columns
-    x = _bf16(rng, (R, W), 2.0)
-    x[1, 0] = 1e6                                                     # saturates
-    out, out_t = xp.full((R, W), 0xAB, np.uint8), xp.full((W, R), 0xAB, np.uint8)
-    amax, db = xp.zeros(1, F32), xp.full(n, 0.5, F32)
-    fp8_quantize_columns(xp.asarray(x), n, xp.asarray([F32(300.0)]), out=out, out_t=out_t, amax=amax, dbias=db)
-    return x, [to_cpu(a) if xp is not np else a for a in (out, out_t, amax, db)]
-
-
-def test_quantize_columns_casts_only_the_leading_block(rng):
-    """fp8_quantize_columns (dqkv's Q block): columns [0, n) cast as fp8_quantize casts them, their
-    amax and column sums (float64 here); the other columns untouched."""
-    _check_columns(np, rng)
-
-
-@pytest.mark.cuda
-def test_gpu_quantize_columns_casts_only_the_leading_block(rng):
-    """The same on the GPU, the sums bit for bit the colsum cast's tree (a partial last row tile)."""
-    _need_fp8()
-    _check_columns(runtime.cupy, rng)
-
-
-def _check_columns(xp, rng):
-    R, W, n = 272, 96, 32
-    x, (out, out_t, amax, db) = _columns_case(xp, rng, R, W, n)
-    want = fp8_quantize_reference(x[:, :n], "e5m2", 300.0)
-    assert np.array_equal(out[:, :n], want) and np.array_equal(out_t[:n], want.T)
-    assert (out[:, n:] == 0xAB).all() and (out_t[n:] == 0xAB).all()
-    assert float(amax[0]) == float(np.abs(x[:, :n].astype(F32)).max())
-    if xp is np:
-        assert np.array_equal(db, (0.5 + x[:, :n].astype(np.float64).sum(axis=0)).astype(F32))
-    else:
-        assert np.array_equal(db, _tile_colsums_emulated(np.ascontiguousarray(x[:, :n]), np.full(n, 0.5, F32)))
-
-
 @pytest.mark.cuda
 def test_gpu_amax_and_nan(rng):
     _need_fp8()
@@ -845,31 +809,3 @@ def test_fp8_tile_geometry_matches_the_kernels():
                          ("TRANSPOSE_CT", fp8.TRANSPOSE_TILES), ("TILE", fp8.TILE)):
         m = re.search(rf"#define {macro} (\d+)", src)
         assert m and int(m.group(1)) == value, macro
-
-
-@pytest.mark.cuda
-def test_gpu_model_fp8_dqkv_from_the_attention_backward():
-    """settings.fp8_dqkv_from_attention, at a batch whose heads fill the SMs' waves (the one-pass
-    kernel takes it whole): the gradients are those of the attention backward + the dqkv cast bit for
-    bit, but for the qkv biases (their sums taken in another order: close), and the loss is the same."""
-    from gpucore import settings
-    from gpucore.ops import attention as attn
-    _need_fp8()
-    cp = runtime.cupy
-    cfg = GPT2Config(num_layers=2, num_heads=2, channels=128, max_seq_len=64)     # head dim 64
-    sms = runtime.sm_count()
-    B = next(b for b in range(-(-sms // 2), 8 * sms) if attn.onepass_batches(b, 2, 64, sms) == b)
-    x, y = _tokens(cfg, B, 64)
-    assert attn.fp8_fused_reason(cp.zeros((B, 64, 3 * 128), bfloat16), 2) is None, "the fused path would not run"
-    with settings.using(fp8_dqkv_from_attention=True):
-        lf, gf, m = _model_grads(cfg, cp, x, y, "adaptive")
-    with settings.using(fp8_dqkv_from_attention=False):
-        lu, gu, _ = _model_grads(cfg, cp, x, y, "adaptive")
-    assert lf == lu
-    lay = m.grads.layout
-    item = m.grads.flat().dtype.itemsize
-    spec = next(sp for sp in lay if sp.name == "qkvb")
-    qkvb = np.zeros(gf.shape, bool)
-    qkvb[lay.offsets["qkvb"] // item: lay.offsets["qkvb"] // item + spec.size] = True
-    assert np.array_equal(gf[~qkvb], gu[~qkvb]), "a gradient other than the qkv biases changed"
-    assert rel_err(gf[qkvb], gu[qkvb]) < 1e-5

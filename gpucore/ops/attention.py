@@ -510,12 +510,11 @@ def v3_onepass_smem(hd, wgs):
     return 1024 + (4 * wgs + 2 * 4 + wgs) * 64 * hd * 2 + 3 * hd * 64 * 4 + 2 * 4 * 64 * 4
 
 
-def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None, D=None, fp8=None):
+def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None, D=None):
     """v3 one-pass backward (attention/flash_v3_bwd1.cu, hd 64): v2's preprocess (D; or given),
     then one block per (batch, head) computing dK, dV and dQ together, dQ summed over the KV tiles
     in order in an f32 scratch (B*NH, ceil(T/64), hd, 64): 5 tile products per tile pair instead of
-    the two-pass backward's 7, deterministic. wgs: warpgroups per block (ONEPASS_WGS).
-    fp8: (g8, g8t, amax, part, scale) for the kernel's FP8 variant (attention_backward_fp8 says what)."""
+    the two-pass backward's 7, deterministic. wgs: warpgroups per block (ONEPASS_WGS)."""
     cp = runtime.cupy
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
@@ -526,10 +525,10 @@ def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None, D=None, fp8=Non
         raise ValueError(f"wgs: {wgs} warpgroups per block; the kernels have {ONEPASS_WGS}")
     D = _preprocess(dout, out, NH) if D is None else D
     dqacc = cp.empty((B * NH, -(-T // 64), hd, 64), dtype=F32)      # per head, a tile per 64 queries
-    name = f"attention_backward_onepass_kernel_v3_hd{hd}_g{wgs}_bf16" + ("_e5m2" if fp8 is not None else "")
-    k = runtime.get_kernel("attention/flash_v3_bwd1", name, options=v3_compile_options(), arch=V3_ARCH)
-    args = (dqkv, dqacc, qkv, dout, lse, D, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd)))
-    runtime.launch(k, B * NH, 128 * wgs, args + tuple(fp8 or ()), shared_mem=v3_onepass_smem(hd, wgs))
+    k = runtime.get_kernel("attention/flash_v3_bwd1", f"attention_backward_onepass_kernel_v3_hd{hd}_g{wgs}_bf16",
+                           options=v3_compile_options(), arch=V3_ARCH)
+    runtime.launch(k, B * NH, 128 * wgs, (dqkv, dqacc, qkv, dout, lse, D, np.int32(T), np.int32(NH),
+                                          np.float32(1.0 / math.sqrt(hd))), shared_mem=v3_onepass_smem(hd, wgs))
 
 
 def backward_v3_split(dout, qkv, out, lse, NH, dqkv, b1):
@@ -646,69 +645,6 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None):
         backward_v2(dout, qkv, out, lse, NH, dqkv)
     else:
         _backward_v1(dout, qkv, NH, dqkv)
-    return dqkv
-
-
-def fp8_fused_reason(qkv, num_heads, version=None) -> str | None:
-    """Why attention_backward_fp8 cannot run for this qkv (None: it can): it needs the one-pass
-    kernel for the whole batch (v3, hd 64, onepass_batches == B), T % 16 == 0 and
-    settings.fp8_dqkv_from_attention."""
-    B, T, C3 = qkv.shape
-    NH = num_heads
-    hd = C3 // 3 // NH
-    if not settings.current().fp8_dqkv_from_attention:
-        return "settings.fp8_dqkv_from_attention is off"
-    if not runtime.is_gpu_array(qkv):
-        return "not on a GPU"
-    try:
-        v = pick_version("backward", version, qkv.dtype, hd, runtime.device_arch())
-    except (TypeError, ValueError) as e:
-        return str(e)
-    if v != 3 or hd not in ONEPASS_HD:
-        return f"needs the v3 one-pass backward (version {v}, head dim {hd})"
-    if onepass_batches(B, NH, hd, runtime.sm_count()) != B:
-        return "the one-pass kernel does not take the whole batch (onepass_batches)"
-    if T % 16:
-        return f"T = {T} is not a multiple of 16"
-    return None
-
-
-@profiler.profiled("attention backward", flops=profiler.attention_backward_flops)
-def attention_backward_fp8(dout, qkv, out, lse, num_heads, dqkv, scale, g8, g8t, amax, dbias=None):
-    """attention_backward(dout, qkv, out, lse, num_heads, dqkv=dqkv) and, in the same pass, dqkv's
-    E5M2 bytes for the qkv linear's FP8 backward: g8 (B*T, 3C) and g8t (3C, B*T) uint8 = the cast
-    of dqkv * scale (scale (1,) float32 on the GPU) that fp8_quantize would make, bit for bit;
-    amax (1,) float32: max(amax, max |dqkv|); dbias (3C,) optional: += dqkv's column sums (the qkv
-    bias gradient; float32 in a fixed order). The one-pass kernel's FP8 variant writes the K and V
-    columns as it stores dK and dV (no pass of its own reads them again); a cast of the Q columns
-    follows (fp8_quantize_columns). Needs fp8_fused_reason(qkv, num_heads) is None (raises else).
-    Returns dqkv."""
-    from .colsum import reduce_partials
-    from .fp8 import fp8_quantize_columns
-    B, T, C, NH, hd = _check_qkv(qkv, num_heads)
-    check_array("dout", dout, shape=(B, T, C))
-    check_array("out", out, shape=(B, T, C))
-    check_array("lse", lse, dtype=F32, shape=(B, NH, T))
-    check_array("dqkv", dqkv, shape=(B, T, 3 * C))
-    check_same_dtype(qkv=qkv, dout=dout, out=out, dqkv=dqkv)
-    N = B * T
-    check_array("g8", g8, dtype=np.uint8, shape=(N, 3 * C))
-    check_array("g8t", g8t, dtype=np.uint8, shape=(3 * C, N))
-    check_array("scale", scale, dtype=F32, shape=(1,))
-    check_array("amax", amax, dtype=F32, shape=(1,))
-    if dbias is not None:
-        check_array("dbias", dbias, shape=(3 * C,))
-    reason = fp8_fused_reason(qkv, NH)
-    if reason is not None:
-        raise ValueError(f"attention_backward_fp8: {reason}")
-    if N == 0:
-        return dqkv
-    part = runtime.cupy.empty((N // 16, 2 * C), F32)      # dK's then dV's column sums per 16 rows
-    backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, fp8=(g8, g8t, amax, part, scale))
-    fp8_quantize_columns(dqkv.reshape(N, 3 * C), C, scale, out=g8, out_t=g8t, amax=amax,
-                         dbias=None if dbias is None else dbias[:C])
-    if dbias is not None:
-        reduce_partials(dbias[C:], part)
     return dqkv
 
 

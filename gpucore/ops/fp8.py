@@ -1,7 +1,6 @@
 """FP8: scaled casts to E4M3 / E5M2, per-tensor scaling state, and the FP8 GEMM (kernels_cu/fp8.cu).
 
     fp8_quantize(x, fmt, scale, out=, out_t=, amax=)   uint8 FP8 bytes of x * scale (and/or transposed)
-    fp8_quantize_columns(x, n, scale, out=, out_t=)     the same (E5M2) for x's first n columns only
     fp8_requantize_gated(x, fmt, scale, gate, ...)       the same when the device flag gate != 0
     fp8_gelu_backward(dout, x, scale, out=, out_t=, ...)  E5M2 bytes of gelu_backward's dx, fused (+ dbias)
     fp8_amax(x, amax)                                    amax = max(amax, max |x|)
@@ -130,45 +129,6 @@ def fp8_quantize(x, fmt: str, scale, *, out=None, out_t=None, amax=None, dbias=N
     Returns (out, out_t).
     """
     return _quantize(x, fmt, scale, out, out_t, amax, None, dbias=dbias)
-
-
-@profiler.profiled("fp8 cast", nbytes=profiler.io_bytes)
-def fp8_quantize_columns(x, ncols: int, scale, *, out, out_t, amax=None, dbias=None):
-    """The E5M2 cast of x's first ncols columns only: x (R, W) bfloat16 -> out[:, :ncols] of out
-    (R, W) and out_t[:ncols] of out_t (W, R) (uint8), amax (1,) optional as fp8_quantize's, dbias
-    (ncols,) optional: += those columns' sums. The rest of out / out_t is not touched: dqkv's Q
-    block, whose K and V blocks the attention backward casts itself (ops/attention.py,
-    attention_backward_fp8). On the GPU R and ncols multiples of 16. Returns (out, out_t)."""
-    check_array("x", x, dtype=dtypes.bfloat16, ndim=2)
-    xp = runtime.array_module(x, scale, out, out_t, amax, dbias)
-    check_cast_args(x, "e5m2", scale, out, out_t, amax, None, xp)
-    R, W = x.shape
-    if not 0 <= ncols <= W:
-        raise ValueError(f"ncols: {ncols} is not within x's {W} columns")
-    if dbias is not None:
-        _check_dbias(dbias, ncols, xp, "x")
-    if xp is np:
-        q = fp8_quantize_reference(x[:, :ncols], "e5m2", _host_scalar(scale))
-        out[:, :ncols] = q
-        out_t[:ncols] = q.T
-        if amax is not None and x.size and ncols:
-            _fold_amax(amax, np.abs(np.asarray(x[:, :ncols], dtype=np.float32)).max())
-        if dbias is not None:
-            _add_colsums(dbias, x[:, :ncols])
-        return out, out_t
-    if R == 0 or ncols == 0:
-        return out, out_t
-    if R % 16 or ncols % 16 or W % 8:
-        raise ValueError(f"x: rows and ncols must be multiples of 16 and the row length of 8 on the GPU, "
-                         f"got ({R}, {W}) with ncols {ncols}")
-    partials = xp.empty((-(-R // CAST_ROWS), ncols), np.float32)
-    null = np.uint64(0)
-    runtime.launch(runtime.get_kernel("fp8", "fp8_cast_colsum_strided_kernel_e5m2"), _grid(R, ncols, False, CAST_ROWS),
-                   256, (out, out_t, null if amax is None else amax, partials, x, scale, np.int32(R), np.int32(ncols),
-                         np.int32(W), np.int32(W)))
-    if dbias is not None:
-        reduce_partials(dbias, partials)
-    return out, out_t
 
 
 @profiler.profiled("fp8 re-cast (gated)")

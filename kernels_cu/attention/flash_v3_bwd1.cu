@@ -48,7 +48,6 @@
 #include "wgmma.cuh"
 #include "attention/flash_v3.cuh"
 #include "attention/flash_v3_bwd.cuh"   // v3_store_acc, v3_product_kk / rs
-#include "fp8_cast.cuh"                 // quantize8, store_block4_t (the FP8 variant)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -128,64 +127,12 @@ __device__ __forceinline__ void v3_dq_flush(float* qtile, u32 s, int j, u32 byte
     bulk_commit();
 }
 
-// The FP8 variant (F8): after v3_store_acc_staged wrote a warp's 16 rows of dK or dV (bf16, still in
-// its 2 KB of the stage, swizzled), the same values as E5M2 for the qkv linear's FP8 backward, as
-// fp8.cu's cast would make them from dqkv (bit for bit: bf16 value * s, cvt.rn.satfinite):
-//   g8 (N, ld8) row-major at column col0 (32 bytes per lane: row lane/2, half lane&1);
-//   g8t (3C, N) at rows col0.. (the 16 rows' bytes as a 16 x 64 byte tile in the warp's stage, then
-//   4 x 4 blocks stored transposed, 16 contiguous bytes per g8t row);
-//   part (N / 16, pld) at column pcol0: the 16 rows' column sums (lane c: columns 2c, 2c + 1, rows
-//   in order), the qkv bias gradient's stage 1 (colsum's stage 2 adds the row groups in order);
-//   mbits: |x| bits for the amax (quantize8's). T % 16 == 0, so a warp's rows are all in or all out.
-template <int HD>
-__device__ __forceinline__ void v3_stage_fp8(u8* g8, u8* g8t, float* part, unsigned char* rows, float s, u32& mbits,
-                                             int row_base, long long grow0, int T, int ld8, long long N, int col0,
-                                             int pcol0, int pld, int lane) {
-    static_assert(HD == 64, "FP8 variant: head dim 64");
-    if (row_base >= T) return;                // warp-uniform
-    float sx = 0.f, sy = 0.f;
-    #pragma unroll
-    for (int r = 0; r < 16; r++) {
-        const u32 v = *reinterpret_cast<const u32*>(rows + wg_swz128(r, lane >> 2) + 4 * (lane & 3));
-        sx += __uint_as_float(v << 16);
-        sy += __uint_as_float(v & 0xffff0000u);
-    }
-    *reinterpret_cast<float2*>(part + (grow0 >> 4) * pld + pcol0 + 2 * lane) = make_float2(sx, sy);
-    const int row = lane >> 1, half = lane & 1;
-    uint2 q[4];
-    #pragma unroll
-    for (int k = 0; k < 4; k++)
-        q[k] = quantize8<E5M2>(*reinterpret_cast<const uint4*>(rows + wg_swz128(row, 4 * half + k)), s, mbits);
-    u8* o = g8 + (grow0 + row) * ld8 + col0 + 32 * half;
-    *reinterpret_cast<uint4*>(o) = make_uint4(q[0].x, q[0].y, q[1].x, q[1].y);
-    *reinterpret_cast<uint4*>(o + 16) = make_uint4(q[2].x, q[2].y, q[3].x, q[3].y);
-    __syncwarp();                             // every lane read its bf16 rows: the bytes go over them
-    u32* wt = reinterpret_cast<u32*>(rows);   // 16 rows x 16 words
-    #pragma unroll
-    for (int k = 0; k < 4; k++) {
-        wt[row * 16 + 8 * half + 2 * k] = q[k].x;
-        wt[row * 16 + 8 * half + 2 * k + 1] = q[k].y;
-    }
-    __syncwarp();
-    #pragma unroll
-    for (int i = 0; i < 2; i++) {             // 64 blocks of 4 rows x 4 columns, two per lane
-        const int blk = lane + 32 * i, tg = blk & 3, wc = blk >> 2;
-        store_block4_t(g8t, wt + 4 * tg * 16 + wc, 16, N, col0 + 4 * wc, grow0 + 4 * tg);
-    }
-    __syncwarp();                             // the next staged store may overwrite the tile
-}
-
 // NWG = 2 warpgroups: 128 keys per KV tile, warpgroup w owning keys 64w.. for S^T .. dK, 1 block
 // per SM. Warpgroup w computes dQ^T for query columns 32w..32w+31 over all 128 keys (m64n32, B
 // starting 64 bytes into dS^T's swizzled rows) and stages or finishes that half.
-// F8: also dK and dV as E5M2 (v3_stage_fp8) into g8 / g8t with the scale *gscale, their |x| max
-// into *amax (atomicMax of the bits, as the casts do) and their 16-row column sums into part
-// (N / 16, 2C: dK's columns, then dV's).
-template <int HD, int NWG, bool F8 = false>
+template <int HD, int NWG>
 __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, const bf16* qkv, const bf16* dout,
-                                                     const float* lse, const float* Dv, int T, int NH, float scale,
-                                                     u8* g8 = nullptr, u8* g8t = nullptr, float* amax = nullptr,
-                                                     float* part = nullptr, const float* gscale = nullptr) {
+                                                     const float* lse, const float* Dv, int T, int NH, float scale) {
     static_assert(HD == 64, "one-pass backward: head dim 64");
     static_assert(NWG == 2, "one-pass backward: 2 warpgroups (1 lost and spills: tools/notes/attention.md)");
     // ST ring stages: Q tiles copied two tiles ahead; the stage a running group reads (the previous
@@ -223,7 +170,6 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     bf16* dq_g = dqkv + (size_t)b * T * stride + h * HD;
     float* qacc = dqacc + (size_t)bh * HD * Tp;   // nt tiles of HD x 64 (v3_dq_off)
     const float sl2 = scale * FA_LOG2E;
-    u32 f8m = 0;                                  // F8: |x| bits of this thread's dK, dV values so far
 
     auto load_q_tile = [&](int st, int r) {
         v3_load_tile<BM, HD, NT>(sQ + st * Q_BYTES, q_g, r, T, stride);
@@ -379,32 +325,15 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         // dK, dV through the dS^T tile (free: every dQ^T that read it retired before the barrier
         // above; the next KV tile writes it after its loop-top barrier), 8 KB per warpgroup
         const u32 stage = sS + wg * (64 * HD * 2);
-        unsigned char* stage_gen = sS_gen + wg * (64 * HD * 2);
-        v3_store_acc_staged<HD>(dk_g, dk, scale, wk0, T, stride, stage, stage_gen, w4, lane);
-        const long long grow0 = (long long)b * T + wk0 + 16 * w4;      // this warp's first row of g8
-        // (F8: the scale and g8's row count read here, not held in registers through the loop)
-        if constexpr (F8)
-            v3_stage_fp8<HD>(g8, g8t, part, stage_gen + 16 * w4 * 128, *gscale, f8m, wk0 + 16 * w4, grow0, T,
-                             stride, (long long)(gridDim.x / NH) * T, C + h * HD, h * HD, 2 * C, lane);
-        v3_store_acc_staged<HD>(dk_g + C, dv, 1.f, wk0, T, stride, stage, stage_gen, w4, lane);
-        if constexpr (F8)
-            v3_stage_fp8<HD>(g8, g8t, part, stage_gen + 16 * w4 * 128, *gscale, f8m, wk0 + 16 * w4, grow0, T,
-                             stride, (long long)(gridDim.x / NH) * T, 2 * C + h * HD, C + h * HD, 2 * C, lane);
+        v3_store_acc_staged<HD>(dk_g, dk, scale, wk0, T, stride, stage, sS_gen + wg * (64 * HD * 2), w4, lane);
+        v3_store_acc_staged<HD>(dk_g + C, dv, 1.f, wk0, T, stride, stage, sS_gen + wg * (64 * HD * 2), w4, lane);
     }
     cp_async_wait<0>();
-    if constexpr (F8) {                           // the amax, one atomic per warp (order-free)
-        u32 m = max(f8m >> 16, f8m & 0xffffu) << 16;
-        m = __reduce_max_sync(0xffffffffu, m);
-        if (lane == 0 && m) atomicMax(reinterpret_cast<u32*>(amax), m);
-    }
 }
 
 #define V3_BWD1_BODY(HD, NWG) flash_bwd_onepass_v3<HD, NWG>(dqkv, dqacc, qkv, dout, lse, D, T, NH, scale)
-#define V3_BWD1_F8_BODY(HD, NWG) \
-    flash_bwd_onepass_v3<HD, NWG, true>(dqkv, dqacc, qkv, dout, lse, D, T, NH, scale, g8, g8t, amax, part, gscale)
 #else
 #define V3_BWD1_BODY(HD, NWG) __trap()    // not sm_90a: Python never launches this
-#define V3_BWD1_F8_BODY(HD, NWG) __trap()
 #endif
 
 // grid (B * NH), 128 * NWG threads, 2 / NWG blocks per SM; dqacc: f32 scratch (B * NH, HD,
@@ -418,16 +347,3 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     }
 
 FLASH_V3_BWD1(64, 2)
-
-// The FP8 variant (ops/attention.py attention_backward_fp8): dqkv as above, and dK, dV also as E5M2
-// bytes of dqkv * *gscale in g8 (B*T, 3C) and g8t (3C, B*T) (the Q columns: the caller's cast),
-// their amax into *amax, their 16-row column sums into part (B*T / 16, 2C). T % 16 == 0.
-#define FLASH_V3_BWD1_F8(HD, NWG)                                                                  \
-    extern "C" __global__ void __launch_bounds__(128 * NWG, 2 / NWG)                              \
-    attention_backward_onepass_kernel_v3_hd##HD##_g##NWG##_bf16_e5m2(bf16* dqkv, float* dqacc,    \
-            const bf16* qkv, const bf16* dout, const float* lse, const float* D, int T, int NH,     \
-            float scale, u8* g8, u8* g8t, float* amax, float* part, const float* gscale) {          \
-        V3_BWD1_F8_BODY(HD, NWG);                                                                  \
-    }
-
-FLASH_V3_BWD1_F8(64, 2)
