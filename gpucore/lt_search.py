@@ -10,7 +10,8 @@ also gets the fastest few of up to n configurations drawn from that space:
      capabilities (tile and stage ids, split-K, reduction schemes, swizzling, custom options);
   2. configurations drawn in a seeded random order from the product of those, each checked
      by cublasLtMatmulAlgoCheck against the plan (and the workspace limit), until n are valid;
-  3. each valid one launched once on the real operands, all timed by events in one batch;
+  3. each valid one launched once untimed (cuBLASLt loads a kernel at its first launch), then once
+     more on the real operands, all timed by events in one batch;
   4. the fastest LT_SEARCH_KEEP join the heuristic's candidates in the usual race.
 
 The winner goes to the tune cache like any other choice (its 64 algorithm bytes), and a later
@@ -187,21 +188,24 @@ def search(lt, plan, launch, c_ptr, budget: int, seed_text: str, workspace_limit
     if not found:
         return []
     cp = runtime.cupy
+    ok = []
+    for i in found:                     # a warm-up call each: cuBLASLt loads a kernel on its first launch,
+        try:                            # and that host time would land between a timed pair's events
+            launch(i, c_ptr)
+            ok.append(i)
+        except RuntimeError:            # offered and checked, then refused at launch: not a candidate
+            pass
+    if not ok:
+        return []
     events = []
-    for i in found:                     # one launch each, queued back to back; one synchronisation
+    for i in ok:                        # then one timed call each, queued back to back; one synchronisation
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         start.record()
-        try:
-            launch(i, c_ptr)
-        except RuntimeError:            # offered and checked, then refused at launch: not a candidate
-            stop.record()
-            events.append(None)
-            continue
+        launch(i, c_ptr)
         stop.record()
         events.append((start, stop))
-    stop.synchronize()
-    timed = [(cp.cuda.get_elapsed_time(*ev), i) for ev, i in zip(events, found) if ev is not None]
-    timed.sort()
+    events[-1][1].synchronize()
+    timed = sorted((cp.cuda.get_elapsed_time(*ev), i) for ev, i in zip(events, ok))
     return [i for _, i in timed[:LT_SEARCH_KEEP]]
 
 
