@@ -624,10 +624,10 @@ class GPT2:
         dfch = d.dbig                                         # (B, T, 4C)
         dqkv = d.dbig.reshape(-1)[: B * T * 3 * C].reshape(B, T, 3 * C)
 
-        # Bias gradients of fcproj, fc and attproj: with settings.fused_bias_grads (read once per
-        # call) the kernel that writes their dout also sums its columns (the layernorm backward
-        # that updates dres last, the gelu backward), so matmul_backward never reads dout a
-        # second time for them.
+        # Bias gradients: with settings.fused_bias_grads (read once per call) the kernel that writes
+        # their dout also sums its columns (fcproj, attproj: the layernorm backward that updates dres
+        # last; fc: the gelu backward; qkv: the attention backward), so matmul_backward never reads
+        # dout a second time for them.
         fuse = settings.current().fused_bias_grads
         lin_bwd = self._linear_backward
         ln1, ln2 = self._ln_out(a.ln1), self._ln_out(a.ln2)
@@ -656,8 +656,10 @@ class GPT2:
             # attention branch: residual2 = residual + attproj(attention(qkv(ln1(residual))))
             lin_bwd(l, ATTPROJ, _2d(dres), _2d(a.atty[l]), p.attprojw[l], _2d(dsmall), g.attprojw[l],
                     None if fuse else g.attprojb[l])
-            attention_backward(dsmall, a.qkv[l], a.atty[l], a.att_lse[l], NH, dqkv=dqkv)
-            lin_bwd(l, QKV, _2d(dqkv), _2d(ln1(l)), p.qkvw[l], _2d(dsmall), g.qkvw[l], g.qkvb[l])
+            # fused: qkv's bias gradient summed by the attention backward as it writes dqkv
+            attention_backward(dsmall, a.qkv[l], a.atty[l], a.att_lse[l], NH, dqkv=dqkv,
+                               dbias=g.qkvb[l] if fuse else None)
+            lin_bwd(l, QKV, _2d(dqkv), _2d(ln1(l)), p.qkvw[l], _2d(dsmall), g.qkvw[l], None if fuse else g.qkvb[l])
             layernorm_backward(dsmall, residual, p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l],
                                dx=dres, dweight=g.ln1w[l], dbias=g.ln1b[l],
                                dx_colsum=g.fcprojb[l - 1] if fuse and l > 0 else None)

@@ -51,7 +51,7 @@ class Settings:
     # ---- encoder (gpucore/ops/encoder.py)
     encoder_dwpe_beside: bool = True      # backward v3/v4: dwpe on a side stream beside the sort and dwte
     # ---- model (gpucore/model.py)
-    fused_bias_grads: bool = True         # fcproj/fc/attproj bias grads from the gelu / layernorm backward
+    fused_bias_grads: bool = True         # bias grads from the kernels writing dout: gelu / layernorm / attention backward
     lm_head_chunk_bytes: int = 1 << 30    # LM-head logits scratch: rows per chunk = largest power of 2 within
     # ---- FP8 linears (gpucore/fp8_linear.py, --dtype fp8): the scaling recipes' knobs
     fp8_history: int = 16                 # steps of amax history behind each scale

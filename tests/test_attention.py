@@ -713,3 +713,51 @@ def test_gpu_default_forward_is_v3_on_sm90(rng):
         gpucore.attention_forward(cp.asarray(make_qkv(rng, 1, 8, 2, 32, BF16)), 2, version=3)
     o32, _ = gpucore.attention_forward(cp.asarray(make_qkv(rng, 1, 8, 2, 32, BF16)), 2)   # default falls back
     assert not np.isnan(to_cpu(o32).astype(np.float32)).any()
+
+
+def test_attention_backward_dbias_numpy_and_bad_input(rng):
+    """NumPy: dbias += the column sums of the dqkv written (float64), dqkv unchanged by asking."""
+    B, T, NH, hd = 2, 9, 2, 8
+    qkv = make_qkv(rng, B, T, NH, hd, np.float32)
+    dout = rng.standard_normal((B, T, NH * hd)).astype(np.float32)
+    out, lse = gpucore.attention_forward(qkv, NH)
+    plain = gpucore.attention_backward(dout, qkv, out, lse, NH)
+    db = np.full(3 * NH * hd, 0.5, np.float32)
+    got = gpucore.attention_backward(dout, qkv, out, lse, NH, dbias=db)
+    assert np.array_equal(got, plain)
+    assert np.allclose(db, 0.5 + plain.reshape(-1, 3 * NH * hd).astype(np.float64).sum(axis=0), rtol=1e-6)
+    with pytest.raises(ValueError, match="dbias"):
+        gpucore.attention_backward(dout, qkv, out, lse, NH, dbias=np.zeros(7, np.float32))
+    with pytest.raises(TypeError, match="dbias"):
+        gpucore.attention_backward(dout, qkv, out, lse, NH, dbias=np.zeros(3 * NH * hd, np.float16))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["whole batch one-pass", "split"])
+def test_gpu_attention_backward_dbias_from_the_onepass_kernel(rng, case):
+    """Where the one-pass kernel takes the whole batch (its _sums variant; T = 1000, not a tile
+    multiple): dqkv bit for bit the plain kernel's, dbias += its column sums within float32 rounding
+    of float64's (bf16 dbias within its rounding), the same bits twice. Where it does not (B=16
+    NH=25, the d48 split) the column-sum pass after the backward gives them."""
+    need_sm90()
+    cp = runtime.cupy
+    sms = runtime.sm_count()
+    if case == "split":
+        B, NH, T = 16, 25, 256
+        assert attn.onepass_batches(B, NH, 64, sms) < B
+    else:
+        NH, T = 4, 1000
+        B = next(b for b in range(-(-sms // NH), 8 * sms) if attn.onepass_batches(b, NH, 64, sms) == b)
+    NH, qkv, dout, out, lse = v3_backward_case(rng, 64, B=B, NH=NH, T=T)
+    C = NH * 64
+    ref = to_cpu(gpucore.attention_backward(dout, qkv, out, lse, NH))
+    want = ref.reshape(-1, 3 * C).astype(np.float64).sum(axis=0)
+    runs = []
+    for dt in (np.float32, np.float32, BF16):
+        db = cp.full(3 * C, 0.5, dt)
+        got = to_cpu(gpucore.attention_backward(dout, qkv, out, lse, NH, dbias=db))
+        assert got.tobytes() == ref.tobytes(), "dqkv changed when its bias sums were asked for"
+        sums = to_cpu(db).astype(np.float64) - 0.5
+        assert rel_err(sums, want) < (1e-5 if dt == np.float32 else 1e-2), dt
+        runs.append(to_cpu(db).tobytes())
+    assert runs[0] == runs[1]

@@ -502,6 +502,9 @@ def onepass_batches(B, NH, hd, sms, mode=None) -> int:
     return next((b for b in range(B, 0, -1) if wave_fill(b * NH, sms) >= ONEPASS_MIN_WAVE_FILL), 0)
 
 
+ONEPASS_SUMS_BYTES = 8 * 128 * 4 + 2 * 64 * 4   # the _sums variant's running sums: per warp dK, dV; per warpgroup dQ
+
+
 def v3_onepass_smem(hd, wgs):
     """Dynamic shared memory of a one-pass backward block: two K/V buffers (64 wgs x hd each; the
     next KV tile's copied in a tile ahead), 4 stages of Q and dO (64 x hd; copied two tiles ahead),
@@ -510,11 +513,13 @@ def v3_onepass_smem(hd, wgs):
     return 1024 + (4 * wgs + 2 * 4 + wgs) * 64 * hd * 2 + 3 * hd * 64 * 4 + 2 * 4 * 64 * 4
 
 
-def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None, D=None):
+def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None, D=None, sums=None):
     """v3 one-pass backward (attention/flash_v3_bwd1.cu, hd 64): v2's preprocess (D; or given),
     then one block per (batch, head) computing dK, dV and dQ together, dQ summed over the KV tiles
     in order in an f32 scratch (B*NH, ceil(T/64), hd, 64): 5 tile products per tile pair instead of
-    the two-pass backward's 7, deterministic. wgs: warpgroups per block (ONEPASS_WGS)."""
+    the two-pass backward's 7, deterministic. wgs: warpgroups per block (ONEPASS_WGS).
+    sums (B, 3C) float32, optional: row b = the column sums of dqkv[b] as written (the qkv bias
+    gradient's stage 1, by the kernel's _sums variant: no pass over dqkv of its own)."""
     cp = runtime.cupy
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
@@ -525,10 +530,11 @@ def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None, D=None):
         raise ValueError(f"wgs: {wgs} warpgroups per block; the kernels have {ONEPASS_WGS}")
     D = _preprocess(dout, out, NH) if D is None else D
     dqacc = cp.empty((B * NH, -(-T // 64), hd, 64), dtype=F32)      # per head, a tile per 64 queries
-    k = runtime.get_kernel("attention/flash_v3_bwd1", f"attention_backward_onepass_kernel_v3_hd{hd}_g{wgs}_bf16",
-                           options=v3_compile_options(), arch=V3_ARCH)
-    runtime.launch(k, B * NH, 128 * wgs, (dqkv, dqacc, qkv, dout, lse, D, np.int32(T), np.int32(NH),
-                                          np.float32(1.0 / math.sqrt(hd))), shared_mem=v3_onepass_smem(hd, wgs))
+    name = f"attention_backward_onepass_kernel_v3_hd{hd}_g{wgs}_bf16" + ("_sums" if sums is not None else "")
+    k = runtime.get_kernel("attention/flash_v3_bwd1", name, options=v3_compile_options(), arch=V3_ARCH)
+    args = (dqkv, dqacc, qkv, dout, lse, D, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd)))
+    smem = v3_onepass_smem(hd, wgs) + (ONEPASS_SUMS_BYTES if sums is not None else 0)
+    runtime.launch(k, B * NH, 128 * wgs, args + ((sums,) if sums is not None else ()), shared_mem=smem)
 
 
 def backward_v3_split(dout, qkv, out, lse, NH, dqkv, b1):
@@ -611,13 +617,16 @@ def attention_forward(qkv, num_heads, out=None, lse=None, version=None):
 
 
 @profiler.profiled("attention backward", flops=profiler.attention_backward_flops)
-def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None):
+def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None, dbias=None):
     """dqkv (B, T, 3C) = gradient of the causal attention w.r.t. qkv, given dout (B, T, C).
 
     out and lse are attention_forward's results for this qkv. dqkv is an
     activation gradient: overwritten [=] (allocated when None). `version`: None
     (3 where it applies and settings.attention_v3_backward, else 2, else 1), 1, 2,
     or 3 (the v2 algorithm on Hopper wgmma: bf16, sm_90, hd 64/128).
+    dbias (3C,), optional, qkv's dtype or float32: dbias += dqkv's column sums (the qkv linear's
+    bias gradient; float32 in a fixed order). Where the one-pass kernel takes the whole batch it
+    sums them as it writes dqkv; elsewhere a column-sum pass over dqkv follows.
     """
     B, T, C, NH, hd = _check_qkv(qkv, num_heads)
     _check_version(version)
@@ -625,19 +634,31 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None):
     check_array("out", out, shape=(B, T, C))
     check_array("lse", lse, dtype=F32, shape=(B, NH, T))
     check_same_dtype(qkv=qkv, dout=dout, out=out)
-    xp = runtime.array_module(dout, qkv, out, lse, dqkv)
+    xp = runtime.array_module(dout, qkv, out, lse, dqkv, dbias)
     dqkv = output("dqkv", dqkv, xp, (B, T, 3 * C), qkv.dtype)
+    if dbias is not None:
+        check_array("dbias", dbias, shape=(3 * C,))
+        if dbias.dtype not in (qkv.dtype, np.dtype(F32)):
+            raise TypeError(f"dbias: must be {dtypes.name(qkv.dtype)} or float32, got {dtypes.name(dbias.dtype)}")
     if xp is np:
         dqkv[...] = attention_backward_reference(dout, qkv, NH).astype(dqkv.dtype)
+        if dbias is not None:
+            dbias[...] = (dbias.astype(np.float64) + dqkv.reshape(-1, 3 * C).astype(np.float64).sum(axis=0)
+                          ).astype(dbias.dtype)
         return dqkv
     version = pick_version("backward", version, qkv.dtype, hd, runtime.device_arch(),
                            _misaligned((("qkv", qkv), ("dout", dout), ("out", out), ("dqkv", dqkv))))
     if B * T == 0:
         return dqkv
+    from .colsum import colsum, reduce_partials
     b1 = onepass_batches(B, NH, hd, runtime.sm_count()) if version == 3 else 0
     if version == 3 and b1 == B:
-        backward_v3_onepass(dout, qkv, out, lse, NH, dqkv)
-    elif version == 3 and b1 > 0:
+        sums = xp.empty((B, 3 * C), F32) if dbias is not None else None
+        backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, sums=sums)
+        if dbias is not None:
+            reduce_partials(dbias, sums)
+        return dqkv
+    if version == 3 and b1 > 0:
         backward_v3_split(dout, qkv, out, lse, NH, dqkv, b1)
     elif version == 3:
         backward_v3(dout, qkv, out, lse, NH, dqkv)
@@ -645,6 +666,8 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None):
         backward_v2(dout, qkv, out, lse, NH, dqkv)
     else:
         _backward_v1(dout, qkv, NH, dqkv)
+    if dbias is not None:
+        colsum(dbias, dqkv.reshape(B * T, 3 * C))
     return dqkv
 
 

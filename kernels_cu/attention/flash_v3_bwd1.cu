@@ -82,10 +82,13 @@ __device__ __forceinline__ void v3_dq_prefetch(u32 s_old, const float* qtile) {
 // it to the scratch's sum (cp.reduce.async.bulk); at the last KV tile the sums so far (copied into
 // s_old by v3_dq_prefetch; none when it is also the first) plus dq, times `scale`, go to dq_g (rows
 // t < T of Q tile i, bf16).
-template <int NJ>
+// qsum (SUMS): this warpgroup's 64 running sums of the dQ values written (bf16, as stored), one per
+// head-dim row: at the last KV tile each thread sums its rows' values over its query columns, the
+// quad (t4) combines them by two fixed shuffles and lane t4 = 0 adds them in (one owner per row).
+template <int NJ, bool SUMS = false>
 __device__ __forceinline__ void v3_dq_store(bf16* dq_g, float* s_old, const float* dq, int i,
                                             int c0, bool first, bool last, float scale, int T, int stride,
-                                            int w4, int lane) {
+                                            int w4, int lane, float* qsum = nullptr) {
     const int g = lane >> 2, t4 = lane & 3;
     if (!last) {
         #pragma unroll
@@ -96,6 +99,7 @@ __device__ __forceinline__ void v3_dq_store(bf16* dq_g, float* s_old, const floa
                     make_float2(dq[4 * jj + 2 * r], dq[4 * jj + 2 * r + 1]);
         return;
     }
+    float rs[2] = {0.f, 0.f};                     // SUMS: rows 16 w4 + g (+8)
     #pragma unroll
     for (int half = 0; half < NJ / 4; half++) {   // 8 values at a time: fewer live registers
         float2 old[8];
@@ -111,10 +115,44 @@ __device__ __forceinline__ void v3_dq_store(bf16* dq_g, float* s_old, const floa
             const int jj = 4 * half + (k >> 1), r = k & 1, e = 4 * jj + 2 * r;
             const int hd = 16 * w4 + g + 8 * r, q = 64 * i + c0 + 8 * jj + 2 * t4;
             const float2 v = make_float2(old[k].x + dq[e], old[k].y + dq[e + 1]);
-            if (q < T) dq_g[(size_t)q * stride + hd] = float_to_bf16(v.x * scale);
-            if (q + 1 < T) dq_g[(size_t)(q + 1) * stride + hd] = float_to_bf16(v.y * scale);
+            if constexpr (SUMS) {
+                const bf16 bx = float_to_bf16(v.x * scale), by = float_to_bf16(v.y * scale);
+                if (q < T) {
+                    dq_g[(size_t)q * stride + hd] = bx;
+                    rs[r] += bf16_to_float(bx);
+                }
+                if (q + 1 < T) {
+                    dq_g[(size_t)(q + 1) * stride + hd] = by;
+                    rs[r] += bf16_to_float(by);
+                }
+            } else {
+                if (q < T) dq_g[(size_t)q * stride + hd] = float_to_bf16(v.x * scale);
+                if (q + 1 < T) dq_g[(size_t)(q + 1) * stride + hd] = float_to_bf16(v.y * scale);
+            }
         }
     }
+    if constexpr (SUMS) {
+        #pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float v = rs[r] + __shfl_xor_sync(0xffffffffu, rs[r], 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            if (t4 == 0) qsum[16 * w4 + g + 8 * r] += v;
+        }
+    }
+}
+
+// SUMS: a warp's 16 staged rows (bf16, as v3_store_acc_staged left them, swizzled) summed into its
+// running column sums (lane c: columns 2c, 2c + 1; rows in order). Rows past T hold zeros.
+__device__ __forceinline__ void v3_warp_colsum(float2* csum, const unsigned char* rows, int lane) {
+    float2 cs = *csum;
+    #pragma unroll
+    for (int r = 0; r < 16; r++) {
+        const u32 v = *reinterpret_cast<const u32*>(rows + wg_swz128(r, lane >> 2) + 4 * (lane & 3));
+        cs.x += __uint_as_float(v << 16);
+        cs.y += __uint_as_float(v & 0xffff0000u);
+    }
+    *csum = cs;
+    __syncwarp();                                 // the next staged store may overwrite the rows
 }
 
 // The staged part of Q tile pi (at shared address s) to its scratch tile: stored at the first KV tile,
@@ -130,9 +168,14 @@ __device__ __forceinline__ void v3_dq_flush(float* qtile, u32 s, int j, u32 byte
 // NWG = 2 warpgroups: 128 keys per KV tile, warpgroup w owning keys 64w.. for S^T .. dK, 1 block
 // per SM. Warpgroup w computes dQ^T for query columns 32w..32w+31 over all 128 keys (m64n32, B
 // starting 64 bytes into dS^T's swizzled rows) and stages or finishes that half.
-template <int HD, int NWG>
+// SUMS: also the head's column sums of dQ, dK and dV as written (bf16) into part (B, 3C), row b,
+// columns h HD.. of each third: the qkv bias gradient's stage 1 without a pass over dqkv. Running
+// sums in shared memory after D (per warp for dK, dV; per warpgroup and head-dim row for dQ),
+// combined in a fixed order at the end: deterministic.
+template <int HD, int NWG, bool SUMS = false>
 __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, const bf16* qkv, const bf16* dout,
-                                                     const float* lse, const float* Dv, int T, int NH, float scale) {
+                                                     const float* lse, const float* Dv, int T, int NH, float scale,
+                                                     float* part = nullptr) {
     static_assert(HD == 64, "one-pass backward: head dim 64");
     static_assert(NWG == 2, "one-pass backward: 2 warpgroups (1 lost and spills: tools/notes/attention.md)");
     // ST ring stages: Q tiles copied two tiles ahead; the stage a running group reads (the previous
@@ -170,6 +213,14 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     bf16* dq_g = dqkv + (size_t)b * T * stride + h * HD;
     float* qacc = dqacc + (size_t)bh * HD * Tp;   // nt tiles of HD x 64 (v3_dq_off)
     const float sl2 = scale * FA_LOG2E;
+    // SUMS: per warp 64 float2 (dK's columns, then dV's: lane c's 2c, 2c + 1 at c and 32 + c), then per
+    // warpgroup 64 dQ rows (ONEPASS_SUMS_BYTES in gpucore/ops/attention.py)
+    float2* ksum = reinterpret_cast<float2*>(sD + ST * BM) + warp * 64 + lane;
+    float* qsum = reinterpret_cast<float*>(sD + ST * BM + 8 * 128) + 64 * wg;
+    if constexpr (SUMS) {
+        ksum[0] = ksum[32] = make_float2(0.f, 0.f);
+        if (threadIdx.x < 128) qsum[threadIdx.x - 64 * wg] = 0.f;   // both warpgroups' rows, before the first barrier
+    }
 
     auto load_q_tile = [&](int st, int r) {
         v3_load_tile<BM, HD, NT>(sQ + st * Q_BYTES, q_g, r, T, stride);
@@ -180,8 +231,8 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     // KV tile pj's part of Q tile pi's dQ^T (in the accumulator, retired) into the staging tile at
     // `old` (holding the sums so far at pi's diagonal); this warpgroup's query columns QN * wg...
     auto dq_rmw = [&](const float* dq, int pi, int pj, float* old) {
-        v3_dq_store<QN / 8>(dq_g, old, dq, pi, QN * wg, pj == 0, pj == pi * BM / BN, scale, T, stride,
-                            w4, lane);
+        v3_dq_store<QN / 8, SUMS>(dq_g, old, dq, pi, QN * wg, pj == 0, pj == pi * BM / BN, scale, T, stride,
+                                  w4, lane, qsum);
     };
     auto load_kv_tile = [&](int jj) {
         const u32 k_s = sK + (jj & 1) * 2 * KV_BYTES;
@@ -325,15 +376,37 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         // dK, dV through the dS^T tile (free: every dQ^T that read it retired before the barrier
         // above; the next KV tile writes it after its loop-top barrier), 8 KB per warpgroup
         const u32 stage = sS + wg * (64 * HD * 2);
-        v3_store_acc_staged<HD>(dk_g, dk, scale, wk0, T, stride, stage, sS_gen + wg * (64 * HD * 2), w4, lane);
-        v3_store_acc_staged<HD>(dk_g + C, dv, 1.f, wk0, T, stride, stage, sS_gen + wg * (64 * HD * 2), w4, lane);
+        unsigned char* stage_gen = sS_gen + wg * (64 * HD * 2);
+        v3_store_acc_staged<HD>(dk_g, dk, scale, wk0, T, stride, stage, stage_gen, w4, lane);
+        if constexpr (SUMS) v3_warp_colsum(ksum, stage_gen + 16 * w4 * 128, lane);
+        v3_store_acc_staged<HD>(dk_g + C, dv, 1.f, wk0, T, stride, stage, stage_gen, w4, lane);
+        if constexpr (SUMS) v3_warp_colsum(ksum + 32, stage_gen + 16 * w4 * 128, lane);
     }
     cp_async_wait<0>();
+    if constexpr (SUMS) {                          // the head's sums, in a fixed order
+        __syncthreads();
+        const float* kred = reinterpret_cast<const float*>(sD + ST * BM);   // 8 warps x (64 dK + 64 dV)
+        const float* qred = kred + 8 * 128;                                 // 2 warpgroups x 64 dQ rows
+        float* prow = part + (size_t)b * 3 * C + h * HD;
+        const int t = threadIdx.x;
+        if (t < HD) {
+            prow[t] = qred[t] + qred[64 + t];
+        } else if (t < 3 * HD) {
+            const int c = t - HD;                  // 0..63 dK, 64..127 dV
+            float acc = kred[c];
+            #pragma unroll
+            for (int w = 1; w < 4 * NWG; w++) acc += kred[w * 128 + c];
+            prow[(c < HD ? C : 2 * C) + (c & (HD - 1))] = acc;
+        }
+    }
 }
 
 #define V3_BWD1_BODY(HD, NWG) flash_bwd_onepass_v3<HD, NWG>(dqkv, dqacc, qkv, dout, lse, D, T, NH, scale)
+#define V3_BWD1_SUMS_BODY(HD, NWG) \
+    flash_bwd_onepass_v3<HD, NWG, true>(dqkv, dqacc, qkv, dout, lse, D, T, NH, scale, part)
 #else
 #define V3_BWD1_BODY(HD, NWG) __trap()    // not sm_90a: Python never launches this
+#define V3_BWD1_SUMS_BODY(HD, NWG) __trap()
 #endif
 
 // grid (B * NH), 128 * NWG threads, 2 / NWG blocks per SM; dqacc: f32 scratch (B * NH, HD,
@@ -347,3 +420,15 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     }
 
 FLASH_V3_BWD1(64, 2)
+
+// The same, and the qkv bias gradient's stage 1: part (B, 3C) f32, row b = the column sums of dqkv[b]
+// (as written, bf16) over t < T; each block writes its head's 3 x HD (colsum's stage 2 adds the rows).
+#define FLASH_V3_BWD1_SUMS(HD, NWG)                                                                \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, 2 / NWG)                              \
+    attention_backward_onepass_kernel_v3_hd##HD##_g##NWG##_bf16_sums(bf16* dqkv, float* dqacc,    \
+            const bf16* qkv, const bf16* dout, const float* lse, const float* D, int T, int NH,     \
+            float scale, float* part) {                                                            \
+        V3_BWD1_SUMS_BODY(HD, NWG);                                                                \
+    }
+
+FLASH_V3_BWD1_SUMS(64, 2)
