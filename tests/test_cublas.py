@@ -108,32 +108,40 @@ def fresh_lt(tmp_path):
         lt.forget()                     # the next test starts from the default tune cache again
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", ["forward", "forward_bias", "dweight"])
-def test_gpu_lt_every_candidate_algorithm(rng, tmp_path, fresh_lt, case):
-    """The timing race runs, remembers its winner on disk, and every algorithm it may pick
-    (each heuristic candidate, and gemmEx for epilogue-free GEMMs) is forced in turn and checked.
-    "dweight" is the backward's dW GEMM with beta = 1 (dweight +=): raced on a scratch output."""
+def _gemm_checker(rng, case, N, K, M):
+    """run_and_check(label) for one GEMM of the training path ("forward", "forward_bias": matmul_forward
+    into a NaN-poisoned out; "dweight": the backward's dW GEMM, dweight +=), checked against float64;
+    returns the output array (on the GPU)."""
     cp = runtime.cupy
-    lt = fresh_lt
-    N, K, M = 300, 256, 136
     x, w, b = rand(rng, (N, K), BF16), rand(rng, (M, K), BF16, 0.05), rand(rng, (M,), BF16)
     dout, dw0 = rand(rng, (N, M), BF16), rand(rng, (M, K), np.float32)
     gx, gw, gb, gd = (cp.asarray(a) for a in (x, w, b, dout))
     x64, d64 = x.astype(np.float64), dout.astype(np.float64)
-    with_gemmex = case in ("forward", "dweight")                      # no epilogue: gemmEx races too
 
     def run_and_check(label):
         if case == "dweight":
             dw = cp.asarray(dw0)
             gpucore.matmul_backward(gd, gx, gw, dweight=dw, need_dx=False, need_dbias=False)
             check_close(dw, dw0 + d64.T @ x64, np.float32, f"dweight +=, {label}", tol=1e-5)
-        else:
-            bias = gb if case == "forward_bias" else None
-            out = poison((N, M), BF16)
-            gpucore.matmul_forward(gx, gw, bias, out=out)
-            check_close(out, mm.matmul_forward_reference(x, w, b if bias is not None else None, np.float64),
-                        BF16, f"matmul_forward, {label}")
+            return dw
+        bias = gb if case == "forward_bias" else None
+        out = poison((N, M), BF16)
+        gpucore.matmul_forward(gx, gw, bias, out=out)
+        check_close(out, mm.matmul_forward_reference(x, w, b if bias is not None else None, np.float64),
+                    BF16, f"matmul_forward, {label}")
+        return out
+    return run_and_check
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["forward", "forward_bias", "dweight"])
+def test_gpu_lt_every_candidate_algorithm(rng, tmp_path, fresh_lt, case):
+    """The timing race runs, remembers its winner on disk, and every algorithm it may pick
+    (each heuristic candidate, and gemmEx for epilogue-free GEMMs) is forced in turn and checked.
+    "dweight" is the backward's dW GEMM with beta = 1 (dweight +=): raced on a scratch output."""
+    lt = fresh_lt
+    with_gemmex = case in ("forward", "dweight")                      # no epilogue: gemmEx races too
+    run_and_check = _gemm_checker(rng, case, 300, 256, 136)
 
     run_and_check("after the race")
     plans = [p for p in lt.plans.values() if p is not None]
@@ -165,24 +173,8 @@ def test_gpu_lt_search_every_raced_configuration(rng, tmp_path, fresh_lt, case):
     """With lt_search, configurations beyond the heuristic's join the race; each one raced is
     forced in turn and checked against the reference, and a searched winner saved on disk is
     restored by its bytes in a fresh process (no timing) and gives the same bits."""
-    cp = runtime.cupy
     lt = fresh_lt
-    N, K, M = 512, 256, 384
-    x, w, b = rand(rng, (N, K), BF16), rand(rng, (M, K), BF16, 0.05), rand(rng, (M,), BF16)
-    dout, dw0 = rand(rng, (N, M), BF16), rand(rng, (M, K), np.float32)
-    gx, gw, gb, gd = (cp.asarray(a) for a in (x, w, b, dout))
-    x64, d64 = x.astype(np.float64), dout.astype(np.float64)
-
-    def run_and_check(label):
-        if case == "dweight":
-            dw = cp.asarray(dw0)
-            gpucore.matmul_backward(gd, gx, gw, dweight=dw, need_dx=False, need_dbias=False)
-            check_close(dw, dw0 + d64.T @ x64, np.float32, f"dweight +=, {label}", tol=1e-5)
-            return dw
-        out = poison((N, M), BF16)
-        gpucore.matmul_forward(gx, gw, gb, out=out)
-        check_close(out, mm.matmul_forward_reference(x, w, b, np.float64), BF16, f"matmul_forward, {label}")
-        return out
+    run_and_check = _gemm_checker(rng, case, 512, 256, 384)
 
     with settings.using(lt_search=200):
         run_and_check("after the race")
@@ -197,9 +189,9 @@ def test_gpu_lt_search_every_raced_configuration(rng, tmp_path, fresh_lt, case):
     key = list(lt.tune_cache().entries())[0]
     lt.tune_cache().put(key, plan.algo_hex(searched[0]))
     plan.choice = searched[0]
-    expected = cp.asnumpy(run_and_check("searched, before"))
+    expected = to_cpu(run_and_check("searched, before"))
     lt.forget()
-    got = cp.asnumpy(run_and_check("searched, restored"))
+    got = to_cpu(run_and_check("searched, restored"))
     plan2 = [p for p in lt.plans.values() if p is not None][0]
     assert plan2.times is None and plan2.choice not in plan2.candidates
     assert plan2.algo_hex(plan2.choice) == plan.algo_hex(searched[0])
