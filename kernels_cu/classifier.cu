@@ -282,12 +282,10 @@ __device__ __forceinline__ void online_pack_n(float& m, float& s, const float (&
         if (m != neg_inf()) s *= ex2_ftz((m - pm) * LOG2E);
         m = pm;
     }
-    // exp(f - sh) as ex2(f log2e - sh log2e): one FFMA where (f - sh) * log2e takes two instructions
-    // (the kernel is bound by instruction issue, not by its bytes: tools/notes/kernels_perf.md)
-    const float nsh = (m == neg_inf()) ? 0.0f : -m * LOG2E;
+    const float sh = (m == neg_inf()) ? 0.0f : m;
     #pragma unroll
     for (int e = 0; e < P; e++)
-        if (FULL || e < nv) s += ex2_ftz(fmaf(f[e], LOG2E, nsh));
+        if (FULL || e < nv) s += ex2_ftz((f[e] - sh) * LOG2E);
 }
 
 template <typename T>
@@ -380,10 +378,6 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
     const float sh = (M == neg_inf()) ? 0.0f : M;
     const float scale = grad_scale / S;
     const bool exact = !(isfinite(scale) && isfinite(grad_scale));   // NaN/inf rows: canonical NaN bits
-    // softmax * scale as one ex2: exp(x - sh) * scale = ex2(x log2e - (sh log2e - log2 scale)), one
-    // FFMA and one MUFU per element (block-uniform; scale > 0 for log2, else the product form)
-    const bool fold = !exact && scale > 0.0f;
-    const float nb = fold ? __log2f(scale) - sh * LOG2E : 0.0f;
     const int tpack = valid ? t / P : -1;
     #pragma unroll
     for (int k = 0; k < K; k++) {
@@ -391,13 +385,8 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
         if (i < n_packs) {
             float f[P];
             R::unpack(s_row[i], f);
-            if (fold) {
-                #pragma unroll
-                for (int e = 0; e < P; e++) f[e] = ex2_ftz(fmaf(f[e], LOG2E, nb));
-            } else {
-                #pragma unroll
-                for (int e = 0; e < P; e++) f[e] = ex2_ftz((f[e] - sh) * LOG2E) * scale;
-            }
+            #pragma unroll
+            for (int e = 0; e < P; e++) f[e] = ex2_ftz((f[e] - sh) * LOG2E) * scale;
             if (i == tpack) {                       // the one pack holding the target
                 // a bit mask, not f[t - i * P]: a dynamic index would put f in local memory
                 const u32 hit = 1u << (t - i * P);
