@@ -64,6 +64,7 @@ import numpy as np
 from .. import dtypes, runtime, settings
 from .. import profiler
 from ._common import check_array, check_same_dtype, output
+from .colsum import colsum, reduce_partials
 from .matmul import batched_matmul
 
 F32, BF16 = dtypes.float32, dtypes.bfloat16
@@ -650,7 +651,6 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None, 
                            _misaligned((("qkv", qkv), ("dout", dout), ("out", out), ("dqkv", dqkv))))
     if B * T == 0:
         return dqkv
-    from .colsum import colsum, reduce_partials
     b1 = onepass_batches(B, NH, hd, runtime.sm_count()) if version == 3 else 0
     if version == 3 and b1 == B:
         sums = xp.empty((B, 3 * C), F32) if dbias is not None else None
