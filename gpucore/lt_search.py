@@ -168,7 +168,7 @@ def search(lt, plan, launch, c_ptr, budget: int, seed_text: str, workspace_limit
     are not repeated. Returns [] when nothing valid was found."""
     lib = _bind(lt.lib)
     _, handle, _ = lt.device_state()
-    known = {plan.algo_hex(i) for i in plan.candidates}
+    known = {bytes.fromhex(plan.algo_hex(i)) for i in plan.candidates}
     rng = np.random.default_rng(zlib.crc32(seed_text.encode()))
     found = []
     for base, attrs in _spaces(lib, handle, plan):
@@ -182,8 +182,9 @@ def search(lt, plan, launch, c_ptr, budget: int, seed_text: str, workspace_limit
             if len(found) >= budget or checks >= want * CHECKS_PER_VALID:
                 break
             algo = _configure(lib, base, attrs, mixed_radix(int(index), radices))
-            if check(lib, handle, plan, algo, workspace_limit) and bytes(algo[:_ALGO_BYTES]).hex() not in known:
-                known.add(bytes(algo[:_ALGO_BYTES]).hex())
+            key = bytes(algo[:_ALGO_BYTES])
+            if key not in known and check(lib, handle, plan, algo, workspace_limit):
+                known.add(key)
                 found.append(plan.add(algo))
     if not found:
         return []

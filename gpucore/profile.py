@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -53,13 +54,30 @@ def copy_bandwidth_gbps(nbytes: int = COPY_BYTES) -> float:
     return measure(nbytes)
 
 
-def synthetic_training(model: str, B: int, T: int | None, device: str, dtype: str, fp8_scaling: str = "adaptive"):
-    """(step, device, dtype) for a model preset training on random tokens: step() runs one
-    training step (forward, backward, AdamW) and returns (loss, norm). Shared by `profile` and `tune`."""
+@dataclass
+class SyntheticRun:
+    """A model preset and AdamW training on fixed random tokens (x, y): step() runs one training
+    step (forward, backward, AdamW) and returns (loss, norm). Shared by `profile` and `tune`."""
+    net: object
+    opt: object
+    x: object
+    y: object
+    config: object
+    device: str
+    dtype: object
+
+    def step(self):
+        from .train import train_step
+        return train_step(self.net, self.opt, lambda: (self.x, self.y), 1, 1e-4)
+
+
+def synthetic_training(model: str, B: int, T: int | None, device: str, dtype: str,
+                       fp8_scaling: str = "adaptive") -> SyntheticRun:
+    """A SyntheticRun of preset `model` at batch B and length T (None: min(1024, max_seq_len)) on
+    `device` ("auto", "cuda", "cpu") in `dtype` ("fp8": bf16 + FP8 linears with `fp8_scaling`)."""
     from .model import GPT2, GPT2Config
     from .optim import AdamW
     from .startup import resolve_backend
-    from .train import train_step
     cfg = GPT2Config.from_preset(model)
     T = T or min(1024, cfg.max_seq_len)
     if T > cfg.max_seq_len:
@@ -73,11 +91,7 @@ def synthetic_training(model: str, B: int, T: int | None, device: str, dtype: st
     rng = np.random.default_rng(0)
     x = xp.asarray(rng.integers(0, cfg.vocab_size, (B, T), dtype=np.int32))
     y = xp.asarray(rng.integers(0, cfg.vocab_size, (B, T), dtype=np.int32))
-
-    def step():
-        return train_step(net, opt, lambda: (x, y), 1, 1e-4)
-    step.net, step.opt, step.x, step.y, step.config = net, opt, x, y, cfg
-    return step, device, dt
+    return SyntheticRun(net, opt, x, y, cfg, device, dt)
 
 
 def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int = 3, device: str = "auto",
@@ -87,8 +101,8 @@ def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int
     from .startup import peak_flops
     if steps < 1:
         raise ValueError(f"--steps {steps}: must be at least 1")
-    step, device, dt = synthetic_training(model, B, T, device, dtype, fp8_scaling)
-    net, opt, x, y, cfg = step.net, step.opt, step.x, step.y, step.config
+    run = synthetic_training(model, B, T, device, dtype, fp8_scaling)
+    net, opt, x, y, cfg, device, dt, step = run.net, run.opt, run.x, run.y, run.config, run.device, run.dtype, run.step
     T = x.shape[1]
     fp8 = fp8_scaling if dtype == "fp8" else None
     from . import dtypes

@@ -41,8 +41,7 @@ def run_tune(model: str = "d12", B: int = 64, T: int | None = None, dtype: str =
         lt.forget()                       # no plan decided in memory: every GEMM races again
         t0 = time.perf_counter()
         with settings.using(lt_search=budget, lt_tune_cache=private, lt_autotune=True):
-            step, device, _ = synthetic_training(model, B, T, "cuda", dtype, fp8_scaling)
-            float(step()[0])
+            float(synthetic_training(model, B, T, "cuda", dtype, fp8_scaling).step()[0])
             won = dict(lt.tune_cache().entries())
         seconds = time.perf_counter() - t0
         rows = plan_rows(lt)

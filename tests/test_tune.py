@@ -66,8 +66,7 @@ def test_gpu_tune_writes_winners_that_a_later_step_restores(tmp_path):
         # A later run (no plans in memory) takes every choice from the file and races nothing.
         lt = cublas.lt_binding()
         lt.forget()
-        step, _, _ = synthetic_training("tiny", 2, 64, "cuda", "bfloat16")
-        loss = float(step()[0])
+        loss = float(synthetic_training("tiny", 2, 64, "cuda", "bfloat16").step()[0])
         plans = [p for p in lt.plans.values() if p is not None]
         assert plans and all(p.times is None for p in plans), "a GEMM raced again instead of reading the cache"
         assert loss == loss

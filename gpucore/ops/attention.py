@@ -64,7 +64,7 @@ import numpy as np
 from .. import dtypes, runtime, settings
 from .. import profiler
 from ._common import check_array, check_same_dtype, output
-from .colsum import colsum, reduce_partials
+from .colsum import colsum, colsum_reference, reduce_partials
 from .matmul import batched_matmul
 
 F32, BF16 = dtypes.float32, dtypes.bfloat16
@@ -644,8 +644,7 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None, 
     if xp is np:
         dqkv[...] = attention_backward_reference(dout, qkv, NH).astype(dqkv.dtype)
         if dbias is not None:
-            dbias[...] = (dbias.astype(np.float64) + dqkv.reshape(-1, 3 * C).astype(np.float64).sum(axis=0)
-                          ).astype(dbias.dtype)
+            colsum_reference(dbias, dqkv.reshape(-1, 3 * C))
         return dqkv
     version = pick_version("backward", version, qkv.dtype, hd, runtime.device_arch(),
                            _misaligned((("qkv", qkv), ("dout", dout), ("out", out), ("dqkv", dqkv))))

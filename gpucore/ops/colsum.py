@@ -2,6 +2,7 @@
 
     colsum(dbias, dout2d)             dbias (M,) += dout2d (N, M).sum(0)      (parameter grad: +=)
     reduce_partials(dbias, partials)  dbias (M,) += partials (chunks, M).sum(0), chunks in order
+    colsum_reference(dbias, x2d)      the same on NumPy, in float64: every fused column sum's reference
 
 Two stages, no float atomics, float32 accumulation: stage 1 sums fixed row
 chunks of COLSUM_ROWS_PER_CHUNK rows into float32 partials, stage 2 adds the
@@ -14,7 +15,7 @@ per-chunk partials of their own and call reduce_partials, so matmul_backward
 need not read dout again for that bias gradient.
 
 Callers pass CuPy arrays they have validated (this is plumbing for the ops
-modules, not a user-facing op); the NumPy reference is `dout.sum(0)`.
+modules, not a user-facing op); the NumPy reference is `dout.sum(0)` (colsum_reference).
 """
 from __future__ import annotations
 
@@ -25,6 +26,13 @@ from .. import dtypes, runtime
 # Rows per stage-1 chunk: fixed, so the reduction order depends on the shape only.
 COLSUM_ROWS_PER_CHUNK = 256
 COLSUM_WARPS = 8           # BB_ROWS in colsum.cu: warps per stage-1 block
+
+
+def colsum_reference(dbias, x2d):
+    """dbias (M,) += x2d (N, M).sum(0), summed in float64 and rounded once to dbias's dtype: the NumPy
+    branch of every op that sums a bias gradient on the way (fp8 casts, attention, layernorm)."""
+    if x2d.shape[1]:
+        dbias[...] = (dbias.astype(np.float64) + np.asarray(x2d).astype(np.float64).sum(axis=0)).astype(dbias.dtype)
 
 
 def colsum(dbias, dout2d):

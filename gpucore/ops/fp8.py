@@ -33,7 +33,7 @@ import numpy as np
 from .. import cublas, dtypes, runtime
 from .. import profiler
 from ._common import check_array
-from .colsum import reduce_partials
+from .colsum import colsum_reference, reduce_partials
 from .gelu import MAX_GRID_Y, gelu, gelu_backward_reference, gelu_reference
 
 FORMATS = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
@@ -197,12 +197,6 @@ def _check_dbias(dbias, C, xp, xname):
         raise TypeError(f"dbias: must live on the same device as {xname}")
 
 
-def _add_colsums(dbias, x):
-    """The reference of the kernels' column sums: dbias += x.sum(0), in float64."""
-    if x.shape[1]:
-        dbias[...] = (dbias.astype(np.float64) + x.astype(np.float64).sum(axis=0)).astype(dbias.dtype)
-
-
 def _quantize(x, fmt, scale, out, out_t, amax, gate, gelu_first=False, dbias=None):
     check_array("x", x, dtype=dtypes.bfloat16, ndim=2)
     xp = runtime.array_module(x, scale, out, out_t, amax, gate, dbias)
@@ -225,7 +219,7 @@ def _quantize(x, fmt, scale, out, out_t, amax, gate, gelu_first=False, dbias=Non
         if amax is not None and x.size:
             _fold_amax(amax, np.abs(np.asarray(x, dtype=np.float32)).max())
         if dbias is not None:
-            _add_colsums(dbias, x)
+            colsum_reference(dbias, x)
         return out, out_t
     if x.size == 0:
         return out, out_t
@@ -279,7 +273,7 @@ def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate):
         dx = gelu_backward_reference(dout, x).astype(dtypes.bfloat16)
         _quantize(dx, "e5m2", scale, out, out_t, amax, None)
         if dbias is not None:
-            _add_colsums(dbias, dx)
+            colsum_reference(dbias, dx)
         return out, out_t
     check_cast_args(dout, "e5m2", scale, out, out_t, amax, gate, xp, xname="dout")
     if x.data.ptr % 16:

@@ -38,7 +38,7 @@ import numpy as np
 from .. import dtypes, runtime
 from .. import profiler
 from ._common import check_array, check_same_dtype, output
-from .colsum import colsum
+from .colsum import colsum, colsum_reference
 
 WARPS = 4                 # rows (forward) / warps (backward) per block, as WARPS in layernorm.cu
 BLOCK = 32 * WARPS
@@ -350,8 +350,7 @@ def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias
         for g, d in ((dx, ddx), (dweight, ddw), (dbias, ddb)):
             g[...] = (g.astype(np.float64) + d).astype(g.dtype)
         if dx_colsum is not None:   # of the final, rounded dx (old values included)
-            dx_colsum[...] = (dx_colsum.astype(np.float64)
-                              + dx.reshape(-1, C).astype(np.float64).sum(axis=0)).astype(dx_colsum.dtype)
+            colsum_reference(dx_colsum, dx.reshape(-1, C))
         return dx, dweight, dbias
     version, N = pick_version(version, dout.dtype, C, (dout, x, weight, dx))
     if rows == 0:

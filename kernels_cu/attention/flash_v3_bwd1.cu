@@ -216,10 +216,11 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     // SUMS: per warp 64 float2 (dK's columns, then dV's: lane c's 2c, 2c + 1 at c and 32 + c), then per
     // warpgroup 64 dQ rows (ONEPASS_SUMS_BYTES in gpucore/ops/attention.py)
     float2* ksum = reinterpret_cast<float2*>(sD + ST * BM) + warp * 64 + lane;
-    float* qsum = reinterpret_cast<float*>(sD + ST * BM + 8 * 128) + 64 * wg;
+    float* qsums = sD + ST * BM + 8 * 128;        // 2 warpgroups x 64 rows
+    float* qsum = qsums + 64 * wg;
     if constexpr (SUMS) {
         ksum[0] = ksum[32] = make_float2(0.f, 0.f);
-        if (threadIdx.x < 128) qsum[threadIdx.x - 64 * wg] = 0.f;   // both warpgroups' rows, before the first barrier
+        if (threadIdx.x < 128) qsums[threadIdx.x] = 0.f;   // read by other threads after the first barrier
     }
 
     auto load_q_tile = [&](int st, int r) {

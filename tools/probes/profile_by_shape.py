@@ -10,7 +10,8 @@ from gpucore.profile import _sync, synthetic_training
 opts = dict(model="d12", B="64", dtype="fp8", steps="3", top="40")
 opts.update(kv.split("=", 1) for kv in sys.argv[1:])
 steps = int(opts["steps"])
-step, device, _ = synthetic_training(opts["model"], int(opts["B"]), None, "cuda", opts["dtype"])
+run = synthetic_training(opts["model"], int(opts["B"]), None, "cuda", opts["dtype"])
+step, device = run.step, run.device
 
 
 def label(name, args, kwargs):
