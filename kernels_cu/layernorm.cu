@@ -333,24 +333,38 @@ __device__ void layernorm_forward_fp8(bf16* residual, u8* out8, u8* out8_t, floa
 // Stage 1 of the backward, fused: dx += ... for every row, and this block's
 // partial dweight/dbias into scratch[blockIdx.x][0 / 1][:]; with COLSUM also
 // the partial column sums of the stored dx into scratch[blockIdx.x][2][:].
-template <typename T, int N, bool COLSUM>
+// S warps per row (1 or 2): with S = 2 the block's warps pair up (pair p = warps
+// 2p, 2p + 1), warp 2p + h holding the contiguous half h of the row's packs
+// (half 0 the first ceil(nP / 2)), so a lane keeps N packs of half a row and
+// its accumulators: at C = 1600 (bf16) N = 4 instead of 7, ~half the
+// registers, more warps per SM for this latency-bound loop. The pair adds its
+// two warp sums of s1, s2 in half order through shared memory (double-buffered
+// by row parity, one pair barrier a row); block partials sum each column over
+// the pairs in pair order, as S = 1 sums the warps in warp order.
+template <typename T, int N, bool COLSUM, int S = 1>
 __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, const T* x,   // (grid,2|3,C) (rows,C) x3
                                       const T* weight, const float* mean, const float* rstd,   // (C,) (rows,) (rows,)
                                       int rows, int C) {
+    static_assert(S == 1 || S == 2, "layernorm backward: 1 or 2 warps per row");
     constexpr int P = Pack16<T>::size;
     constexpr int NQ = COLSUM ? 3 : 2;        // partial slices per block in scratch
     constexpr int H = P / 4;                  // float4 slots per pack
+    constexpr int RPB = WARPS / S;            // rows in flight per block (pairs when S = 2)
     __shared__ float red[WARPS][32 * P];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int pair = warp / S, half = warp % S;
     const int nP = C / P;
+    const int nP0 = S == 1 ? nP : (nP + 1) / 2;   // packs of half 0
+    const int cb = half * nP0;                // this warp's first pack
+    const int nL = half == 0 ? nP0 : nP - nP0;    // and its number of packs
     float dw[N][P], db[N][P];
     #pragma unroll
     for (int j = 0; j < N; j++)
         #pragma unroll
         for (int k = 0; k < P; k++) dw[j][k] = db[j][k] = 0.0f;
     // COLSUM: this warp's column sums of dx, (N * H * 32) float4 slots; slot
-    // (j * H + h) * 32 + lane holds columns (j * 32 + lane) * P + 4h .. +3, so
-    // the warp's 32 lanes touch 512 consecutive bytes (no bank conflicts) and
+    // (j * H + h) * 32 + lane holds columns (cb + j * 32 + lane) * P + 4h .. +3,
+    // so the warp's 32 lanes touch 512 consecutive bytes (no bank conflicts) and
     // every lane only ever touches its own slots.
     float4* csum = nullptr;
     if constexpr (COLSUM) {
@@ -359,20 +373,23 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
         #pragma unroll
         for (int s = 0; s < N * H; s++) csum[s * 32 + lane] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
+    __shared__ float2 xch[2][RPB][S];         // S = 2: the pair's warp sums (s1, s2), by row parity
+    int parity = 0;
 
-    // No barrier inside this loop: warps may run different numbers of rows.
-    for (int row = blockIdx.x * WARPS + warp; row < rows; row += gridDim.x * WARPS) {
-        const size_t off = (size_t)row * C;
+    // No block barrier inside this loop: pairs may run different numbers of rows.
+    for (int row = blockIdx.x * RPB + pair; row < rows; row += gridDim.x * RPB, parity ^= 1) {
+        const size_t off = (size_t)row * C + (size_t)cb * P;   // this warp's part of the row
         // This warp's next row into L2 while this one computes: at large C the registers hold one
         // row per warp (N = 7: 254 registers, 8 warps per SM), so nothing else overlaps its loads.
-        const int next = row + gridDim.x * WARPS;
+        const int next = row + gridDim.x * RPB;
         if (next < rows && lane < 3)
-            prefetch_l2((lane == 0 ? dout : lane == 1 ? x : dx) + (size_t)next * C, C * sizeof(T));
+            prefetch_l2((lane == 0 ? dout : lane == 1 ? x : dx) + (size_t)next * C + (size_t)cb * P,
+                        nL * P * sizeof(T));
         uint4 g[N], v[N], d[N];                // raw packs (fast_packs.cuh): unpacked where used
         #pragma unroll
         for (int j = 0; j < N; j++) {
             const int i = j * 32 + lane;
-            if (i < nP) {
+            if (i < nL) {
                 g[j] = __ldcs(reinterpret_cast<const uint4*>(dout + off + i * P));
                 v[j] = __ldcs(reinterpret_cast<const uint4*>(x + off + i * P));
                 d[j] = *reinterpret_cast<const uint4*>(dx + off + i * P);
@@ -383,9 +400,9 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
         #pragma unroll
         for (int j = 0; j < N; j++) {
             const int i = j * 32 + lane;
-            if (i < nP) {
+            if (i < nL) {
                 float fw[P], fg[P], fx[P];
-                Raw<T>::unpack(*reinterpret_cast<const uint4*>(weight + i * P), fw);
+                Raw<T>::unpack(*reinterpret_cast<const uint4*>(weight + (cb + i) * P), fw);
                 Raw<T>::unpack(g[j], fg);
                 Raw<T>::unpack(v[j], fx);
                 #pragma unroll
@@ -396,17 +413,28 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
                 }
             }
         }
-        s1 = warp_sum(s1) / C;
-        s2 = warp_sum(s2) / C;
+        s1 = warp_sum(s1);
+        s2 = warp_sum(s2);
+        if constexpr (S == 2) {
+            if (lane == 0) xch[parity][pair][half] = make_float2(s1, s2);
+            // the pair's two warps (named barrier 1 + pair; 0 is __syncthreads')
+            if (pair == 0) asm volatile("bar.sync 1, 64;" ::: "memory");
+            else asm volatile("bar.sync 2, 64;" ::: "memory");
+            const float2 a = xch[parity][pair][0], b = xch[parity][pair][1];
+            s1 = a.x + b.x;
+            s2 = a.y + b.y;
+        }
+        s1 /= C;
+        s2 /= C;
         // dx rounds with pack_fast; float_to_bf16's NaN bits (pack_exact) where the row's sums are not
         // finite (a NaN in dout, x or weight). A NaN already in dx comes out as 0x7fff (a quiet NaN).
-        const bool exact = !(isfinite(s1) && isfinite(s2));   // warp-uniform
+        const bool exact = !(isfinite(s1) && isfinite(s2));   // uniform over the row's warps
         #pragma unroll
         for (int j = 0; j < N; j++) {
             const int i = j * 32 + lane;
-            if (i < nP) {
+            if (i < nL) {
                 float fw[P], fg[P], fx[P], fd[P];
-                Raw<T>::unpack(*reinterpret_cast<const uint4*>(weight + i * P), fw);
+                Raw<T>::unpack(*reinterpret_cast<const uint4*>(weight + (cb + i) * P), fw);
                 Raw<T>::unpack(g[j], fg);
                 Raw<T>::unpack(v[j], fx);
                 Raw<T>::unpack(d[j], fd);
@@ -435,8 +463,8 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
         }
     }
 
-    // Reduce the block's warps, pack slot by pack slot, in warp order. Value t
-    // of slot j (t = lane * P + k) is column (j * 32 + lane) * P + k = j*32*P + t.
+    // Reduce the block's warps, pack slot by pack slot, in warp (pair) order. Value t of
+    // slot j of half h (t = lane * P + k) is column (cb(h) + j * 32 + lane) * P + k.
     #pragma unroll
     for (int q = 0; q < 2; q++) {
         #pragma unroll
@@ -445,25 +473,39 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
             #pragma unroll
             for (int k = 0; k < P; k++) red[warp][lane * P + k] = q == 0 ? dw[j][k] : db[j][k];
             __syncthreads();
-            for (int t = threadIdx.x; t < 32 * P; t += blockDim.x) {
-                float s = 0.0f;
-                #pragma unroll
-                for (int w = 0; w < WARPS; w++) s += red[w][t];
-                const int c = j * 32 * P + t;
-                if (c < C) scratch[((size_t)blockIdx.x * NQ + q) * C + c] = s;
+            if constexpr (S == 1) {
+                for (int t = threadIdx.x; t < 32 * P; t += blockDim.x) {
+                    float s = 0.0f;
+                    #pragma unroll
+                    for (int w = 0; w < WARPS; w++) s += red[w][t];
+                    const int c = j * 32 * P + t;
+                    if (c < C) scratch[((size_t)blockIdx.x * NQ + q) * C + c] = s;
+                }
+            } else {
+                for (int u = threadIdx.x; u < S * 32 * P; u += blockDim.x) {
+                    const int h = u / (32 * P), t = u % (32 * P);
+                    const int i = j * 32 + t / P;  // pack within half h
+                    if (i >= (h == 0 ? nP0 : nP - nP0)) continue;
+                    float s = 0.0f;
+                    #pragma unroll
+                    for (int p = 0; p < RPB; p++) s += red[p * S + h][t];
+                    scratch[((size_t)blockIdx.x * NQ + q) * C + (h * nP0 + i) * P + t % P] = s;
+                }
             }
         }
     }
     if constexpr (COLSUM) {
-        // Sum the warps' column sums in warp order, one thread per column.
+        // Sum the warps' column sums in warp (pair) order, one thread per column.
         __syncthreads();                      // every warp's last row is in csum_all
         const float* cs = reinterpret_cast<const float*>(csum - warp * N * H * 32);   // (WARPS, N*H*32*4)
         for (int c = threadIdx.x; c < C; c += blockDim.x) {
-            const int i = c / P, k = c % P;   // pack i = j * 32 + l, element k = 4h + e
+            const int pk = c / P, k = c % P;
+            const int h = pk >= nP0 ? 1 : 0;
+            const int i = pk - h * nP0;       // pack i = j * 32 + l of half h, element k = 4h' + e
             const int f = (((i / 32) * H + k / 4) * 32 + i % 32) * 4 + k % 4;
             float s = 0.0f;
             #pragma unroll
-            for (int w = 0; w < WARPS; w++) s += cs[w * N * H * 32 * 4 + f];
+            for (int p = 0; p < RPB; p++) s += cs[(p * S + h) * N * H * 32 * 4 + f];
             scratch[((size_t)blockIdx.x * NQ + 2) * C + c] = s;
         }
     }
@@ -582,6 +624,26 @@ LN_V1(float, f32)
 LN_V1(bf16, bf16)
 LN_V2_ALL(float, f32)
 LN_V2_ALL(bf16, bf16)
+
+// The backward with 2 warps per row (layernorm_backward_v2's S = 2), for rows whose one-warp N
+// would be large (gpucore/ops/layernorm.py: SPLIT_MIN_N): _s2 kernels, N the packs per lane of
+// half a row. Launched with the grid the plain _s2 kernel's occupancy gives, as the S = 1 ones.
+#define LN_V2_S2(N, T, SUF)                                                                     \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_backward_kernel_v2_n##N##_s2_##SUF(     \
+        float* scratch, T* dx, const T* dout, const T* x, const T* weight, const float* mean,              \
+        const float* rstd, int rows, int C) {                                                               \
+        layernorm_backward_v2<T, N, false, 2>(scratch, dx, dout, x, weight, mean, rstd, rows, C);          \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                \
+        layernorm_backward_colsum_kernel_v2_n##N##_s2_##SUF(                                                \
+        float* scratch, T* dx, const T* dout, const T* x, const T* weight, const float* mean,              \
+        const float* rstd, int rows, int C) {                                                               \
+        layernorm_backward_v2<T, N, true, 2>(scratch, dx, dout, x, weight, mean, rstd, rows, C);           \
+    }
+LN_V2_S2(1, float, f32) LN_V2_S2(2, float, f32) LN_V2_S2(3, float, f32) LN_V2_S2(4, float, f32)
+LN_V2_S2(1, bf16, bf16) LN_V2_S2(2, bf16, bf16) LN_V2_S2(3, bf16, bf16) LN_V2_S2(4, bf16, bf16)
+// (4 blocks per SM at N = 4 -- __launch_bounds__(128, 4): 128 registers, 116-132 bytes of spills --
+// measured slower at 16384 x 1600: 83.0 against 70.7 us.)
 LN_REDUCE_COLSUM(float, float, f32_f32)
 LN_REDUCE_COLSUM(float, bf16, f32_bf16)
 LN_REDUCE_COLSUM(bf16, float, bf16_f32)

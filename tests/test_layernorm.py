@@ -270,6 +270,29 @@ def test_pick_version_agrees_with_the_shapes(dtype):
         ln.pick_version(3, dtype, 768, ())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_split_by_row_length(dtype):
+    """The v2 backward gives a row to 2 warps exactly where one warp would need SPLIT_MIN_N or more
+    packs per lane; each warp's N then holds its half (the first half the larger), and is one of
+    the instantiated _s2 kernels' (1..4)."""
+    from gpucore.ops import layernorm as ln
+    P = 16 // np.dtype(dtype).itemsize
+    for _, C in SHAPES:
+        if 2 not in _versions(C, dtype):
+            continue
+        n1 = -(-(C // P) // 32)
+        for force in (None, 1, 2):
+            S, N = ln.backward_split(dtype, C, force)
+            assert S == (force or (2 if n1 >= ln.SPLIT_MIN_N else 1)), (C, force)
+            half = -(-(C // P) // S)
+            assert 32 * (N - 1) < half <= 32 * N, (C, force)
+            assert N <= (8 if S == 1 else 4)
+    assert ln.backward_split(gpucore.bfloat16, 768) == (1, 3)          # d12: one warp a row
+    assert ln.backward_split(gpucore.bfloat16, 1600) == (2, 4)         # d48: 2 warps, 100 packs each
+    with pytest.raises(ValueError, match="warps_per_row: 1 or 2, got 3"):
+        ln.backward_split(dtype, 768, 3)
+
+
 def _check_forward(out, mean, rstd, x, w, b, dtype):
     ref, rm, rr = layernorm_forward_reference(x, w, b)
     o = to_cpu(out).astype(np.float64)
@@ -327,13 +350,15 @@ def test_gpu_backward(rng, dtype, rows, C):
     db0 = rng.standard_normal(C).astype(dtype)
     rdx, rdw, rdb = layernorm_backward_reference(dout, x, w, to_cpu(mean), to_cpu(rstd))
     tol = TOL[np.dtype(dtype)]
-    for version in _versions(C, dtype):
+    # v2 with 1 and 2 warps a row (layernorm.cu's S; the default picks by C)
+    for version, wpr in [(v, w) for v in _versions(C, dtype) for w in ((None,) if v == 1 else (1, 2))]:
         results = []
         for _ in range(2):                              # twice: must be bitwise identical
             dx, dw, db = cp.asarray(dx0), cp.asarray(dw0), cp.asarray(db0)
             gpucore.layernorm_backward(cp.asarray(dout), xg, wg, mean, rstd, dx=dx, dweight=dw, dbias=db,
-                                       version=version)
+                                       version=version, warps_per_row=wpr)
             results.append([to_cpu(g) for g in (dx, dw, db)])
+        version = f"{version} ({wpr} warps a row)" if wpr else version
         for name, got, ref in zip(("dx", "dweight", "dbias"), results[0],
                                   (dx0.astype(np.float64) + rdx, dw0.astype(np.float64) + rdw,
                                    db0.astype(np.float64) + rdb)):
@@ -466,12 +491,12 @@ def test_gpu_backward_dx_colsum(rng, case):
     dx0 = (3 * rng.standard_normal((rows, C))).astype(dtype)   # non-zero: part of the column sums
     dw0, db0 = rng.standard_normal(C).astype(pdt), rng.standard_normal(C).astype(pdt)
     c0 = rng.standard_normal(C).astype(cdt)
-    for version in _versions(C, dtype):
+    for version, wpr in [(v, w) for v in _versions(C, dtype) for w in ((None,) if v == 1 else (1, 2))]:
         def run(with_colsum):
             dx, dw, db = cp.asarray(dx0), cp.asarray(dw0), cp.asarray(db0)
             colsum = cp.asarray(c0) if with_colsum else None
             gpucore.layernorm_backward(doutg, xg, wg, mean, rstd, dx=dx, dweight=dw, dbias=db, version=version,
-                                       dx_colsum=colsum)
+                                       dx_colsum=colsum, warps_per_row=wpr)
             return [to_cpu(g) for g in (dx, dw, db)] + ([to_cpu(colsum)] if with_colsum else [])
         plain, fused, again = run(False), run(True), run(True)
         for name, g1, g2 in zip(("dx", "dweight", "dbias"), plain, fused):
@@ -488,11 +513,13 @@ def test_gpu_backward_dx_colsum(rng, case):
             f"v{version} dx_colsum column {worst}: {got[worst]!r} vs {ref[worst]!r} (bound {bound[worst]:.2e})")
         assert rel_err(got, ref) < (1e-5 if cdt == np.float32 else 1e-2)
         if version == 2:
-            N = ln.pick_version(2, dtype, C, (xg, wg, doutg))[1]
-            plain_kernel = runtime.get_kernel("layernorm", f"layernorm_backward_kernel_v2_n{N}_"
-                                                           f"{dtypes.kernel_suffix(dtype)}")
-            grid = min(runtime.sm_count() * ln._resident_blocks(plain_kernel, ln.BLOCK), -(-rows // ln.WARPS))
-            emu = _colsum_emulated(dx.astype(np.float32), grid, c0, cdt)
+            # S warps a row: WARPS / S rows in flight per block, each column summed over them in order
+            S, N = ln.backward_split(dtype, C, wpr)
+            plain_kernel = runtime.get_kernel("layernorm", f"layernorm_backward_kernel_v2_n{N}"
+                                                           f"{'_s2' if S == 2 else ''}_{dtypes.kernel_suffix(dtype)}")
+            rpb = ln.WARPS // S
+            grid = min(runtime.sm_count() * ln._resident_blocks(plain_kernel, ln.BLOCK), -(-rows // rpb))
+            emu = _colsum_emulated(dx.astype(np.float32), grid, c0, cdt, warps=rpb)
             diff = np.flatnonzero(emu.astype(np.float64) != got)
             assert diff.size == 0, (f"v2 dx_colsum differs from the emulated order in {diff.size} columns, "
                                     f"first {diff[0]}: {got[diff[0]]!r} vs {emu[diff[0]]!r} (grid {grid})")
@@ -526,9 +553,10 @@ def test_gpu_colsum_kernels_keep_the_plain_occupancy(dtype):
     change, raise colsum_min_blocks in layernorm.cu for that N (the message names it)."""
     from gpucore.ops import layernorm as ln
     suf = dtypes.kernel_suffix(dtype)
-    for N in ln.V2_N:
-        plain = runtime.get_kernel("layernorm", f"layernorm_backward_kernel_v2_n{N}_{suf}")
-        colsum = runtime.get_kernel("layernorm", f"layernorm_backward_colsum_kernel_v2_n{N}_{suf}")
+    for tag in [f"n{N}" for N in ln.V2_N] + [f"n{N}_s2" for N in range(1, 5)]:   # 1 and 2 warps a row
+        plain = runtime.get_kernel("layernorm", f"layernorm_backward_kernel_v2_{tag}_{suf}")
+        colsum = runtime.get_kernel("layernorm", f"layernorm_backward_colsum_kernel_v2_{tag}_{suf}")
+        N = tag
         a_p, a_c = runtime.kernel_attributes(plain), runtime.kernel_attributes(colsum)
         assert a_c["local_bytes"] == 0, f"N={N} {suf}: colsum kernel spills: {a_c}"
         assert ln._resident_blocks(colsum, ln.BLOCK) >= ln._resident_blocks(plain, ln.BLOCK), (

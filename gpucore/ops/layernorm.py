@@ -45,6 +45,9 @@ BLOCK = 32 * WARPS
 REDUCE_BLOCK = 256        # stage 2: 8 warps, 32 columns per block
 V1_DWDB_BLOCK = 256       # v1 dweight/dbias stage 1: one thread per column
 V2_N = range(1, 9)        # packs per lane instantiated in layernorm.cu
+SPLIT_MIN_N = 4           # v2 backward: rows whose one-warp N would be >= this go to 2 warps a row (_s2
+                          # kernels, N of half a row: 2..4); measured (C >= 1024 bf16 gains 7-8%, 768
+                          # loses 8%) in tools/notes/kernels_perf.md
 VERSIONS = (1, 2)
 
 
@@ -120,6 +123,19 @@ def _v2_fits(C: int, P: int) -> bool:
 def _v2_packs(C: int, P: int) -> int:
     """v2's packs per lane for rows of C values: the smallest instantiated N that holds the row."""
     return -(-(C // P) // 32)
+
+
+def backward_split(dtype, C: int, warps_per_row: int | None = None) -> tuple[int, int]:
+    """(S, N) of the v2 backward for rows of C `dtype` values: S warps a row (1, or 2 where one warp's
+    N would be >= SPLIT_MIN_N: its registers then cost occupancy), N packs per lane of a warp's part.
+    warps_per_row forces S (1 or 2; tests and benchmarks)."""
+    P = 16 // np.dtype(dtype).itemsize
+    n1 = _v2_packs(C, P)
+    S = (2 if n1 >= SPLIT_MIN_N else 1) if warps_per_row is None else warps_per_row
+    if S not in (1, 2):
+        raise ValueError(f"warps_per_row: 1 or 2, got {warps_per_row!r}")
+    half = -(-(C // P) // 2)               # packs of a row's first half (layernorm.cu's nP0)
+    return S, (n1 if S == 1 else -(-half // 32))
 
 
 _RESIDENT: dict[int, int] = {}
@@ -303,6 +319,23 @@ def layernorm_forward_fp8(x, weight, bias, scale, *, b=None, residual=None, out8
 
 # ---------------------------------------------------------------- backward ---
 
+def _backward_v2(xp, dx, dout, x, weight, mean, rstd, rows, C, N, S, with_colsum):
+    """Stage 1 of the v2 backward (dx +=, the block partials): S warps a row, N packs per lane.
+    Returns the scratch of partials (grid, 2 | 3, C) for stage 2."""
+    suf = dtypes.kernel_suffix(dout.dtype)
+    tag = f"n{N}" + ("_s2" if S == 2 else "")
+    kernel = runtime.get_kernel("layernorm", f"layernorm_backward_kernel_v2_{tag}_{suf}")
+    # The grid (hence the partials' row grouping) comes from the plain kernel even when the
+    # colsum one runs: dweight/dbias must not change bits with dx_colsum (layernorm.cu's
+    # colsum_min_blocks keeps that kernel's occupancy at least the plain one's).
+    grid = min(runtime.sm_count() * _resident_blocks(kernel, BLOCK), -(-rows // (WARPS // S)))
+    if with_colsum:
+        kernel = runtime.get_kernel("layernorm", f"layernorm_backward_colsum_kernel_v2_{tag}_{suf}")
+    scratch = xp.empty((grid, 3 if with_colsum else 2, C), dtype=np.float32)
+    runtime.launch(kernel, grid, BLOCK, (scratch, dx, dout, x, weight, mean, rstd, np.int32(rows), np.int32(C)))
+    return scratch
+
+
 def _grad(name, g, xp, shape, dtype, allowed):
     """A caller's gradient buffer (checked) or a fresh zero one."""
     if g is None:
@@ -315,7 +348,7 @@ def _grad(name, g, xp, shape, dtype, allowed):
 
 @profiler.profiled("layernorm backward", nbytes=profiler.io_bytes)
 def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias=None, *, version=None,
-                       dx_colsum=None):
+                       dx_colsum=None, warps_per_row=None):
     """Accumulate (+=) the LayerNorm gradients into dx (..., C), dweight (C,), dbias (C,).
 
     None allocates a zero buffer. dx has x's dtype; dweight/dbias have the
@@ -324,7 +357,9 @@ def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias
     after this call's +=, of the values as stored (what a later
     matmul_backward reads), accumulated in float32, deterministic. Without
     it nothing changes (same kernels, same bits); with it dx, dweight and
-    dbias get the same bits as without.
+    dbias get the same bits as without. warps_per_row (v2 only; None: by C,
+    backward_split): 1 or 2 warps per row -- another grouping of the partial
+    sums, so other (deterministic) bits.
     """
     check_array("dout", dout, min_ndim=1)
     rows, C = _rows_cols(dout, "dout")
@@ -335,6 +370,8 @@ def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias
     check_array("mean", mean, dtype=np.float32, shape=dout.shape[:-1])
     check_array("rstd", rstd, dtype=np.float32, shape=dout.shape[:-1])
     xp = runtime.array_module(dout, x, weight, mean, rstd, dx, dweight, dbias)
+    if warps_per_row not in (None, 1, 2):
+        raise ValueError(f"warps_per_row: 1 or 2, got {warps_per_row!r}")
     if dx_colsum is not None:      # like every argument, before any allocation or launch
         check_array("dx_colsum", dx_colsum, dtypes_=tuple(dict.fromkeys((np.dtype(np.float32), dout.dtype))),
                     shape=(C,))
@@ -358,15 +395,8 @@ def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias
     suf = dtypes.kernel_suffix(dout.dtype)
     i32 = np.int32
     if version == 2:
-        kernel = runtime.get_kernel("layernorm", f"layernorm_backward_kernel_v2_n{N}_{suf}")
-        # The grid (hence the partials' row grouping) comes from the plain kernel even when the
-        # colsum one runs: dweight/dbias must not change bits with dx_colsum (layernorm.cu's
-        # colsum_min_blocks keeps that kernel's occupancy at least the plain one's).
-        grid = min(runtime.sm_count() * _resident_blocks(kernel, BLOCK), -(-rows // WARPS))
-        if dx_colsum is not None:
-            kernel = runtime.get_kernel("layernorm", f"layernorm_backward_colsum_kernel_v2_n{N}_{suf}")
-        scratch = xp.empty((grid, 2 if dx_colsum is None else 3, C), dtype=np.float32)
-        runtime.launch(kernel, grid, BLOCK, (scratch, dx, dout, x, weight, mean, rstd, i32(rows), i32(C)))
+        S, N = backward_split(dout.dtype, C, warps_per_row)
+        scratch = _backward_v2(xp, dx, dout, x, weight, mean, rstd, rows, C, N, S, dx_colsum is not None)
     else:
         k_dx = runtime.get_kernel("layernorm", f"layernorm_backward_dx_kernel_v1_{suf}")
         runtime.launch(k_dx, -(-rows // WARPS), BLOCK, (dx, dout, x, weight, mean, rstd, i32(rows), i32(C)))
