@@ -44,6 +44,9 @@
  *      registers (the N = 8 kernels already use ~255 registers; N more packs
  *      of accumulators would spill or cost occupancy), each lane owning its
  *      columns' slots, so no barrier or atomic is needed until the end.
+ *      Long rows (one warp's N >= 4, e.g. C >= 1024 bf16) take the _s2
+ *      backward: two warps a row, each half of its packs (S = 2 below; 7-8%
+ *      faster at C = 1024..1600, where one warp's N = 7 needs 254 registers).
  *      v2 rounds to bf16 with cvt.rn.bf16x2 (fast_packs.cuh's pack_fast, one
  *      instruction a pair; float_to_bf16 took ~8 a value): the same bits for
  *      every non-NaN value. Rows whose statistics (forward) or sums (backward)
