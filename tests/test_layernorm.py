@@ -291,6 +291,9 @@ def test_backward_split_by_row_length(dtype):
     assert ln.backward_split(gpucore.bfloat16, 1600) == (2, 4)         # d48: 2 warps, 100 packs each
     with pytest.raises(ValueError, match="warps_per_row: 1 or 2, got 3"):
         ln.backward_split(dtype, 768, 3)
+    x = np.ones((2, 8), dtype)
+    with pytest.raises(ValueError, match="warps_per_row: 1 or 2, got 0"):   # on any backend, before work
+        gpucore.layernorm_backward(x, x, x[0], np.zeros(2, np.float32), np.ones(2, np.float32), warps_per_row=0)
 
 
 def _check_forward(out, mean, rstd, x, w, b, dtype):
