@@ -101,11 +101,11 @@ def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int
     from .startup import peak_flops
     if steps < 1:
         raise ValueError(f"--steps {steps}: must be at least 1")
-    run = synthetic_training(model, B, T, device, dtype, fp8_scaling)
-    net, opt, x, y, cfg, device, dt, step = run.net, run.opt, run.x, run.y, run.config, run.device, run.dtype, run.step
-    T = x.shape[1]
-    fp8 = fp8_scaling if dtype == "fp8" else None
     from . import dtypes
+    run = synthetic_training(model, B, T, device, dtype, fp8_scaling)
+    net, step, device, dt = run.net, run.step, run.device, run.dtype
+    T = run.x.shape[1]
+    fp8 = fp8_scaling if dtype == "fp8" else None
     float(step()[0])                       # warm-up: compiles, autotune, first allocations
     _sync(device)
     t0 = time.perf_counter()
@@ -116,13 +116,13 @@ def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int
     step_ms = (time.perf_counter() - t0) * 1e3 / steps
 
     t0 = time.perf_counter()
-    with profiler.recording(_lm_head_labeler(cfg.padded_vocab_size)) as rec:
+    with profiler.recording(_lm_head_labeler(run.config.padded_vocab_size)) as rec:
         for _ in range(steps):
             step()
     totals = rec.totals()                  # the one synchronize
     recorded_ms = (time.perf_counter() - t0) * 1e3 / steps
 
-    graph_ms, graph_error = _graph_step_ms(net, opt, x, y, steps) if device == "cuda" else (None, None)
+    graph_ms, graph_error = _graph_step_ms(net, run.opt, run.x, run.y, steps) if device == "cuda" else (None, None)
     peak = peak_flops(device, dt)
     copy_gbps = copy_bandwidth_gbps() if device == "cuda" else None
     rows = []

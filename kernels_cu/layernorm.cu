@@ -468,6 +468,8 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
 
     // Reduce the block's warps, pack slot by pack slot, in warp (pair) order. Value t of
     // slot j of half h (t = lane * P + k) is column (cb(h) + j * 32 + lane) * P + k.
+    // S = 1 keeps its own loop (the general one gives the same sums, but it changed the one-warp
+    // kernels' registers and so broke the plain / colsum occupancy pairing the launcher relies on).
     #pragma unroll
     for (int q = 0; q < 2; q++) {
         #pragma unroll
