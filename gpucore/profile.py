@@ -11,7 +11,10 @@ per step, share of the step, TFLOP/s (matmul, attention) or GB/s (the rest:
 bytes = the arrays passed in and returned, an approximation), and the share of
 the ceiling (the GPU's bf16 peak -- twice it for FP8 GEMMs -- or the device-to-device copy bandwidth). The
 host gap is the step time minus the sum of the ops: Python, launches and the
-time the GPU waits for them, outside any op.
+time the GPU waits for them, outside any op. On the GPU, a second more of plain
+steps reads the board's energy counter (gpucore/power.py): J per step, mean
+power against the limit, SM clock against its maximum -- whether the step is
+held by the power cap, which decides what can make it faster.
 """
 from __future__ import annotations
 
@@ -114,6 +117,7 @@ def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int
     float(loss)
     _sync(device)
     step_ms = (time.perf_counter() - t0) * 1e3 / steps
+    power = _step_power(step, device)
 
     t0 = time.perf_counter()
     with profiler.recording(_lm_head_labeler(run.config.padded_vocab_size)) as rec:
@@ -146,7 +150,22 @@ def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int
             "step_ms": step_ms, "recorded_step_ms": recorded_ms, "ops_ms": ops_ms,
             "host_gap_ms": step_ms - ops_ms, "host_gap_share": (step_ms - ops_ms) / step_ms,
             "peak_tflops": peak / 1e12 if peak else None, "copy_gbps": copy_gbps,
-            "graph_step_ms": graph_ms, "graph_error": graph_error, "rows": rows}
+            "graph_step_ms": graph_ms, "graph_error": graph_error, "power": power, "rows": rows}
+
+
+POWER_SECONDS = 1.0     # the energy counter updates every few ms: a second of steps gives percent-level figures
+
+
+def _step_power(step, device):
+    """PowerReading.as_dict() of plain steps run for POWER_SECONDS (gpucore/power.py), or None off
+    the GPU or without NVML."""
+    if device != "cuda":
+        return None
+    from . import power
+    meter = power.open_meter()
+    if meter is None:
+        return None
+    return power.measure(step, meter, min_seconds=POWER_SECONDS, sync=lambda: _sync(device)).as_dict()
 
 
 def _graph_step_ms(net, opt, x, y, steps):
@@ -196,6 +215,9 @@ def format_table(report: dict) -> str:
                      f"   forward + backward replayed: {r['step_ms'] - g:+.3f} ms of host time removed")
     elif r.get("graph_error"):
         lines.append(f"step, CUDA graph: not measured ({r['graph_error']})")
+    if r.get("power"):
+        from .power import describe
+        lines.append(describe(r["power"]))
     return "\n".join(lines)
 
 

@@ -119,6 +119,7 @@ def test_cpu_profile_rows_calls_and_shares():
     for op in ("attention forward", "attention backward", "matmul backward (lm head)", "gelu forward",
                "layernorm backward", "adamw", "host gap", "sum of ops"):
         assert op in table
+    assert report["power"] is None and "power:" not in table     # no energy counter on the CPU
     json.dumps(report)                            # JSON-able as is
 
 
@@ -169,3 +170,8 @@ def test_gpu_profile_small():
     assert all(r["ms"] > 0 for r in rows.values())
     # event-timed ops lie inside the step; the plain step (no recording) may differ by noise
     assert report["host_gap_ms"] >= -0.05 * report["step_ms"], format_table(report)
+    p = report["power"]                       # NVML comes with the driver
+    assert p is not None and p["seconds"] >= 1.0 and p["calls"] >= 1
+    assert 0 < p["joules_per_call"] and 20 < p["watts"] <= 1.3 * p["limit_w"]
+    assert 0 < p["sm_mhz"] <= p["max_sm_mhz"]
+    assert "power:" in format_table(report)
