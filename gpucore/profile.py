@@ -11,8 +11,8 @@ per step, share of the step, TFLOP/s (matmul, attention) or GB/s (the rest:
 bytes = the arrays passed in and returned, an approximation), and the share of
 the ceiling (the GPU's bf16 peak -- twice it for FP8 GEMMs -- or the device-to-device copy bandwidth). The
 host gap is the step time minus the sum of the ops: Python, launches and the
-time the GPU waits for them, outside any op. On the GPU, a second more of plain
-steps reads the board's energy counter (gpucore/power.py): J per step, mean
+time the GPU waits for them, outside any op. On the GPU, a second of plain steps
+before the timed ones reads the board's energy counter (gpucore/power.py): J per step, mean
 power against the limit, SM clock against its maximum -- whether the step is
 held by the power cap, which decides what can make it faster.
 """
@@ -111,13 +111,16 @@ def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int
     fp8 = fp8_scaling if dtype == "fp8" else None
     float(step()[0])                       # warm-up: compiles, autotune, first allocations
     _sync(device)
+    # Power first: its second of steps also brings the GPU to the clock it trains at, so that the
+    # plain and the recorded steps below run at the same one (timed on a cold GPU, the plain steps
+    # came out faster than the ops recorded after them, a negative host gap).
+    power = _step_power(step, device)
     t0 = time.perf_counter()
     for _ in range(steps):
         loss, _ = step()
     float(loss)
     _sync(device)
     step_ms = (time.perf_counter() - t0) * 1e3 / steps
-    power = _step_power(step, device)
 
     t0 = time.perf_counter()
     with profiler.recording(_lm_head_labeler(run.config.padded_vocab_size)) as rec:

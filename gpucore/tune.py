@@ -8,8 +8,15 @@ winners into the tune cache that later `gpucore train` runs read: they then run 
 algorithms, with no search and no race of their own. It prints, per GEMM, the heuristic's best,
 gemmEx, the best searched configuration and the winner (times from the race: ms per call).
 
-The race runs on a private cache first (so earlier winners do not stop it) and the winners
-are then merged into the real one. Bits: a searched algorithm is as deterministic as any other
+The race runs on a private cache first (so earlier winners do not stop it). Then whole steps
+decide (`check_steps`, default 10): the same model runs `check_steps` steps with the searched
+winners and as many with the heuristic's own (a race without the search), in ABBA order, and the
+searched winners are merged into the real cache only if their steps are faster by more than
+CHECK_MARGIN; else the heuristic's winners are (replacing any searched ones from an earlier tune).
+Why: a GEMM that wins its race alone can lose in the step. The H200 trains at its 700 W cap,
+so a faster but hungrier kernel takes clock from everything after it: at d48 B=16 bf16 the
+searched winners, 0.2 ms a step faster in their races, made whole steps 2.7% slower (310.1 vs
+318.5 ms, tools/notes/matmul.md). Bits: a searched algorithm is as deterministic as any other
 (the cache makes two runs on one machine use the same one); it may round differently from the
 heuristic's, like any change of algorithm.
 """
@@ -22,14 +29,21 @@ from pathlib import Path
 import click
 
 
+CHECK_MARGIN = 0.005          # searched winners must make whole steps this much faster to be kept
+
+
 def run_tune(model: str = "d12", B: int = 64, T: int | None = None, dtype: str = "bf16", budget: int = 1500,
-             fp8_scaling: str = "adaptive", cache_path=None) -> dict:
-    """Search and race every GEMM of one training step; merge the winners into the tune cache
-    (cache_path, or the settings' file). Returns {"seconds", "cache", "rows": [...]} (see format_rows)."""
+             fp8_scaling: str = "adaptive", cache_path=None, check_steps: int = 10) -> dict:
+    """Search and race every GEMM of one training step; check the winners on whole steps against
+    the heuristic's (check_steps per variant and round, 0: no check) and merge the better set into
+    the tune cache (cache_path, or the settings' file). Returns {"seconds", "cache", "entries",
+    "rows": [...], "check": {...} or None} (see format_rows)."""
     from . import cublas, runtime, settings
     from .profile import synthetic_training
     if budget < 1:
         raise ValueError(f"--budget {budget}: must be at least 1")
+    if check_steps < 0:
+        raise ValueError(f"--check-steps {check_steps}: must be 0 or more")
     if not runtime.gpu_available():
         raise ValueError("tune searches cuBLASLt's GEMM algorithms: it needs a CUDA GPU")
     lt = cublas.lt_binding()
@@ -41,15 +55,53 @@ def run_tune(model: str = "d12", B: int = 64, T: int | None = None, dtype: str =
         lt.forget()                       # no plan decided in memory: every GEMM races again
         t0 = time.perf_counter()
         with settings.using(lt_search=budget, lt_tune_cache=private, lt_autotune=True):
-            float(synthetic_training(model, B, T, "cuda", dtype, fp8_scaling).step()[0])
+            run = synthetic_training(model, B, T, "cuda", dtype, fp8_scaling)
+            float(run.step()[0])
             won = dict(lt.tune_cache().entries())
         seconds = time.perf_counter() - t0
         rows = plan_rows(lt)
+        check = None
+        if check_steps:
+            heuristic = str(Path(tmp) / "heuristic.json")
+            check = check_whole_steps(run, lt, {"heuristic": heuristic, "searched": private}, check_steps)
+            if not keep_searched(check["heuristic_ms"], check["searched_ms"]):
+                won = dict(cublas.TuneCache(heuristic).entries())
+                check["kept"] = "heuristic"
+            else:
+                check["kept"] = "searched"
+        del run
     real = cublas.TuneCache(target)
     for key, value in won.items():
         real.put(key, value)
     lt.forget()                           # later calls in this process read the merged file
-    return {"seconds": seconds, "cache": str(target), "entries": len(won), "rows": rows}
+    return {"seconds": seconds, "cache": str(target), "entries": len(won), "rows": rows, "check": check}
+
+
+def keep_searched(heuristic_ms: float, searched_ms: float, margin: float = CHECK_MARGIN) -> bool:
+    """Are the searched winners worth keeping: whole steps faster by more than `margin`?"""
+    return searched_ms < heuristic_ms * (1.0 - margin)
+
+
+def check_whole_steps(run, lt, caches: dict, steps: int) -> dict:
+    """Median ms per step of `run` with each tune cache in `caches` ({name: path}), in ABBA order
+    (two rounds of `steps` timed steps each, after one untimed step that restores -- or, for a
+    cache still empty, races -- the GEMMs' choices). Returns {name + "_ms": ms}."""
+    from . import runtime, settings
+    names = list(caches)
+    times = {n: [] for n in names}
+    for order in (names, names[::-1]):
+        for name in order:
+            lt.forget()                   # plans and choices come from this cache's file again
+            with settings.using(lt_search=0, lt_tune_cache=caches[name], lt_autotune=True):
+                float(run.step()[0])
+                runtime.cupy.cuda.Device().synchronize()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    loss, _ = run.step()
+                float(loss)
+                times[name].append((time.perf_counter() - t0) * 1e3 / steps)
+    lt.forget()
+    return {f"{n}_ms": sorted(t)[len(t) // 2] if len(t) % 2 else sum(t) / len(t) for n, t in times.items()}
 
 
 def plan_rows(lt) -> list[dict]:
@@ -103,7 +155,12 @@ def format_rows(report: dict) -> str:
         lines.append(f"{r['gemm']:36s} {r['heuristic_ms']:9.4f} {ms(r['gemmex_ms'])} {ms(r['searched_ms'])} "
                      f"{r['winner']:>9s} {(base - r['winner_ms']) / base:6.1%}  {r['config']}")
     lines.append(f"{len(rows)} GEMMs raced in {report['seconds']:.0f} s; searched winners save {saved:.4f} ms over "
-                 f"one call of each; {report['entries']} choices merged into {report['cache']}")
+                 f"one call of each")
+    c = report.get("check")
+    if c:
+        lines.append(f"whole steps: heuristic's winners {c['heuristic_ms']:.2f} ms, searched {c['searched_ms']:.2f} ms "
+                     f"(x{c['heuristic_ms'] / c['searched_ms']:.3f}): kept the {c['kept']}")
+    lines.append(f"{report['entries']} choices merged into {report['cache']}")
     return "\n".join(lines)
 
 
@@ -114,14 +171,18 @@ def format_rows(report: dict) -> str:
 @click.option("--dtype", type=click.Choice(["bf16", "bfloat16", "fp8"]), default="bf16", show_default=True)
 @click.option("--budget", type=click.IntRange(min=1), default=1500, show_default=True,
               help="configurations drawn from cuBLASLt's space per GEMM (lt_search)")
-def tune_command(model, batch_size, seq_len, dtype, budget):
+@click.option("--check-steps", type=click.IntRange(min=0), default=10, show_default=True,
+              help="whole steps per variant and round that decide between the searched and the heuristic's "
+                   "winners (0: keep the searched unchecked)")
+def tune_command(model, batch_size, seq_len, dtype, budget, check_steps):
     """Search cuBLASLt's GEMM configurations for a model's training step; later runs use the winners."""
     from .model import PRESETS
     from .startup import TrainError
     if model not in PRESETS:
         raise click.ClickException(f"--model {model}: unknown preset; known: {', '.join(PRESETS)}")
     try:
-        report = run_tune(model, batch_size, seq_len, "bfloat16" if dtype == "bf16" else dtype, budget)
+        report = run_tune(model, batch_size, seq_len, "bfloat16" if dtype == "bf16" else dtype, budget,
+                          check_steps=check_steps)
     except (ValueError, TrainError) as e:
         raise click.ClickException(str(e)) from None
     except MemoryError:
