@@ -2,7 +2,11 @@
 the candidate that is fastest when timed at length? For each GEMM of a model's training step
 (bf16, the training path's calls), after the race: every heuristic candidate timed in alternation
 (medians of 9 rounds x 10 calls), the race's pick against the best, and the ms a step loses.
-Run:  PYTHONPATH=. python3 tools/probes/race_check.py [model=d12] [rounds=9]
+With energy=1 each candidate instead runs back to back for `seconds` under the board's energy
+counter (gpucore/power.py): J and ms per call at the clock the power cap gives it, the race's pick
+against the most frugal candidate, and the joules a step spends over it (at the 700 W cap a step
+takes about its energy / 700 W, so joules, not milliseconds, are what a pick should save).
+Run:  PYTHONPATH=. python3 tools/probes/race_check.py [model=d12] [rounds=9] [energy=0] [seconds=0.3]
 """
 import os
 import sys
@@ -12,11 +16,11 @@ import cupy as cp
 import numpy as np
 
 import gpucore
-from gpucore import cublas, settings
+from gpucore import cublas, power, settings
 from gpucore.bench import time_interleaved
 from gpucore.ops.matmul import matmul_backward, matmul_forward
 
-opts = dict(model="d12", rounds="9")
+opts = dict(model="d12", rounds="9", energy="0", seconds="0.3")
 opts.update(kv.split("=", 1) for kv in sys.argv[1:])
 M, C, L = {"d12": (65536, 768, 12), "d48": (16384, 1600, 48)}[opts["model"]]
 V = 50304
@@ -53,7 +57,24 @@ def gemms():
     return out
 
 
-lost_total = 0.0
+ENERGY = opts["energy"] == "1"
+meter = power.open_meter() if ENERGY else None
+if ENERGY and meter is None:
+    sys.exit("energy=1 needs NVML (libnvidia-ml)")
+
+
+def sustained(fns):
+    """(ms per call, J per call) of each fn, run back to back for `seconds` after as long a warm-up."""
+    sync = cp.cuda.Device().synchronize
+    out = []
+    for fn in fns:
+        power.measure(fn, meter, min_seconds=float(opts["seconds"]), sync=sync)     # warm-up: the cap's clock
+        r = power.measure(fn, meter, min_seconds=float(opts["seconds"]), sync=sync)
+        out.append((1e3 * r.seconds / r.calls, r.joules_per_call))
+    return out
+
+
+lost_total = joules_total = 0.0
 cache = os.path.join(tempfile.mkdtemp(), "race.json")
 with settings.using(lt_tune_cache=cache):
     lt = cublas.lt_binding()
@@ -74,6 +95,17 @@ with settings.using(lt_tune_cache=cache):
                     plan.choice = i
                     fn()
                 return run
+            if ENERGY:
+                both = sustained([forced(i) for i in plan.candidates])
+                plan.choice = pick
+                ms, js = [b[0] for b in both], [b[1] for b in both]
+                pi, frugal = plan.candidates.index(pick), min(range(len(js)), key=js.__getitem__)
+                spent = (js[pi] - js[frugal]) * calls
+                joules_total += spent
+                print(f"{name:<12}{'#' + str(pi + 1):>6} {ms[pi]:8.4f} ms {js[pi]:8.4f} J | frugal #{frugal + 1} "
+                      f"{ms[frugal]:8.4f} ms {js[frugal]:8.4f} J | {spent:7.3f} J/step over  all J: "
+                      + " ".join(f"{j:.4f}" for j in js))
+                continue
             ms = time_interleaved([forced(i) for i in plan.candidates], rounds=int(opts["rounds"]), repeat=10)
             plan.choice = pick
             best = min(range(len(ms)), key=ms.__getitem__)
@@ -84,4 +116,7 @@ with settings.using(lt_tune_cache=cache):
             desc = f"M{key[3] if len(key) > 5 else '?'} N{key[4] if len(key) > 5 else '?'} K{key[5] if len(key) > 5 else '?'}"
             print(f"{name:<12}{desc:<34}{'#' + str(pi + 1):>10}{'#' + str(best + 1):>8}{ms[pi]:9.4f}{ms[best]:9.4f}"
                   f"{lost:10.3f}  " + " ".join(f"{t:.4f}" for t in ms))
-print(f"race picks lose {lost_total:.2f} ms per {opts['model']} step against the best at length")
+if ENERGY:
+    print(f"race picks spend {joules_total:.2f} J per {opts['model']} step over the most frugal candidates")
+else:
+    print(f"race picks lose {lost_total:.2f} ms per {opts['model']} step against the best at length")
