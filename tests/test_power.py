@@ -41,10 +41,11 @@ def test_measure_joules_per_call_and_watts():
         events.append("call")
 
     r = power.measure(work, meter, min_seconds=1e-6, min_calls=4, sync=lambda: events.append("sync"))
-    assert r.calls == 4 and events == ["sync"] + ["call"] * 4 + ["sync"]
+    # batches of 1, 2, 4 calls (each under 10 ms: doubling), each waited for
+    assert r.calls == 7 and events == ["sync"] + ["call", "sync"] + ["call"] * 2 + ["sync"] + ["call"] * 4 + ["sync"]
     assert r.joules_per_call == pytest.approx(0.5)
-    assert r.watts == pytest.approx(2.0 / r.seconds)
-    assert r.sm_mhz == 1650 and r.max_sm_mhz == 1980 and r.limit_w == 700.0     # median of 1500..1800
+    assert r.watts == pytest.approx(3.5 / r.seconds)
+    assert r.sm_mhz == 1600 and r.max_sm_mhz == 1980 and r.limit_w == 700.0     # median of 1500, 1600, 1700
     assert set(r.as_dict()) == {"calls", "seconds", "joules_per_call", "watts", "sm_mhz", "max_sm_mhz", "limit_w"}
 
 
