@@ -2,8 +2,9 @@
 
 An H200 trains GPT-2 at its 700 W limit (tools/notes/profile.md): the SM clock falls to ~1,575
 MHz (bf16) of 1,980, and every kernel that is not memory-bound runs at that clock. A profile of
-milliseconds alone hides this, so `gpucore profile` also reports, over the timed steps, the
-energy per step, the mean power against the limit and the SM clock against its maximum.
+milliseconds alone hides this, so `gpucore profile` also reports, over a second of steps run
+before its timed ones, the energy per step, the mean power against the limit and the SM clock
+against its maximum.
 
 NVML (libnvidia-ml, installed with the driver) is read through ctypes: no dependency. Where it
 cannot be loaded (a CPU machine, a container without it) `open_meter()` returns None and the
