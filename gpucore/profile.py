@@ -97,6 +97,17 @@ def synthetic_training(model: str, B: int, T: int | None, device: str, dtype: st
     return SyntheticRun(net, opt, x, y, cfg, device, dt)
 
 
+def time_steps(step, steps: int, device: str) -> float:
+    """ms per step of `steps` plain steps back to back (the device drained before and after)."""
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss, _ = step()
+    float(loss)
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
 def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int = 3, device: str = "auto",
                 dtype: str = "auto", fp8_scaling: str = "adaptive") -> dict:
     """Profile `steps` training steps; returns the report as a JSON-able dict (see format_table).
@@ -115,12 +126,7 @@ def run_profile(model: str = "d12", B: int = 4, T: int | None = None, steps: int
     # plain and the recorded steps below run at the same one (timed on a cold GPU, the plain steps
     # came out faster than the ops recorded after them, a negative host gap).
     power = _step_power(step, device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss, _ = step()
-    float(loss)
-    _sync(device)
-    step_ms = (time.perf_counter() - t0) * 1e3 / steps
+    step_ms = time_steps(step, steps, device)
 
     t0 = time.perf_counter()
     with profiler.recording(_lm_head_labeler(run.config.padded_vocab_size)) as rec:

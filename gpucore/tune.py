@@ -83,10 +83,11 @@ def keep_searched(heuristic_ms: float, searched_ms: float, margin: float = CHECK
 
 
 def check_whole_steps(run, lt, caches: dict, steps: int) -> dict:
-    """Median ms per step of `run` with each tune cache in `caches` ({name: path}), in ABBA order
-    (two rounds of `steps` timed steps each, after one untimed step that restores -- or, for a
-    cache still empty, races -- the GEMMs' choices). Returns {name + "_ms": ms}."""
-    from . import runtime, settings
+    """ms per step of `run` with each tune cache in `caches` ({name: path}), in ABBA order: the
+    mean of two rounds of `steps` timed steps each, after one untimed step that restores -- or,
+    for a cache still empty, races -- the GEMMs' choices. Returns {name + "_ms": ms}."""
+    from . import settings
+    from .profile import time_steps
     names = list(caches)
     times = {n: [] for n in names}
     for order in (names, names[::-1]):
@@ -94,14 +95,9 @@ def check_whole_steps(run, lt, caches: dict, steps: int) -> dict:
             lt.forget()                   # plans and choices come from this cache's file again
             with settings.using(lt_search=0, lt_tune_cache=caches[name], lt_autotune=True):
                 float(run.step()[0])
-                runtime.cupy.cuda.Device().synchronize()
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    loss, _ = run.step()
-                float(loss)
-                times[name].append((time.perf_counter() - t0) * 1e3 / steps)
+                times[name].append(time_steps(run.step, steps, "cuda"))
     lt.forget()
-    return {f"{n}_ms": sorted(t)[len(t) // 2] if len(t) % 2 else sum(t) / len(t) for n, t in times.items()}
+    return {f"{n}_ms": sum(t) / len(t) for n, t in times.items()}
 
 
 def plan_rows(lt) -> list[dict]:

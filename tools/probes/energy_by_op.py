@@ -17,10 +17,9 @@ This probe measures that energy with the board's own counter (NVML's total energ
 Run (GPU):  PYTHONPATH=. python3 tools/probes/energy_by_op.py [model=d12] [B=64] [dtype=bf16]
             [what=step,ops,copy] [seconds=0.5] [steps=20] [top=30] [mb=1024]
 """
-import ctypes
-import statistics
 import sys
-import time
+
+from gpucore import power
 
 opts = dict(model="d12", B="64", dtype="bf16", what="step,ops,copy", seconds="0.5", steps="20", top="30",
             mb="1024")
@@ -28,59 +27,19 @@ opts.update(kv.split("=", 1) for kv in sys.argv[1:])
 WHAT = set(opts["what"].split(","))
 
 
-class Nvml:
-    """The few NVML calls the probe needs, through ctypes (libnvidia-ml ships with the driver)."""
-
-    def __init__(self):
-        import cupy
-        self.lib = ctypes.CDLL("libnvidia-ml.so.1")
-        self._check(self.lib.nvmlInit_v2())
-        bus = cupy.cuda.Device().pci_bus_id.encode()
-        self.h = ctypes.c_void_p()
-        self._check(self.lib.nvmlDeviceGetHandleByPciBusId_v2(ctypes.c_char_p(bus), ctypes.byref(self.h)))
-
-    @staticmethod
-    def _check(rc):
-        if rc != 0:
-            raise RuntimeError(f"NVML call failed: {rc}")
-
-    def energy_j(self) -> float:
-        mj = ctypes.c_ulonglong()
-        self._check(self.lib.nvmlDeviceGetTotalEnergyConsumption(self.h, ctypes.byref(mj)))
-        return mj.value / 1e3
-
-    def sm_mhz(self) -> int:
-        mhz = ctypes.c_uint()
-        self._check(self.lib.nvmlDeviceGetClockInfo(self.h, 1, ctypes.byref(mhz)))   # NVML_CLOCK_SM
-        return mhz.value
-
-
-def measure(fn, seconds, sync, nv):
-    """Run fn back to back: a quarter of `seconds` to settle, then `seconds` measured.
-    Returns (ms per call, J per call, mean W, median SM MHz)."""
-    t_end = time.perf_counter() + seconds / 4
-    while time.perf_counter() < t_end:
-        fn()
-        sync()
-    n, clocks = 0, []
-    e0, t0 = nv.energy_j(), time.perf_counter()
-    while True:
-        fn()
-        n += 1
-        if n % 4 == 0:
-            clocks.append(nv.sm_mhz())
-        if time.perf_counter() - t0 >= seconds:
-            sync()
-            if time.perf_counter() - t0 >= seconds:
-                break
-    t1, e1 = time.perf_counter(), nv.energy_j()
-    dt, de = t1 - t0, e1 - e0
-    return 1e3 * dt / n, de / n, de / dt, statistics.median(clocks or [nv.sm_mhz()])
+def measure(fn, seconds, sync, meter):
+    """Run fn back to back: a quarter of `seconds` to settle the clock, then `seconds` measured
+    (gpucore.power.measure). Returns (ms per call, J per call, mean W, median SM MHz)."""
+    power.measure(fn, meter, min_seconds=seconds / 4, sync=sync)
+    r = power.measure(fn, meter, min_seconds=seconds, sync=sync)
+    return 1e3 * r.seconds / r.calls, r.joules_per_call, r.watts, r.sm_mhz
 
 
 def main():
     import cupy
-    nv = Nvml()
+    meter = power.open_meter()
+    if meter is None:
+        sys.exit("the probe needs NVML's energy counter (libnvidia-ml), which did not load")
     sync = cupy.cuda.Device().synchronize
     seconds = float(opts["seconds"])
     if WHAT & {"step", "ops"}:
@@ -94,7 +53,7 @@ def main():
         step_j = None
         if "step" in WHAT:
             steps = int(opts["steps"])
-            ms, j, w, mhz = measure(run.step, steps * 0.1, sync, nv)     # ~steps steps at ~100 ms
+            ms, j, w, mhz = measure(run.step, steps * 0.1, sync, meter)     # ~steps steps at ~100 ms
             step_j = j
             print(f"{tag}: step {ms:.1f} ms, {j:.2f} J, {w:.0f} W, SM {mhz:.0f} MHz")
         if "ops" in WHAT:
@@ -120,7 +79,7 @@ def main():
             total_ms = total_j = 0.0
             for ms, calls, label in rows:
                 fn, args, kwargs = captured[label]
-                per_ms, per_j, w, mhz = measure(lambda: fn(*args, **kwargs), seconds, sync, nv)
+                per_ms, per_j, w, mhz = measure(lambda: fn(*args, **kwargs), seconds, sync, meter)
                 total_ms += ms
                 total_j += per_j * calls
                 print(f"{label[:70]:70s} {calls:5d} {ms:10.3f} {per_ms * calls:8.3f} {per_j * calls:7.2f} "
@@ -128,7 +87,7 @@ def main():
             print(f"top {len(rows)} rows: {total_ms:.1f} ms (as recorded), {total_j:.2f} J replayed"
                   + (f"; the whole step measured {step_j:.2f} J" if step_j else ""))
     if "copy" in WHAT:
-        copy_by_sms(nv, sync, seconds)
+        copy_by_sms(meter, sync, seconds)
 
 
 COPY_SRC = r"""
@@ -139,7 +98,7 @@ extern "C" __global__ void copy16(const uint4* __restrict__ src, uint4* __restri
 """
 
 
-def copy_by_sms(nv, sync, seconds):
+def copy_by_sms(meter, sync, seconds):
     import cupy
     kern = cupy.RawKernel(COPY_SRC, "copy16")
     nbytes = int(opts["mb"]) << 20
@@ -151,7 +110,7 @@ def copy_by_sms(nv, sync, seconds):
     for used in (sms, sms * 3 // 4, sms // 2, sms // 3, sms // 4):
         def go():
             kern((4 * used,), (512,), (src, dst, cupy.int64(n)))
-        ms, j, w, mhz = measure(go, seconds, sync, nv)
+        ms, j, w, mhz = measure(go, seconds, sync, meter)
         gbps = 2 * nbytes / (ms * 1e-3) / 1e9
         print(f"  {used:4d} SMs: {ms:.3f} ms, {gbps:6.0f} GB/s, {1e9 * j / (2 * nbytes):.3f} nJ/byte, "
               f"{w:.0f} W, SM {mhz:.0f} MHz")
