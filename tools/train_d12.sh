@@ -11,6 +11,7 @@
 #   MODEL=d48 B=16 STEPS=20 tools/train_d12.sh     # the d48 variant (the d12 loss targets are not checked)
 #   DTYPE=fp8 tools/train_d12.sh           # --dtype fp8 (or any --dtype)
 #   TUNE=1 tools/train_d12.sh              # `gpucore tune` first (searched cuBLASLt algorithms, cached)
+#   TUNE=1 TUNE_ARGS="--by energy --budget 0" tools/train_d12.sh   # tune's options
 #
 # Logs and metrics go to $OUT/train_d12 (default out/train_d12). Runs from the source tree.
 set -euo pipefail
@@ -31,7 +32,7 @@ if [ ! -f data/tinyshakespeare/tinyshakespeare_train.bin ]; then
 fi
 
 if [ -n "${TUNE:-}" ]; then
-  $PY -m gpucore.cli tune --model "$MODEL" -B "$B" -T 1024 --dtype "$DTYPE" 2>&1 | tee "$LOG/tune.txt" | tail -3
+  $PY -m gpucore.cli tune --model "$MODEL" -B "$B" -T 1024 --dtype "$DTYPE" ${TUNE_ARGS:-} 2>&1 | tee "$LOG/tune.txt" | tail -3
 fi
 
 $PY -m gpucore.cli train --model "$MODEL" -B "$B" -T 1024 --steps "$STEPS" --lr 3e-4 --dtype "$DTYPE" --device cuda \

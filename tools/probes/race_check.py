@@ -6,7 +6,11 @@ With energy=1 each candidate instead runs back to back for `seconds` under the b
 counter (gpucore/power.py): J and ms per call at the clock the power cap gives it, the race's pick
 against the most frugal candidate, and the joules a step spends over it (at the 700 W cap a step
 takes about its energy / 700 W, so joules, not milliseconds, are what a pick should save).
+With frugal_cache=PATH (energy=1) the fewest-joules candidate within `margin` (3%) of the fastest
+one's ms is written per GEMM into a tune cache at PATH, for a whole-step A/B against the usual
+race (`GPUCORE_SETTINGS=lt_tune_cache=PATH` in tools/ab_train.py; a GEMM missing there races).
 Run:  PYTHONPATH=. python3 tools/probes/race_check.py [model=d12] [rounds=9] [energy=0] [seconds=0.3]
+      [frugal_cache=PATH] [margin=0.03]
 """
 import os
 import sys
@@ -20,7 +24,7 @@ from gpucore import cublas, power, settings
 from gpucore.bench import time_interleaved
 from gpucore.ops.matmul import matmul_backward, matmul_forward
 
-opts = dict(model="d12", rounds="9", energy="0", seconds="0.3")
+opts = dict(model="d12", rounds="9", energy="0", seconds="0.3", frugal_cache="", margin="0.03")
 opts.update(kv.split("=", 1) for kv in sys.argv[1:])
 M, C, L = {"d12": (65536, 768, 12), "d48": (16384, 1600, 48)}[opts["model"]]
 V = 50304
@@ -74,6 +78,7 @@ def sustained(fns):
     return out
 
 
+FRUGAL = cublas.TuneCache(opts["frugal_cache"]) if ENERGY and opts["frugal_cache"] else None
 lost_total = joules_total = 0.0
 cache = os.path.join(tempfile.mkdtemp(), "race.json")
 with settings.using(lt_tune_cache=cache):
@@ -100,6 +105,11 @@ with settings.using(lt_tune_cache=cache):
                 plan.choice = pick
                 ms, js = [b[0] for b in both], [b[1] for b in both]
                 pi, frugal = plan.candidates.index(pick), min(range(len(js)), key=js.__getitem__)
+                if FRUGAL is not None:
+                    near = [i for i in range(len(ms)) if ms[i] <= min(ms) * (1 + float(opts["margin"]))]
+                    keep = min(near, key=js.__getitem__)
+                    FRUGAL.put(lt.tune_key(key), plan.algo_hex(plan.candidates[keep]))
+                    print(f"{name:<12} frugal cache: #{keep + 1} ({ms[keep]:.4f} ms, {js[keep]:.4f} J)")
                 spent = (js[pi] - js[frugal]) * calls
                 joules_total += spent
                 print(f"{name:<12}{'#' + str(pi + 1):>6} {ms[pi]:8.4f} ms {js[pi]:8.4f} J | frugal #{frugal + 1} "

@@ -13,10 +13,11 @@ Each ablated run sits between two baseline runs (base, a1, base, a2, ..., base),
 are against the mean of its two neighbours, so a drifting clock or temperature cancels out. "saved
 ms / profile ms" is the share of an op's profiled time a perfect kernel would give back: near 1
 for an op whose joules are small for its time, well under 1 for one that pays for its own clock.
-Groups (`groups=`) skip several families at once, e.g. every memory-bound pass.
+Groups (`groups=LABEL=NAME|NAME|...,LABEL=...`) skip several families at once, e.g. every
+memory-bound pass; names the step does not call are left out with a line saying so.
 
 Run (GPU):  PYTHONPATH=. python3 tools/probes/step_ablation.py [model=d12] [B=64] [dtype=bf16]
-            [seconds=1.0] [top=12] [groups=NAME+NAME,...] [device=cuda]
+            [seconds=1.0] [top=12] ["groups=LABEL=NAME|NAME,..."] [device=cuda]
 """
 import sys
 
@@ -88,11 +89,13 @@ def main():
     families = sorted(totals, key=lambda n: -totals[n].ms)[:int(opts["top"])]
     variants = [(f, {f}) for f in families]
     for g in filter(None, opts["groups"].split(",")):
-        names = set(g.split("+"))
-        unknown = names - set(totals)
-        if unknown:
-            sys.exit(f"groups: no family named {sorted(unknown)}; the step has {sorted(totals)}")
-        variants.append((g, names))
+        label, _, members = g.rpartition("=")
+        names = set(members.split("|")) & set(totals)
+        missing = set(members.split("|")) - names
+        if missing:
+            print(f"group {label or g}: not in this step, left out: {sorted(missing)}")
+        if names:
+            variants.append((label or "|".join(sorted(names)), names))
 
     def measured(skip):
         rec = Skipper(labeler, keeper.results, skip) if skip else None
