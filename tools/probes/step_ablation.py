@@ -15,16 +15,21 @@ ms / profile ms" is the share of an op's profiled time a perfect kernel would gi
 for an op whose joules are small for its time, well under 1 for one that pays for its own clock.
 Groups (`groups=LABEL=NAME|NAME|...,LABEL=...`) skip several families at once, e.g. every
 memory-bound pass; names the step does not call are left out with a line saying so.
+freeze=1 skips the optimizer in every run, baselines included: the weights stay as recorded, so
+every step computes on the same data (without it an ablation's stale gradients move the weights,
+and later baselines drift: FP8's adaptive scales more than bf16).
+Caveat: skipping an op that writes the gradient stream (layernorm backward accumulates dresidual)
+leaves the GEMMs after it multiplying zeros, which draw less power: such a row is not a ceiling.
 
 Run (GPU):  PYTHONPATH=. python3 tools/probes/step_ablation.py [model=d12] [B=64] [dtype=bf16]
-            [seconds=1.0] [top=12] ["groups=LABEL=NAME|NAME,..."] [device=cuda]
+            [seconds=1.0] [top=12] ["groups=LABEL=NAME|NAME,..."] [freeze=0] [device=cuda]
 """
 import sys
 
 from gpucore import power, profiler
 from gpucore.profile import _lm_head_labeler, synthetic_training
 
-opts = dict(model="d12", B="64", dtype="bf16", seconds="1.0", top="12", groups="", device="cuda")
+opts = dict(model="d12", B="64", dtype="bf16", seconds="1.0", top="12", groups="", device="cuda", freeze="0")
 opts.update(kv.split("=", 1) for kv in sys.argv[1:])
 
 
@@ -86,7 +91,8 @@ def main():
         profiler._ACTIVE.reset(token)
     totals = keeper.totals()
     step_ms = sum(t.ms for t in totals.values())
-    families = sorted(totals, key=lambda n: -totals[n].ms)[:int(opts["top"])]
+    frozen = {n for n in ("adamw", "sfadamw") if n in totals} if opts["freeze"] == "1" else set()
+    families = [n for n in sorted(totals, key=lambda n: -totals[n].ms) if n not in frozen][:int(opts["top"])]
     variants = [(f, {f}) for f in families]
     for g in filter(None, opts["groups"].split(",")):
         label, _, members = g.rpartition("=")
@@ -98,6 +104,7 @@ def main():
             variants.append((label or "|".join(sorted(names)), names))
 
     def measured(skip):
+        skip = set(skip or ()) | frozen
         rec = Skipper(labeler, keeper.results, skip) if skip else None
 
         def step():
@@ -112,7 +119,7 @@ def main():
 
     tag = f"{opts['model']} B={opts['B']} {opts['dtype']}"
     print(f"{tag}: recorded eager step, ops summed {step_ms:.1f} ms; {len(variants)} ablations, "
-          f"{seconds:.1f} s each, between baselines")
+          f"{seconds:.1f} s each, between baselines" + (f"; always skipped: {sorted(frozen)}" if frozen else ""))
     print(f"{'skipped':44s} {'prof ms':>8s} {'step ms':>8s} {'step J':>7s} {'saved ms':>8s} {'saved J':>7s} "
           f"{'ms/prof':>7s} {'MHz':>5s}")
     base = measured(None)
