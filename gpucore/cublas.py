@@ -40,11 +40,7 @@ Inside a CUDA-graph capture nothing is timed (the first candidate is used).
 Choices come from gpucore.settings: `cublaslt` (False: lt_gemm declines),
 `lt_autotune`, `lt_try_gemmex`, `lt_autotune_min_flops`, `lt_tune_cache`, and
 `lt_search` (> 0: configurations beyond the heuristic's join the race, gpucore/lt_search.py;
-a winner saved from such a race is restored by its bytes in later processes) and `lt_race`
-("energy": each candidate runs back to back under the board's energy counter and the one with
-the fewest joules per call wins among those within LT_ENERGY_SLACK of the fastest -- a step at
-the 700 W power cap takes about its energy / 700 W, and candidates of equal speed differ by up to
-~20% in joules, tools/notes/matmul.md; seconds per GEMM, so `gpucore tune --by energy` only).
+a winner saved from such a race is restored by its bytes in later processes).
 The fused bias gradient (CUBLASLT_EPILOGUE_BGRADB) was measured slower than
 our column-sum kernel at every GPT-2 shape and is not bound here any more
 (tools/notes/matmul.md, "Removed in the restructuring").
@@ -64,9 +60,6 @@ from . import dtypes, lt_search, runtime, settings
 LT_ALGO_CANDIDATES = 8                  # heuristic results requested per plan
 LT_TUNE_MARGIN = 0.01                   # another algorithm must be 1% faster to replace the first choice
 LT_RACE_ROUNDS, LT_RACE_REPS = 7, 5     # the race: median of 7 interleaved rounds of 5 calls (_time_each)
-LT_ENERGY_SLACK = 0.03                  # energy race: candidates up to 3% slower than the fastest may win
-LT_ENERGY_SECONDS = 0.5                 # energy race: seconds of back-to-back calls per candidate (after as many):
-                                        # 0.25 s read every first candidate 20-40% high (the clock settles slowly)
 LT_WORKSPACE_BYTES = 32 << 20           # cuBLAS' recommendation for Hopper
 GEMMEX = "gemmex"                       # a plan's choice when plain gemmEx won the race
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
@@ -240,40 +233,6 @@ def pick_fastest(times, margin=LT_TUNE_MARGIN) -> int:
     return best if times[best] < times[0] * (1.0 - margin) else 0
 
 
-def pick_frugal(ms, joules, slack=LT_ENERGY_SLACK, margin=LT_TUNE_MARGIN) -> int:
-    """Index of the candidate to use by energy: the fewest joules per call among those at most
-    `slack` slower than the fastest, unless it spends less than `margin` below candidate 0's
-    (when candidate 0 itself is within the slack)."""
-    fastest = min(ms)
-    ok = [i for i in range(len(ms)) if ms[i] <= fastest * (1.0 + slack)]
-    best = min(ok, key=lambda i: (joules[i], i))
-    if 0 in ok and joules[best] >= joules[0] * (1.0 - margin):
-        return 0
-    return best
-
-
-def _energy_each(fns, seconds=LT_ENERGY_SECONDS):
-    """(ms per call, J per call) of each fn, run back to back for `seconds` under the board's
-    energy counter after as long a warm-up (which also brings the clock to where the cap holds
-    it). A candidate whose first call raises gets inf for both."""
-    from . import power
-    meter = power.open_meter()
-    if meter is None:
-        raise RuntimeError("lt_race='energy' needs NVML's energy counter (libnvidia-ml), which did not load")
-    sync = runtime.cupy.cuda.Device().synchronize
-    out = []
-    for fn in fns:
-        try:
-            fn()
-        except RuntimeError:
-            out.append((float("inf"), float("inf")))
-            continue
-        power.measure(fn, meter, min_seconds=seconds, sync=sync)
-        r = power.measure(fn, meter, min_seconds=seconds, sync=sync)
-        out.append((1e3 * r.seconds / r.calls, r.joules_per_call))
-    return [o[0] for o in out], [o[1] for o in out]
-
-
 def _time_each(fns, rounds=LT_RACE_ROUNDS, reps=LT_RACE_REPS):
     """ms per call of each fn: one warm-up call each, then `rounds` interleaved rounds of `reps`
     calls each; the median round. A candidate whose warm-up call raises (an algorithm Lt offered
@@ -324,7 +283,6 @@ class Plan:
         self.raced = None               # the indices the race timed (candidates + searched), in order
         self.choice = None              # an index into results, GEMMEX, or None (not decided yet)
         self.times = None               # ms per raced candidate (+ gemmEx) when it was timed
-        self.joules = None              # J per raced candidate (+ gemmEx) when the race was by energy
 
     def algo_ptr(self, i):
         n = len(self.results) // _HEURISTIC_BYTES
@@ -468,9 +426,6 @@ class CublasLt:
     def choose(self, plan, key, launch, out, beta, flops, gemmex):
         """Decide plan.choice (see the module docstring). launch(i, c_ptr) runs candidate i into
         c_ptr; gemmex(c) runs plain gemmEx into array c, or is None when gemmEx is no candidate."""
-        race = settings.current().lt_race
-        if race not in ("time", "energy"):
-            raise ValueError(f"settings.lt_race: expected 'time' or 'energy', got {race!r}")
         if flops < settings.current().lt_autotune_min_flops or (len(plan.candidates) == 1 and gemmex is None):
             plan.choice = plan.candidates[0]
             return
@@ -501,13 +456,9 @@ class CublasLt:
         fns = [lambda i=i: launch(i, target.data.ptr) for i in raced]
         if gemmex is not None:
             fns.append(lambda: gemmex(target))
-        if race == "energy":
-            times, joules = _energy_each(fns)
-            best = pick_frugal(times, joules)
-        else:
-            times, joules = _time_each(fns), None
-            best = pick_fastest(times)
-        plan.raced, plan.times, plan.joules = raced, times, joules
+        times = _time_each(fns)
+        best = pick_fastest(times)
+        plan.raced, plan.times = raced, times
         plan.choice = GEMMEX if best == len(raced) else raced[best]
         cache.put(tkey, GEMMEX if plan.choice == GEMMEX else plan.algo_hex(plan.choice))
 

@@ -39,9 +39,6 @@ class Settings:
     lt_tune_cache: str | None = None      # the winners' file; None: <kernel cache dir>/cublaslt_algos.json
     lt_search: int = 0                    # > 0: the race also gets the fastest of up to this many configurations
                                           # drawn from cuBLASLt's whole space (gpucore/lt_search.py); 0: heuristic only
-    lt_race: str = "time"                 # what the race minimises: "time" (ms per call, a few calls) or "energy"
-                                          # (J per call run back to back under NVML's energy counter, within
-                                          # LT_ENERGY_SLACK of the fastest: `gpucore tune --by energy`)
     gelu_epilogue: bool = True            # bf16 matmul_forward(gelu_out=): GELU in Lt's epilogue (GELU_AUX_BIAS)
     # ---- attention (gpucore/ops/attention.py)
     attention_v3_forward: bool = True     # version=None forward: v3 (Hopper wgmma) where it applies, else v2

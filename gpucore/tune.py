@@ -11,10 +11,8 @@ gemmEx, the best searched configuration and the winner (times from the race: ms 
 The race runs on a private cache first (so earlier winners do not stop it). Then whole steps
 decide (`check_steps`, default 10): the same model runs `check_steps` steps with the searched
 winners and as many with the heuristic's own (a race without the search), in ABBA order, and the
-tune's winners are merged into the real cache only if their steps are faster by more than
-CHECK_MARGIN; else the heuristic's winners are (replacing any from an earlier tune).
-`--by energy` races each GEMM's candidates by joules per call instead of ms (settings.lt_race,
-gpucore/cublas.py): at the power cap the step's time follows its energy.
+searched winners are merged into the real cache only if their steps are faster by more than
+CHECK_MARGIN; else the heuristic's winners are (replacing any searched ones from an earlier tune).
 Why: a GEMM that wins its race alone can lose in the step. The H200 trains at its 700 W cap,
 so a faster but hungrier kernel takes clock from everything after it: at d48 B=16 bf16 the
 searched winners, 0.2 ms a step faster in their races, made whole steps 2.7% slower (310.1 vs
@@ -35,18 +33,15 @@ CHECK_MARGIN = 0.005          # searched winners must make whole steps this much
 
 
 def run_tune(model: str = "d12", B: int = 64, T: int | None = None, dtype: str = "bf16", budget: int = 1500,
-             fp8_scaling: str = "adaptive", cache_path=None, check_steps: int = 10, by: str = "time") -> dict:
+             fp8_scaling: str = "adaptive", cache_path=None, check_steps: int = 10) -> dict:
     """Search and race every GEMM of one training step; check the winners on whole steps against
     the heuristic's (check_steps per variant and round, 0: no check) and merge the better set into
-    the tune cache (cache_path, or the settings' file). budget 0: no search, the heuristic's
-    candidates only; by: what the race minimises, "time" or "energy" (settings.lt_race). Returns {"seconds", "cache", "entries",
+    the tune cache (cache_path, or the settings' file). Returns {"seconds", "cache", "entries",
     "rows": [...], "check": {...} or None} (see format_rows)."""
     from . import cublas, runtime, settings
     from .profile import synthetic_training
-    if budget < 0:
-        raise ValueError(f"--budget {budget}: must be 0 or more")
-    if by not in ("time", "energy"):
-        raise ValueError(f"--by {by!r}: expected time or energy")
+    if budget < 1:
+        raise ValueError(f"--budget {budget}: must be at least 1")
     if check_steps < 0:
         raise ValueError(f"--check-steps {check_steps}: must be 0 or more")
     if not runtime.gpu_available():
@@ -59,7 +54,7 @@ def run_tune(model: str = "d12", B: int = 64, T: int | None = None, dtype: str =
         private = str(Path(tmp) / "algos.json")
         lt.forget()                       # no plan decided in memory: every GEMM races again
         t0 = time.perf_counter()
-        with settings.using(lt_search=budget, lt_tune_cache=private, lt_autotune=True, lt_race=by):
+        with settings.using(lt_search=budget, lt_tune_cache=private, lt_autotune=True):
             run = synthetic_training(model, B, T, "cuda", dtype, fp8_scaling)
             float(run.step()[0])
             won = dict(lt.tune_cache().entries())
@@ -68,12 +63,12 @@ def run_tune(model: str = "d12", B: int = 64, T: int | None = None, dtype: str =
         check = None
         if check_steps:
             heuristic = str(Path(tmp) / "heuristic.json")
-            check = check_whole_steps(run, lt, {"heuristic": heuristic, "tuned": private}, check_steps)
-            if not keep_tuned(check["heuristic_ms"], check["tuned_ms"]):
+            check = check_whole_steps(run, lt, {"heuristic": heuristic, "searched": private}, check_steps)
+            if not keep_searched(check["heuristic_ms"], check["searched_ms"]):
                 won = dict(cublas.TuneCache(heuristic).entries())
                 check["kept"] = "heuristic"
             else:
-                check["kept"] = "tuned"
+                check["kept"] = "searched"
         del run
     real = cublas.TuneCache(target)
     for key, value in won.items():
@@ -82,9 +77,9 @@ def run_tune(model: str = "d12", B: int = 64, T: int | None = None, dtype: str =
     return {"seconds": seconds, "cache": str(target), "entries": len(won), "rows": rows, "check": check}
 
 
-def keep_tuned(heuristic_ms: float, tuned_ms: float, margin: float = CHECK_MARGIN) -> bool:
-    """Are the tune's winners worth keeping: whole steps faster by more than `margin`?"""
-    return tuned_ms < heuristic_ms * (1.0 - margin)
+def keep_searched(heuristic_ms: float, searched_ms: float, margin: float = CHECK_MARGIN) -> bool:
+    """Are the searched winners worth keeping: whole steps faster by more than `margin`?"""
+    return searched_ms < heuristic_ms * (1.0 - margin)
 
 
 def check_whole_steps(run, lt, caches: dict, steps: int) -> dict:
@@ -124,9 +119,6 @@ def plan_rows(lt) -> list[dict]:
             "winner_ms": gemmex if won_gemmex else t[plan.raced.index(plan.choice)],
             "config": "" if won_gemmex else lt_search.describe(lt.lib, plan.algo_ptr(plan.choice)),
         })
-        if plan.joules is not None:       # an energy race: J per call of the first candidate and the winner
-            rows[-1]["first_j"] = plan.joules[0]
-            rows[-1]["winner_j"] = plan.joules[n_raced] if won_gemmex else plan.joules[plan.raced.index(plan.choice)]
     return rows
 
 
@@ -156,15 +148,14 @@ def format_rows(report: dict) -> str:
     for r in sorted(rows, key=lambda r: r["gemm"]):
         base = min(v for v in (r["heuristic_ms"], r["gemmex_ms"]) if v is not None)
         saved += base - r["winner_ms"]
-        joules = f"  {r['first_j']:.4f} -> {r['winner_j']:.4f} J" if "winner_j" in r else ""
         lines.append(f"{r['gemm']:36s} {r['heuristic_ms']:9.4f} {ms(r['gemmex_ms'])} {ms(r['searched_ms'])} "
-                     f"{r['winner']:>9s} {(base - r['winner_ms']) / base:6.1%}{joules}  {r['config']}")
+                     f"{r['winner']:>9s} {(base - r['winner_ms']) / base:6.1%}  {r['config']}")
     lines.append(f"{len(rows)} GEMMs raced in {report['seconds']:.0f} s; searched winners save {saved:.4f} ms over "
                  f"one call of each")
     c = report.get("check")
     if c:
-        lines.append(f"whole steps: the usual race's winners {c['heuristic_ms']:.2f} ms, tuned {c['tuned_ms']:.2f} ms "
-                     f"(x{c['heuristic_ms'] / c['tuned_ms']:.3f}): kept the {c['kept']}")
+        lines.append(f"whole steps: heuristic's winners {c['heuristic_ms']:.2f} ms, searched {c['searched_ms']:.2f} ms "
+                     f"(x{c['heuristic_ms'] / c['searched_ms']:.3f}): kept the {c['kept']}")
     lines.append(f"{report['entries']} choices merged into {report['cache']}")
     return "\n".join(lines)
 
@@ -174,15 +165,12 @@ def format_rows(report: dict) -> str:
 @click.option("-B", "--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("-T", "--seq-len", type=click.IntRange(min=1), default=None, help="[default: min(1024, maxT)]")
 @click.option("--dtype", type=click.Choice(["bf16", "bfloat16", "fp8"]), default="bf16", show_default=True)
-@click.option("--budget", type=click.IntRange(min=0), default=1500, show_default=True,
-              help="configurations drawn from cuBLASLt's space per GEMM (lt_search); 0: the heuristic's only")
-@click.option("--by", type=click.Choice(["time", "energy"]), default="time", show_default=True,
-              help="what each GEMM's race minimises: ms per call, or joules per call under the board's energy "
-                   "counter (within 3% of the fastest; for GPUs that train at their power cap)")
+@click.option("--budget", type=click.IntRange(min=1), default=1500, show_default=True,
+              help="configurations drawn from cuBLASLt's space per GEMM (lt_search)")
 @click.option("--check-steps", type=click.IntRange(min=0), default=10, show_default=True,
               help="whole steps per variant and round that decide between the searched and the heuristic's "
                    "winners (0: keep the searched unchecked)")
-def tune_command(model, batch_size, seq_len, dtype, budget, check_steps, by):
+def tune_command(model, batch_size, seq_len, dtype, budget, check_steps):
     """Search cuBLASLt's GEMM configurations for a model's training step; later runs use the winners."""
     from .model import PRESETS
     from .startup import TrainError
@@ -190,7 +178,7 @@ def tune_command(model, batch_size, seq_len, dtype, budget, check_steps, by):
         raise click.ClickException(f"--model {model}: unknown preset; known: {', '.join(PRESETS)}")
     try:
         report = run_tune(model, batch_size, seq_len, "bfloat16" if dtype == "bf16" else dtype, budget,
-                          check_steps=check_steps, by=by)
+                          check_steps=check_steps)
     except (ValueError, TrainError) as e:
         raise click.ClickException(str(e)) from None
     except MemoryError:

@@ -11,7 +11,7 @@
 #   MODEL=d48 B=16 STEPS=20 tools/train_d12.sh     # the d48 variant (the d12 loss targets are not checked)
 #   DTYPE=fp8 tools/train_d12.sh           # --dtype fp8 (or any --dtype)
 #   TUNE=1 tools/train_d12.sh              # `gpucore tune` first (searched cuBLASLt algorithms, cached)
-#   TUNE=1 TUNE_ARGS="--by energy --budget 0" tools/train_d12.sh   # tune's options
+#   TUNE=1 TUNE_ARGS="--budget 300 --check-steps 5" tools/train_d12.sh   # with tune options
 #
 # Logs and metrics go to $OUT/train_d12 (default out/train_d12). Runs from the source tree.
 set -euo pipefail
