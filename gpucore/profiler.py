@@ -106,9 +106,10 @@ def active() -> Recorder | None:
 
 
 @contextlib.contextmanager
-def recording(labeler=None):
-    """Time every profiled op called in the block; yields the Recorder. Restored on exit."""
-    rec = Recorder(labeler)
+def recording(labeler=None, *, recorder: Recorder | None = None):
+    """Time every profiled op called in the block; yields the Recorder. Restored on exit.
+    recorder: a Recorder (or subclass: probes that replay or skip calls) to use instead of a new one."""
+    rec = recorder if recorder is not None else Recorder(labeler)
     token = _ACTIVE.set(rec)
     try:
         yield rec

@@ -61,6 +61,18 @@ def test_recording_is_off_outside_and_restored_after_an_error():
     assert rec.totals() == {} and inner.totals()["inner"].calls == 1
 
 
+def test_recording_with_a_given_recorder_routes_calls_through_it():
+    class Doubling(profiler.Recorder):      # a probe's kind of recorder: it may change what a call does
+        def _record(self, name, fn, args, kwargs, flops, nbytes):
+            return 2 * super()._record(name, fn, args, kwargs, flops, nbytes)
+    mine = Doubling()
+    with profiler.recording(recorder=mine) as rec:
+        assert rec is mine and profiler.active() is mine
+        assert _outer(1) == 12                  # outer's 6, doubled once: inner calls inside it stay plain
+    assert profiler.active() is None
+    assert mine.totals()["outer"].calls == 1 and "inner" not in mine.totals()
+
+
 def test_recording_is_per_thread():
     seen = {}
     with profiler.recording() as rec:

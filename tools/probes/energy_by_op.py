@@ -67,11 +67,8 @@ def main():
                     return super()._record(label, fn, args, kwargs, flops, nbytes)
 
             rec = Capture()
-            token = profiler._ACTIVE.set(rec)
-            try:
+            with profiler.recording(recorder=rec):
                 run.step()
-            finally:
-                profiler._ACTIVE.reset(token)
             totals = rec.totals()
             rows = sorted(((t.ms, t.calls, name) for name, t in totals.items()), reverse=True)[:int(opts["top"])]
             print(f"{'op and argument shapes':70s} {'calls':>5s} {'ms in step':>10s} {'ms alone':>8s} "

@@ -84,11 +84,8 @@ def main():
     for _ in range(3):
         float(run.step()[0])
     keeper = Keeper(labeler)
-    token = profiler._ACTIVE.set(keeper)
-    try:
+    with profiler.recording(recorder=keeper):
         run.step()
-    finally:
-        profiler._ACTIVE.reset(token)
     totals = keeper.totals()
     step_ms = sum(t.ms for t in totals.values())
     frozen = {n for n in ("adamw", "sfadamw") if n in totals} if opts["freeze"] == "1" else set()
@@ -108,11 +105,10 @@ def main():
         rec = Skipper(labeler, keeper.results, skip) if skip else None
 
         def step():
-            token = profiler._ACTIVE.set(rec)
-            try:
+            if rec is None:
                 return run.step()
-            finally:
-                profiler._ACTIVE.reset(token)
+            with profiler.recording(recorder=rec):
+                return run.step()
         power.measure(step, meter, min_seconds=seconds / 4, sync=sync)       # settle the clock
         r = power.measure(step, meter, min_seconds=seconds, sync=sync)
         return 1e3 * r.seconds / r.calls, r.joules_per_call, r.sm_mhz
