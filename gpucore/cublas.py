@@ -65,8 +65,6 @@ GEMMEX = "gemmex"                       # a plan's choice when plain gemmEx won 
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_AUX_POINTER, _DESC_AUX_LD = 11, 12
 _DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER, _DESC_FAST_ACCUM = 17, 18, 25
-_DESC_D_SCALE_POINTER, _DESC_AMAX_D_POINTER, _DESC_AUX_DATA_TYPE = 20, 21, 22
-_SCALE_ATTRS = (_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER, _DESC_D_SCALE_POINTER, _DESC_AMAX_D_POINTER)
 _CUDA_R_8F_E4M3, _CUDA_R_8F_E5M2 = 28, 29     # cudaDataType_t of the FP8 formats
 FP8_TYPES = {"e4m3": _CUDA_R_8F_E4M3, "e5m2": _CUDA_R_8F_E5M2}
 _EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
@@ -87,11 +85,9 @@ def _cublas():
 
 
 def cuda_type(dtype) -> int:
-    """The cudaDataType of a float32 / bfloat16 / float16 array."""
+    """The cudaDataType of a float32 / bfloat16 array."""
     rt = runtime.cupy.cuda.runtime
-    if dtype == dtypes.bfloat16:
-        return rt.CUDA_R_16BF
-    return rt.CUDA_R_16F if dtype == np.float16 else rt.CUDA_R_32F
+    return rt.CUDA_R_16BF if dtype == dtypes.bfloat16 else rt.CUDA_R_32F
 
 
 def _load(stem: str):
@@ -278,12 +274,11 @@ def _capturing() -> bool:
 class Plan:
     """Descriptors, the heuristic's candidate algorithms and (once decided) the choice."""
 
-    def __init__(self, desc, lay_b, lay_a, lay_c, results, candidates, lt_types=None, lay_d=None):
+    def __init__(self, desc, lay_b, lay_a, lay_c, results, candidates, lt_types=None):
         self.desc, self.lay_b, self.lay_a, self.lay_c = desc, lay_b, lay_a, lay_c
-        self.lay_d = lay_c if lay_d is None else lay_d   # D's layout: C's but for an FP8 output
         self.results = results          # the heuristic-result array (kept alive: algos point into it)
         self.candidates = candidates    # indices of the usable results, heuristic order
-        self.lt_types = lt_types        # (Lt's A, B, C[, D]) cudaDataTypes: what AlgoInit needs (lt_search)
+        self.lt_types = lt_types        # (Lt's A, B, C = D) cudaDataTypes: what AlgoInit needs (lt_search)
         self.extra = []                 # 96-byte algorithm buffers added later (searched, or from the cache)
         self.raced = None               # the indices the race timed (candidates + searched), in order
         self.choice = None              # an index into results, GEMMEX, or None (not decided yet)
@@ -366,7 +361,7 @@ class CublasLt:
     def set_pointers(self, plan, bias_ptr, aux_ptr, scale_ptrs=None):
         """The per-call epilogue and scale pointers (a plan is shared by every call of its shape)."""
         if scale_ptrs:
-            for attr, ptr in zip(_SCALE_ATTRS, scale_ptrs):
+            for attr, ptr in zip((_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER), scale_ptrs):
                 self._set(self.lib.cublasLtMatmulDescSetAttribute, plan.desc, attr, ctypes.c_void_p(ptr))
         if bias_ptr:
             self._set(self.lib.cublasLtMatmulDescSetAttribute, plan.desc, _DESC_BIAS_POINTER,
@@ -376,10 +371,9 @@ class CublasLt:
                       ctypes.c_void_p(aux_ptr))
 
     def plan(self, key, handle, op_b, op_a, N, M, K, ldb, lda, tb, ta, tc, epilogue, bias_ptr, aligns,
-             aux_ptr=0, scale_ptrs=None, fast_accum=False, td=None, aux_type=None):
+             aux_ptr=0, scale_ptrs=None, fast_accum=False):
         """The Plan for C^T = op(B)^T op(A)^T (+ epilogue), or None if Lt has no algorithm.
-        scale_ptrs: (Lt's A = our b, Lt's B = our a[, D's scale, D's amax]) device float32 pointers
-        (FP8). td: D's cudaDataType when it is not C's (an FP8 output); aux_type: the GELU input's."""
+        scale_ptrs: (Lt's A = our b, Lt's B = our a) device float32 scale pointers (FP8)."""
         if key in self.plans:
             return self.plans[key]
         lib = self.lib
@@ -390,20 +384,17 @@ class CublasLt:
         if bias_ptr:                          # the heuristic reads the pointers' alignment
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
         if scale_ptrs:
-            for attr, ptr in zip(_SCALE_ATTRS, scale_ptrs):
+            for attr, ptr in zip((_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER), scale_ptrs):
                 self._set(lib.cublasLtMatmulDescSetAttribute, desc, attr, ctypes.c_void_p(ptr))
         if fast_accum:
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_FAST_ACCUM, ctypes.c_int8(1))
         if aux_ptr:   # the GELU input matrix: D's column-major shape (N, M), leading dimension N
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_AUX_POINTER, ctypes.c_void_p(aux_ptr))
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_AUX_LD, ctypes.c_int64(N))
-            if aux_type is not None:
-                self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_AUX_DATA_TYPE, ctypes.c_int32(aux_type))
         # Column-major layouts of the stored matrices: (rows, cols, ld) = (row length, row count, row length).
         lay_b = self._create(lib.cublasLtMatrixLayoutCreate, tb, *((N, K) if op_b == 0 else (K, N)), ldb)
         lay_a = self._create(lib.cublasLtMatrixLayoutCreate, ta, *((K, M) if op_a == 0 else (M, K)), lda)
         lay_c = self._create(lib.cublasLtMatrixLayoutCreate, tc, N, M, N)
-        lay_d = lay_c if td is None else self._create(lib.cublasLtMatrixLayoutCreate, td, N, M, N)
         pref = self._create(lib.cublasLtMatmulPreferenceCreate)
         self._set(lib.cublasLtMatmulPreferenceSetAttribute, pref, _PREF_MAX_WORKSPACE_BYTES,
                   ctypes.c_uint64(LT_WORKSPACE_BYTES))
@@ -411,7 +402,7 @@ class CublasLt:
             self._set(lib.cublasLtMatmulPreferenceSetAttribute, pref, attr, ctypes.c_uint32(al))
         results = (ctypes.c_ubyte * (LT_ALGO_CANDIDATES * _HEURISTIC_BYTES))()
         count = ctypes.c_int(0)
-        status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, lay_b, lay_a, lay_c, lay_d, pref,
+        status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, lay_b, lay_a, lay_c, lay_c, pref,
                                                     LT_ALGO_CANDIDATES, ctypes.addressof(results),
                                                     ctypes.byref(count))
         candidates = []
@@ -422,8 +413,7 @@ class CublasLt:
                 ws = int.from_bytes(bytes(results[off + 64:off + 72]), "little")
                 if state == 0 and ws <= LT_WORKSPACE_BYTES:
                     candidates.append(i)
-        types = (tb, ta, tc) if td is None else (tb, ta, tc, td)
-        plan = Plan(desc, lay_b, lay_a, lay_c, results, candidates, types, lay_d) if candidates else None
+        plan = Plan(desc, lay_b, lay_a, lay_c, results, candidates, (tb, ta, tc)) if candidates else None
         self.plans[key] = plan
         return plan
 
@@ -565,7 +555,7 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
 
 
 def lt_fp8_gemm(a8, b8, out, M, N, K, a_format, b_format, a_scale_inv, b_scale_inv, beta=0.0, bias=None,
-                fast_accum=False, gelu_aux=None, out_format=None, out_scale=None, out_amax=None) -> None:
+                fast_accum=False, gelu_aux=None) -> None:
     """Row-major out (M, N) = (a (M, K) @ b (N, K)^T) * a_scale_inv * b_scale_inv [+ bias] [+ beta * out].
 
     a8, b8: uint8 arrays holding FP8 bytes (a_format / b_format "e4m3" or "e5m2"; not both e5m2),
@@ -575,39 +565,21 @@ def lt_fp8_gemm(a8, b8, out, M, N, K, a_format, b_format, a_scale_inv, b_scale_i
     Engine uses it for the forward only). gelu_aux (M, N) bf16: it receives the sum and out its
     GELU (GELU_AUX(_BIAS), as lt_gemm). Raises RuntimeError when cuBLASLt cannot (no fallback:
     callers check fp8_supported() first).
-    out_format ("e4m3"/"e5m2"): out is uint8 and receives the result's FP8 bytes, times out_scale
-    ((1,) float32), saturating; out_amax ((1,) float32, optional) is set to max |result| before the
-    scale. Only with beta = 0; gelu_aux is then bf16 or float16 (the bias bf16 either way).
     """
     lt = lt_binding()
     if lt is None:
         raise RuntimeError("FP8 matmul needs cuBLASLt: " + lt_status())
     dev, handle, ws = lt.device_state()
-    ta, tb = FP8_TYPES[a_format], FP8_TYPES[b_format]
+    ta, tb, tc = FP8_TYPES[a_format], FP8_TYPES[b_format], cuda_type(out.dtype)
     epilogue = _epilogue(bias, gelu_aux is not None)
     bias_ptr = bias.data.ptr if bias is not None else 0
     aux_ptr = gelu_aux.data.ptr if gelu_aux is not None else 0
-    scales = (b_scale_inv.data.ptr, a_scale_inv.data.ptr)   # Lt's A is our b
-    td = aux_type = None
-    c_ptr = 0                   # C's pointer when it is not D's
-    if out_format is None:
-        tc = cuda_type(out.dtype)
-    else:
-        # An FP8 D beside a 16-bit C that beta = 0 never reads. Lt refuses C and D at one address
-        # with different types (status 7), so C points at the aux matrix, whose type it must have.
-        if beta != 0.0:
-            raise ValueError("out_format: an FP8 output only with beta = 0")
-        tc, td = cuda_type(dtypes.bfloat16 if gelu_aux is None else gelu_aux.dtype), FP8_TYPES[out_format]
-        scales += (out_scale.data.ptr, out_amax.data.ptr if out_amax is not None else 0)
-        if gelu_aux is not None:
-            aux_type, c_ptr = tc, aux_ptr
     aligns = tuple(_alignment(p) for p in (b8.data.ptr, a8.data.ptr, out.data.ptr, out.data.ptr))
     key = (dev, "fp8", M, N, K, ta, tb, tc, epilogue, _alignment(bias_ptr) if bias is not None else 0, aligns,
            _alignment(aux_ptr) if aux_ptr else 0, beta != 0.0, bool(fast_accum))
-    if td is not None:          # appended only here: the keys (and tune-cache entries) of bf16 outputs stay
-        key += (td, aux_type, out_amax is not None)
+    scales = (b_scale_inv.data.ptr, a_scale_inv.data.ptr)   # Lt's A is our b
     plan = lt.plan(key, handle, 1, 0, N, M, K, K, K, tb, ta, tc, epilogue, bias_ptr, aligns,
-                   aux_ptr=aux_ptr, scale_ptrs=scales, fast_accum=fast_accum, td=td, aux_type=aux_type)
+                   aux_ptr=aux_ptr, scale_ptrs=scales, fast_accum=fast_accum)
     if plan is None:
         raise RuntimeError(f"cuBLASLt has no FP8 algorithm for ({M} x {K}) @ ({N} x {K})^T "
                            f"{a_format} x {b_format} (M, N, K must be multiples of 16)")
@@ -615,9 +587,9 @@ def lt_fp8_gemm(a8, b8, out, M, N, K, a_format, b_format, a_scale_inv, b_scale_i
     al, be = ctypes.c_float(1.0), ctypes.c_float(beta)
     stream = runtime.cupy.cuda.get_current_stream().ptr
 
-    def launch(i, d_ptr):
+    def launch(i, c_ptr):
         lt._ok(lt.lib.cublasLtMatmul(handle, plan.desc, ctypes.addressof(al), b8.data.ptr, plan.lay_b, a8.data.ptr,
-                                     plan.lay_a, ctypes.addressof(be), c_ptr or d_ptr, plan.lay_c, d_ptr, plan.lay_d,
+                                     plan.lay_a, ctypes.addressof(be), c_ptr, plan.lay_c, c_ptr, plan.lay_c,
                                      plan.algo_ptr(i), ws.data.ptr, LT_WORKSPACE_BYTES, stream),
                "cublasLtMatmul (FP8)")
 
