@@ -69,8 +69,6 @@ _CUDA_R_8F_E4M3, _CUDA_R_8F_E5M2 = 28, 29     # cudaDataType_t of the FP8 format
 FP8_TYPES = {"e4m3": _CUDA_R_8F_E4M3, "e5m2": _CUDA_R_8F_E5M2}
 _EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
 _EPILOGUE_GELU_AUX, _EPILOGUE_GELU_AUX_BIAS = 160, 164
-_EPILOGUE_DGELU, _EPILOGUE_DGELU_BGRAD = 192, 208
-_DESC_BIAS_DATA_TYPE = 26
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_MIN_ALIGNMENT = (5, 6, 7, 8)      # A, B, C, D
 _HEURISTIC_BYTES = 96                   # cublasLtMatmulHeuristicResult_t: algo[64] ws(8) state(4) waves(4) int[4]
@@ -373,7 +371,7 @@ class CublasLt:
                       ctypes.c_void_p(aux_ptr))
 
     def plan(self, key, handle, op_b, op_a, N, M, K, ldb, lda, tb, ta, tc, epilogue, bias_ptr, aligns,
-             aux_ptr=0, scale_ptrs=None, fast_accum=False, bias_type=None):
+             aux_ptr=0, scale_ptrs=None, fast_accum=False):
         """The Plan for C^T = op(B)^T op(A)^T (+ epilogue), or None if Lt has no algorithm.
         scale_ptrs: (Lt's A = our b, Lt's B = our a) device float32 scale pointers (FP8)."""
         if key in self.plans:
@@ -385,8 +383,6 @@ class CublasLt:
         self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_EPILOGUE, ctypes.c_uint32(epilogue))
         if bias_ptr:                          # the heuristic reads the pointers' alignment
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
-        if bias_type is not None:             # a bias (gradient) vector not of D's type
-            self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_BIAS_DATA_TYPE, ctypes.c_int32(bias_type))
         if scale_ptrs:
             for attr, ptr in zip((_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER), scale_ptrs):
                 self._set(lib.cublasLtMatmulDescSetAttribute, desc, attr, ctypes.c_void_p(ptr))
@@ -499,13 +495,11 @@ def _epilogue(bias, gelu) -> int:
 
 
 def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0, bias=None,
-            gelu_aux=None, dgelu_of=None, dgelu_dbias=None) -> bool:
+            gelu_aux=None) -> bool:
     """Row-major out = alpha * op(a) @ op(b) + beta * out [+ bias over rows] by cublasLtMatmul.
 
     bias (N,) must have out's dtype (Lt's bias has D's type). gelu_aux (M, N), out's dtype and
     layout: it receives the sum above and out gets its GELU (tanh form; GELU_AUX(_BIAS)).
-    dgelu_of (M, N), out's dtype and layout: out = the product * gelu'(dgelu_of) (DGELU), and with
-    dgelu_dbias (N,) float32 also out's column sums written there (DGELU_BGRAD).
     Returns False (nothing launched) when cuBLASLt is off or unavailable, has no algorithm for
     this case, or plain gemmEx won the timing race: the caller then runs gemm_ex (with the bias
     or the GELU some other way).
@@ -516,15 +510,10 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
     dev, handle, ws = lt.device_state()
     op_a, op_b = int(transpose_a), int(transpose_b)          # CUBLAS_OP_N = 0, CUBLAS_OP_T = 1
     ta, tb, tc = cuda_type(a.dtype), cuda_type(b.dtype), cuda_type(out.dtype)
-    gelu = gelu_aux is not None or dgelu_of is not None
-    epilogue = _epilogue(bias, gelu_aux is not None)
-    bias_type = None
-    if dgelu_of is not None:
-        epilogue = _EPILOGUE_DGELU_BGRAD if dgelu_dbias is not None else _EPILOGUE_DGELU
-        bias = dgelu_dbias
-        bias_type = cuda_type(dgelu_dbias.dtype) if dgelu_dbias is not None else None
+    gelu = gelu_aux is not None
+    epilogue = _epilogue(bias, gelu)
     bias_ptr = bias.data.ptr if bias is not None else 0
-    aux_ptr = (gelu_aux if gelu_aux is not None else dgelu_of).data.ptr if gelu else 0
+    aux_ptr = gelu_aux.data.ptr if gelu else 0
     aligns = tuple(_alignment(p) for p in (b.data.ptr, a.data.ptr, out.data.ptr, out.data.ptr))
     # The None stands where the bias-gradient epilogue's vector type was: the key (and so every
     # tune-cache entry written before that epilogue was removed) stays the same. The aux
@@ -533,10 +522,8 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
            _alignment(bias_ptr) if bias is not None else 0, aligns, beta != 0.0)
     if gelu:
         key = key[:-1] + (_alignment(aux_ptr), key[-1])
-    if bias_type is not None:
-        key += (bias_type,)
     plan = lt.plan(key, handle, op_b, op_a, N, M, K, b.shape[-1], a.shape[-1], tb, ta, tc, epilogue, bias_ptr,
-                   aligns, aux_ptr, bias_type=bias_type)
+                   aligns, aux_ptr)
     if plan is None:
         return False
     lt.set_pointers(plan, bias_ptr, aux_ptr)

@@ -46,7 +46,7 @@ from . import dtypes, runtime, settings
 from .ops.attention import attention_backward, attention_forward
 from .ops.classifier import fused_classifier
 from .ops.encoder import encoder_backward, encoder_backward_plan, encoder_forward
-from .ops.gelu import gelu
+from .ops.gelu import gelu, gelu_backward
 from .ops.layernorm import LayerNormCall, fused_residual_layernorm_forward, layernorm_backward
 from .ops.matmul import matmul_backward, matmul_forward
 from .ops.reduce import reduce_sum as _sum
@@ -574,16 +574,15 @@ class GPT2:
             return self.fp8.forward(l, j, None, weight, bias, out2d, gelu_out2d, x8t=x8t, ln=ln)
         return matmul_forward(ln.run(), weight, bias, out=out2d, gelu_out=gelu_out2d)
 
-    def _linear_backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias, gelu_of=None, dx_colsum=None):
+    def _linear_backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias, gelu_of=None):
         """Its backward: dx2d = [, dweight +=, dbias += (when not None)]. FP8: x from the kept x8t
         when the forward kept it (then x2d is not read), else from x2d, or recomputed as
-        GELU(gelu_of) inside its cast. bf16/float32 with gelu_of (fcproj): dx2d comes out through
-        gelu'(gelu_of) (the DGELU epilogue), and dx_colsum (the fc bias gradient) += its column sums."""
+        GELU(gelu_of) inside its cast."""
         if self.fp8 is not None:
             return self.fp8.backward(l, j, dout2d, x2d, weight, dx2d, dweight, dbias,
                                      x8t=self._kept_x8t(l, j, dout2d.shape[0]), gelu_of=gelu_of)
         return matmul_backward(dout2d, x2d, weight, dx=dx2d, dweight=dweight, dbias=dbias,
-                               need_dbias=dbias is not None, gelu_input=gelu_of, dx_colsum=dx_colsum)
+                               need_dbias=dbias is not None)
 
     def _ln_out(self, stack):
         """l -> the layernorm output buffer of layer l: stack[l], or with FP8 linears the one scratch."""
@@ -643,14 +642,13 @@ class GPT2:
                 fch_gelu = a.fch_gelu[l]
             else:
                 fch_gelu = gelu(a.fch[l], out=a.fch_gelu)     # recompute (not stored per layer)
-            # bf16/float32: dfch = (dres @ fcprojw) * gelu'(fch), the fc bias gradient its column sums
-            # (fused: the DGELU epilogue and a column sum, or gelu_backward's one pass)
             lin_bwd(l, FCPROJ, _2d(dres), _2d(fch_gelu), p.fcprojw[l], _2d(dfch), g.fcprojw[l],
-                    None if fuse else g.fcprojb[l], gelu_of=_2d(a.fch[l]), dx_colsum=g.fcb[l] if fuse else None)
+                    None if fuse else g.fcprojb[l], gelu_of=_2d(a.fch[l]))
             if self.fp8 is not None:    # the GELU backward runs inside fc's FP8 gradient cast (and sums fcb)
                 self.fp8.backward(l, FC, _2d(dfch), _2d(ln2(l)), p.fcw[l], _2d(dsmall), g.fcw[l], g.fcb[l],
                                   x8t=self._kept_x8t(l, FC, B * T), gelu_x2d=_2d(a.fch[l]))
             else:
+                gelu_backward(dfch, a.fch[l], dx=dfch, dbias=g.fcb[l] if fuse else None)
                 lin_bwd(l, FC, _2d(dfch), _2d(ln2(l)), p.fcw[l], _2d(dsmall), g.fcw[l], None if fuse else g.fcb[l])
             layernorm_backward(dsmall, a.residual2[l], p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l],
                                dx=dres, dweight=g.ln2w[l], dbias=g.ln2b[l],

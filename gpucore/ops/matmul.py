@@ -1,8 +1,7 @@
 """The training matmul: linear layers (x @ W^T + b) and numpy-like matmuls, on cuBLAS.
 
     matmul_forward   out (N, M) = x (N, K) @ weight (M, K)^T + bias (M,)   [gelu_out = gelu(out)]
-    matmul_backward  dx = dout @ weight [* gelu'(gelu_input)] [=], dweight += dout^T @ x [+=],
-                     dbias += dout.sum(0) [+=], dx_colsum += dx.sum(0) [+=]
+    matmul_backward  dx = dout @ weight [=], dweight += dout^T @ x [+=], dbias += dout.sum(0) [+=]
     batched_matmul   (Bt, M, N) = alpha * op(a) @ op(b) + beta * out   (attention v1)
     matmul           numpy-like 2-D / 3-D a @ b
 
@@ -24,16 +23,9 @@ separate GELU pass over the (N, 4C) activation (tools/notes/profile.md). The
 epilogue applies GELU to the float32 sum before rounding, so gelu_out can
 differ from gelu(out as stored) by bf16 rounding; the reference and float32
 runs use the separate kernel (ops/gelu.py), which agrees with the float64
-reference to float32 rounding. The backward's gelu' (matmul_backward(...,
-gelu_input=, dx_colsum=): fcproj's dx through the GELU, the fc bias gradient as
-dx's column sums) runs in the dx GEMM's epilogue for bfloat16 (cuBLASLt DGELU,
-settings.dgelu_epilogue): the product dout @ weight is never written, and a
-column-sum pass over dx adds the bias gradient. Without it (float32, the
-setting off, no Lt algorithm): the GEMM, then gelu_backward's one pass, which
-also sums the columns. The epilogue takes gelu' of the float32 product before
-rounding (tools/notes/matmul.md, twelfth session: 15-18% faster than the
-GEMM + pass in isolation; Lt's DGELU_BGRAD, the sums in the epilogue too, was
-twice as slow).
+reference to float32 rounding. The backward's gelu' stays gelu_backward's one
+pass (which also sums dx's columns for the fc bias): cuBLASLt's DGELU epilogue
+was measured no faster and removed (tools/notes/profile.md).
 
 Bias gradient in the backward: the deterministic column-sum kernel
 (gpucore/ops/colsum.py) reads dout once more, after the GEMMs. In the GPT-2
@@ -60,7 +52,7 @@ from .. import profiler
 from ..cublas import gemm_ex, lt_gemm
 from ._common import check_array, check_same_dtype, output
 from .colsum import colsum
-from .gelu import gelu as _gelu, gelu_backward as _gelu_backward, gelu_backward_reference, gelu_reference
+from .gelu import gelu as _gelu, gelu_reference
 
 F32, BF16 = dtypes.float32, dtypes.bfloat16
 
@@ -136,13 +128,6 @@ def _gelu_epilogue_ok(out, aux) -> bool:
     dimension) divisible by 8."""
     return (settings.current().gelu_epilogue and out.dtype == BF16 and aux.dtype == BF16
             and out.shape[-1] % 8 == 0 and aux.data.ptr % 16 == 0 and out.data.ptr % 16 == 0)
-
-
-def _dgelu_epilogue_ok(dx, gelu_input) -> bool:
-    """cuBLASLt's DGELU epilogue for matmul_backward(gelu_input=): as _gelu_epilogue_ok, under
-    settings.dgelu_epilogue."""
-    return (settings.current().dgelu_epilogue and dx.dtype == BF16 and gelu_input.dtype == BF16
-            and dx.shape[-1] % 8 == 0 and gelu_input.data.ptr % 16 == 0 and dx.data.ptr % 16 == 0)
 
 
 def _train_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, beta=0.0, bias=None):
@@ -235,7 +220,7 @@ def _overlap(xp, a, b) -> bool:
 
 @profiler.profiled("matmul backward", flops=profiler.matmul_backward_flops)
 def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=True, *,
-                    need_dweight=True, need_dbias=True, gelu_input=None, dx_colsum=None):
+                    need_dweight=True, need_dbias=True):
     """Gradients of out = x @ weight^T + bias. Returns (dx, dweight, dbias).
 
     dout (..., M), x (..., K), weight (M, K), all one dtype.
@@ -247,11 +232,6 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
     returned): a layer without bias should pass need_dbias=False. dbias comes
     from the two-stage column-sum kernel (ops/colsum.py), after the GEMMs:
     it reads dout once more.
-    gelu_input (x's shape and dtype), optional: x was gelu(gelu_input), and dx is
-    returned already through the GELU, dx = (dout @ weight) * gelu'(gelu_input)
-    (cuBLASLt's DGELU epilogue for bfloat16, else gelu_backward's pass).
-    dx_colsum (K,), float32 or the inputs' dtype, optional: += the column sums of dx as
-    stored (the bias gradient of the layer that produced x's GELU input: GPT-2's fc bias).
     """
     _check("dout", dout)
     _check("x", x)
@@ -268,19 +248,6 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
         dx = _output("dx", dx, xp, x.shape, in_dt, in_dt)
     else:
         dx = None
-    if gelu_input is not None:
-        _check("gelu_input", gelu_input, dtypes_=(in_dt,), shape=x.shape)
-        _device(xp, "gelu_input", gelu_input)
-        if dx is None:
-            raise ValueError("gelu_input: only applies to dx, and need_dx is False")
-        if dx.dtype != in_dt:
-            raise TypeError(f"dx: with gelu_input, dx must have the inputs' dtype {dtypes.name(in_dt)}, "
-                            f"got {dtypes.name(dx.dtype)}")
-    if dx_colsum is not None:
-        if dx is None:
-            raise ValueError("dx_colsum: sums dx, and need_dx is False")
-        _check("dx_colsum", dx_colsum, dtypes_=tuple(dict.fromkeys((F32, dx.dtype))), shape=(K,))
-        _device(xp, "dx_colsum", dx_colsum)
     if need_dweight and dweight is not None:
         _check("dweight", dweight, dtypes_=out_dtypes(in_dt), shape=(M, K))
         _device(xp, "dweight", dweight)
@@ -300,9 +267,7 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
     if xp is np:
         rdx, rdw, rdb = matmul_backward_reference(dout, x, weight)
         if dx is not None:
-            dx[...] = (rdx if gelu_input is None else gelu_backward_reference(rdx, gelu_input)).astype(dx.dtype)
-        if dx_colsum is not None:
-            dx_colsum[...] = (_f64(dx_colsum) + _f64(dx).reshape(-1, K).sum(axis=0)).astype(dx_colsum.dtype)
+            dx[...] = rdx.astype(dx.dtype)
         if dweight is not None:
             dweight[...] = (_f64(dweight) + rdw).astype(dweight.dtype)
         if dbias is not None:
@@ -313,19 +278,10 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
     dout2d = dout.reshape(N, M)
     x2d = x.reshape(N, K)
     if dx is not None and N and K:
-        dx2d = dx.reshape(N, K)
         if M == 0:
-            dx.fill(0)      # (gelu' of a zero product: zero)
-        elif gelu_input is not None and _dgelu_epilogue_ok(dx, gelu_input) and \
-                lt_gemm(dout2d, weight, dx2d, N, K, M, dgelu_of=gelu_input.reshape(N, K)):
-            pass            # dx through gelu' in the GEMM's epilogue
+            dx.fill(0)
         else:
-            _train_gemm(dout2d, weight, dx2d, N, K, M)               # (N,M) @ (M,K)
-            if gelu_input is not None:   # the separate pass, summing dx's columns on the way
-                _gelu_backward(dx, gelu_input, dx=dx, dbias=dx_colsum)
-                dx_colsum = None
-        if dx_colsum is not None:
-            colsum(dx_colsum, dx2d)
+            _train_gemm(dout2d, weight, dx.reshape(N, K), N, K, M)               # (N,M) @ (M,K)
     if dweight is not None and M and K:
         if N == 0:
             if fresh_dw:
