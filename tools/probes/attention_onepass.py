@@ -6,7 +6,7 @@ forward, as `gpucore bench attention` does.
 Each further argument adds a one-pass variant, timed in the same rounds and its dqkv compared bit
 for bit with this tree's: a tree (e.g. `.old` from `git archive`: its
 kernels_cu/attention/flash_v3_bwd1.cu, compiled with this tree's headers) or an NVRTC option
-(`-DNAME=VALUE`: this tree's kernel compiled with it).
+(`-DNAME=VALUE`, or several in one quoted argument: this tree's kernel compiled with them).
 Run:  PYTHONPATH=. python3 tools/probes/attention_onepass.py [OLD_TREE | -DNAME=VALUE ...]
 """
 import math
@@ -37,7 +37,7 @@ def variant_onepass(kernel, dout, qkv, out, lse, NH, dqkv):
 
 variants = []
 for arg in sys.argv[1:]:
-    tree, opts = (HERE, (arg,)) if arg.startswith("-D") else (Path(arg).resolve(), ())
+    tree, opts = (HERE, tuple(arg.split())) if arg.startswith("-D") else (Path(arg).resolve(), ())
     mod = runtime.load_module(tree / "kernels_cu/attention/flash_v3_bwd1.cu", attn.v3_compile_options() + opts,
                               attn.V3_ARCH)
     variants.append((arg, mod.get_function("attention_backward_onepass_kernel_v3_hd64_g2_bf16")))
