@@ -70,6 +70,7 @@ def main():
     p.add_argument("-B", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--json", help="also write the summary (per variant: ms/step, tokens/s, pool peak) here")
     args = p.parse_args()
     variants = [parse_variant(v) for v in args.variants]
     log = Path(os.environ.get("OUT", ROOT / "out")) / "ab_train"
@@ -87,11 +88,13 @@ def main():
     print(f"================ ab_train summary ({args.model} B={args.B} T=1024 bf16, {args.steps} steps, "
           f"{args.rounds} rounds) ================")
     first = None
+    summary = {}
     for name, runs in results.items():
         ms = statistics.median(statistics.median(x["ms"] for x in steps[1:]) for steps, _ in runs)
         tps = statistics.median(statistics.median(x["tokens_per_s"] for x in steps[1:]) for steps, _ in runs)
         first = first or ms
         peak = max((pk or 0) for _, pk in runs)
+        summary[name] = {"ms": ms, "tokens_per_s": tps, "peak_bytes": peak}
         losses = [[x["loss"] for x in steps] for steps, _ in runs]
         det = "bitwise" if all(ls == losses[0] for ls in losses) else "DIFFER"
         print(f"{name:<14} {ms:8.1f} ms/step {tps:>10,.0f} tok/s  x{first / ms:.3f} vs {variants[0][0]}  "
@@ -103,6 +106,9 @@ def main():
             lb = [x["loss"] for x in results[b][0][0]]
             worst = max(abs(x - y) / abs(x) for x, y in zip(la, lb))
             print(f"losses {a} vs {b}: " + ("bitwise identical" if la == lb else f"max rel diff {worst:.2e}"))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "B": args.B, "steps": args.steps,
+                                               "rounds": args.rounds, "variants": summary}, indent=1))
 
 
 if __name__ == "__main__":
