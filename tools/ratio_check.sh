@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # ratio_check.sh -- issues 15 and 16's targets as ratios, on whatever GPU runs it. The targets are
 # llm.c ratios (bf16 1.15x; FP8 1.5x at d12, 1.4x at d48), written down as H200 milliseconds, and
-# H200s differ by ~5%. llm.c cannot be built on the device machines, but 843553c -- the tree the
-# issues were filed against -- ran at llm.c's speed side by side on one H200 (design.md: 116.5 vs
-# 116.7 ms/step at d12 B=64, ~320 vs ~330 at d48 B=16). This times 843553c, this tree in bf16 and
+# H200s differ by ~5%. llm.c cannot be built on the device machines, but 843553c -- the tree issue
+# 15's first commit started from -- stands in for it: the issues and design.md quote that state side
+# by side with llm.c on one H200 (116.5 vs 116.7 ms/step at d12 B=64, ~320 vs ~330 at d48 B=16;
+# tools/notes/profile.md, twelfth session, on why 843553c). This times 843553c, this tree in bf16 and
 # this tree in FP8 in alternation (tools/ab_train.py, each tree its own kernel and tune caches) and
 # prints the ratios, and the llm.c ratios they imply, summary last.
 #
