@@ -11,6 +11,8 @@
 #   git archive 843553c | (mkdir -p .old && tar -x -C .old)    # on the dev machine (the device copy has no .git)
 #   tools/ratio_check.sh                                        # on the device, with .old carried: d12 B=64
 #   MODEL=d48 STEPS=15 ROUNDS=1 tools/ratio_check.sh            # d48 B=16
+#   OLD_TREE=path tools/ratio_check.sh                          # 843553c's tree elsewhere (default .old)
+#   SUMMARY=out/ratio_check.json tools/ratio_check.sh           # only the summary of an earlier run
 #
 # Logs under $OUT/ab_train (default out/ab_train). Measured: tools/notes/profile.md, twelfth session.
 set -euo pipefail
@@ -23,24 +25,29 @@ case "$MODEL" in
 esac
 STEPS=${STEPS:-20}
 ROUNDS=${ROUNDS:-2}
-if [ ! -f .old/gpucore/__init__.py ]; then
-  echo "ratio_check: .old is missing; make it with: git archive 843553c | (mkdir -p .old && tar -x -C .old)" >&2
-  exit 2
-fi
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,power.limit --format=csv,noheader 2>/dev/null | head -1 || true
-GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
+OLD_TREE=${OLD_TREE:-.old}
 PYTHON=${PYTHON:-python3}
-OUT=$OUT $PYTHON tools/ab_train.py --model "$MODEL" -B "$B" --steps "$STEPS" --rounds "$ROUNDS" \
-  --json "$OUT/ratio_check.json" \
-  "old=.old:HOME=/tmp/ratio_home_old" "bf16=.:HOME=/tmp/ratio_home_new" "fp8=.:HOME=/tmp/ratio_home_new:--dtype fp8"
-
-echo
-echo "================ ratio_check summary ($MODEL B=$B, $GPU_NAME) ================"
-$PYTHON - "$OUT/ratio_check.json" "$MODEL" <<'PY'
+OUT=${OUT:-out}
+JSON=${SUMMARY:-$OUT/ratio_check.json}
+GPU_NAME=
+if [ -z "${SUMMARY:-}" ]; then
+  if [ ! -f "$OLD_TREE/gpucore/__init__.py" ]; then
+    echo "ratio_check: no 843553c tree at $OLD_TREE; make it with: git archive 843553c | (mkdir -p .old && tar -x -C .old)" >&2
+    exit 2
+  fi
+  mkdir -p "$OUT"
+  nvidia-smi --query-gpu=name,power.limit --format=csv,noheader 2>/dev/null | head -1 || true
+  GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
+  OUT=$OUT $PYTHON tools/ab_train.py --model "$MODEL" -B "$B" --steps "$STEPS" --rounds "$ROUNDS" --json "$JSON" \
+    "old=$OLD_TREE:HOME=/tmp/ratio_home_old" "bf16=.:HOME=/tmp/ratio_home_new" "fp8=.:HOME=/tmp/ratio_home_new:--dtype fp8"
+  echo
+fi
+echo "================ ratio_check summary ($MODEL B=$B${GPU_NAME:+, $GPU_NAME}) ================"
+$PYTHON - "$JSON" "$MODEL" <<'PY'
 import json, sys
 summary, model = json.load(open(sys.argv[1])), sys.argv[2]
+if summary["model"] != model:
+    sys.exit(f"ratio_check: {sys.argv[1]} holds a {summary['model']} run, MODEL is {model}")
 # llm.c's ms/step over 843553c's, side by side on one H200 (design.md), and the issues' targets
 LLMC_OVER_OLD = {"d12": 116.7 / 116.5, "d48": 330.0 / 320.0}[model]
 TARGETS = {"bf16": (1.15, 15), "fp8": ({"d12": 1.5, "d48": 1.4}[model], 16)}
@@ -51,6 +58,6 @@ for name in ("bf16", "fp8"):
     r = old / v[name]["ms"]
     want, issue = TARGETS[name]
     implied = r * LLMC_OVER_OLD
-    print(f"{name}: {v[name]['ms']:.1f} ms/step, x{r:.3f} vs 843553c, ~x{implied:.2f} llm.c -- issue {issue}'s "
+    print(f"{name}: {v[name]['ms']:.1f} ms/step, x{r:.3f} vs 843553c, ~x{implied:.3f} llm.c -- issue {issue}'s "
           f"{want:.2f}x: {'met' if implied >= want else 'NOT met'} (pool peak {v[name]['peak_bytes'] / 1e9:.2f} GB)")
 PY
