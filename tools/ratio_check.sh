@@ -14,7 +14,8 @@
 #   OLD_TREE=path tools/ratio_check.sh                          # 843553c's tree elsewhere (default .old)
 #   SUMMARY=out/ratio_check.json tools/ratio_check.sh           # only the summary of an earlier run
 #
-# Logs under $OUT/ab_train (default out/ab_train). Measured: tools/notes/profile.md, twelfth session.
+# FP8's first steps re-cast many tensors (adaptive scaling settling): keep STEPS >= 15-20 (an 8-step
+# d12 run read x1.246 where 15-20 steps read x1.33-1.35). Logs under $OUT/ab_train (default out/ab_train). Measured: tools/notes/profile.md, twelfth session.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-d12}
