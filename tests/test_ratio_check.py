@@ -31,9 +31,10 @@ def test_ratio_check_summary_d12(tmp_path):
     r = _run(tmp_path, SUMMARY=str(_saved(tmp_path, "d12", 119.3, 110.0, 78.0)))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
+    assert lines[0].startswith("================ ratio_check summary (d12 B=64, 20 steps x 2 rounds)")
     bf16 = next(l for l in lines if l.startswith("bf16:"))
     fp8 = next(l for l in lines if l.startswith("fp8:"))
-    # 119.3 / 110.0 = 1.0845; x 116.7 / 116.5 = 1.087 llm.c: under issue 15's 1.15
+    # 119.3 / 110.0 = 1.0845; x 116.7 / 116.5 = 1.0864 llm.c: under issue 15's 1.15
     assert "x1.085 vs 843553c" in bf16 and "~x1.086 llm.c" in bf16 and "1.15x: NOT met" in bf16
     # 119.3 / 78.0 = 1.5295; x 1.0017 = 1.532: over issue 16's 1.5 at d12
     assert "x1.529 vs 843553c" in fp8 and "1.50x: met" in fp8

@@ -15,7 +15,8 @@
 #   SUMMARY=out/ratio_check.json tools/ratio_check.sh           # only the summary of an earlier run
 #
 # FP8's first steps re-cast many tensors (adaptive scaling settling): keep STEPS >= 15-20 (an 8-step
-# d12 run read x1.246 where 15-20 steps read x1.33-1.35). Logs under $OUT/ab_train (default out/ab_train). Measured: tools/notes/profile.md, twelfth session.
+# d12 run read x1.246 where 15-20 steps read x1.33-1.35). Logs under $OUT/ab_train (default
+# out/ab_train). Measured: tools/notes/profile.md, twelfth session.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-d12}
@@ -43,12 +44,13 @@ if [ -z "${SUMMARY:-}" ]; then
     "old=$OLD_TREE:HOME=/tmp/ratio_home_old" "bf16=.:HOME=/tmp/ratio_home_new" "fp8=.:HOME=/tmp/ratio_home_new:--dtype fp8"
   echo
 fi
-echo "================ ratio_check summary ($MODEL B=$B${GPU_NAME:+, $GPU_NAME}) ================"
-$PYTHON - "$JSON" "$MODEL" <<'PY'
+$PYTHON - "$JSON" "$MODEL" "$GPU_NAME" <<'PY'
 import json, sys
-summary, model = json.load(open(sys.argv[1])), sys.argv[2]
+summary, model, gpu = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
 if summary["model"] != model:
     sys.exit(f"ratio_check: {sys.argv[1]} holds a {summary['model']} run, MODEL is {model}")
+print(f"================ ratio_check summary ({model} B={summary['B']}, {summary['steps']} steps x "
+      f"{summary['rounds']} rounds{', ' + gpu if gpu else ''}) ================")
 # llm.c's ms/step over 843553c's, side by side on one H200 (design.md), and the issues' targets
 LLMC_OVER_OLD = {"d12": 116.7 / 116.5, "d48": 330.0 / 320.0}[model]
 TARGETS = {"bf16": (1.15, 15), "fp8": ({"d12": 1.5, "d48": 1.4}[model], 16)}
