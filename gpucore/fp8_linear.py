@@ -26,7 +26,9 @@ in the model's activations ("x8t", 1 byte per value), so the backward never read
 exchange the model keeps no bf16 copy of the layernorm outputs (they exist only as one scratch)
 and no bf16 GELU outputs: FP8 training plans less activation memory than bf16. When the GELU
 outputs would not be kept in bf16 (resolve_keep_gelu), fcproj's x8T is not kept either: the
-backward recomputes it from fch, GELU and cast in one pass, where the bf16 path recomputes GELU.
+backward remakes it from fch inside fc's fused GELU backward, which reads fch anyway (fcproj's
+weight-gradient GEMM waits for it: DeferredWeightGrad), where the bf16 path has gelu_backward write
+GELU(fch) beside dfch the same way.
 
 Who writes the FP8 bytes: the layernorm before qkv and fc (layernorm_forward_fp8), the GELU
 before fcproj (fp8_gelu_quantize, from fch) and the GELU backward before fc's gradient GEMMs
@@ -100,6 +102,21 @@ def scratch_bytes(cfg, B: int, T: int, lm_head: bool = False) -> int:
     need = sum(_scratch_sizes(cfg, B * T))
     logits = head_chunk_rows(cfg, B * T, "bfloat16") * cfg.padded_vocab_size * 2
     return (0 if need <= logits else need) + (sum(_head_sizes(cfg, B * T)) if lm_head else 0)
+
+
+class DeferredWeightGrad:
+    """A linear's weight-gradient GEMM held back until its transposed FP8 input exists: fcproj's,
+    when the forward kept no GELU(fch) and fc's GELU backward remakes it in its own pass (the pass
+    reads fch anyway; a cast of its own read it once more). x8t (K, N) is where those bytes go,
+    with x_scale (the forward's); run() then does dweight += g8t @ x8t^T."""
+
+    def __init__(self, g8t, x8t, gelu_of, x_scale, g_scale_inv, x_scale_inv, dweight):
+        self.g8t, self.x8t, self.gelu_of, self.x_scale = g8t, x8t, gelu_of, x_scale
+        self._inv = (g_scale_inv, x_scale_inv)
+        self.dweight = dweight
+
+    def run(self):
+        fp8_matmul(self.g8t, self.x8t, "e5m2", "e4m3", *self._inv, out=self.dweight, accumulate=True)
 
 
 class Fp8Linears:
@@ -190,45 +207,70 @@ class Fp8Linears:
         return out2d
 
     def backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias=None, x8t=None, gelu_x2d=None,
-                 gelu_of=None):
+                 gelu_of=None, defer_dweight=False, then=None):
         """dx2d (N, K) = dout2d @ weight [=]; dweight (M, K) += dout2d^T @ x [+=]; dbias (M,) += dout2d's
         column sums (of the bf16 values, as matmul_backward's), summed by the pass that casts dout2d
         (fp8_quantize(dbias=): no pass of its own) or by the fused GELU backward. x: its transposed
         FP8 copy x8t (K, N) from the forward, or (x8t None) x2d (N, K) bf16, cast here with the
         forward's scale.
         gelu_of (N, K), optional, with x8t None: x is GELU(gelu_of) (fcproj), cast from it in one pass
-        (x2d is not read).
+        (x2d is not read). With defer_dweight as well, that pass is left to the next linear's GELU
+        backward, which reads gelu_of anyway: only dx2d is made here, and the returned
+        DeferredWeightGrad goes to that backward as `then` (fc's), which makes x's bytes and then
+        runs this dweight GEMM. (Returns None otherwise.)
         gelu_x2d (N, M), optional: dout2d is the gradient of GELU(gelu_x2d) (the fc layer), and the
         output gradient is gelu_backward(dout2d, gelu_x2d): when the scaling allows, its FP8 bytes
         and bias sums come from one fused kernel and the bf16 gradient is never written; else
-        gelu_backward runs first, into dout2d (as the bf16 path does)."""
+        gelu_backward runs first, into dout2d (as the bf16 path does).
+        then (DeferredWeightGrad of the linear after this one, fcproj's; needs gelu_x2d): made
+        right after this layer's GELU backward, before this layer's own GEMMs."""
         N, M = dout2d.shape
         K = weight.shape[1]
-        _, xtb, gb, gtb, _, wtb = self._buffers(N)
-        g8, g8t = gb[: N * M].reshape(N, M), gtb[: N * M].reshape(M, N)
+        x8b, xtb, gb, gtb, _, wtb = self._buffers(N)
+        deferred = defer_dweight and x8t is None and gelu_of is not None
+        if then is not None and gelu_x2d is None:
+            raise ValueError("then: a deferred weight gradient needs the GELU backward (gelu_x2d) that remakes its input")
+        # A deferred dweight GEMM keeps its g8T past the next linear's backward, which writes the g8 /
+        # g8T scratch itself: it goes into the x8 scratch instead (the forward's only, idle here).
+        g8, g8t = gb[: N * M].reshape(N, M), (x8b if deferred else gtb)[: N * M].reshape(M, N)
         w8t = wtb[: M * K].reshape(K, M)
         sc, ix, iw, ig = self.scaling, self._slot(l, j, _X), self._slot(l, j, _W), self._slot(l, j, _G)
+        remade_by_kernel = False
         if gelu_x2d is not None and sc.can_produce(ig):
             db = dbias
-            sc.produce(ig, lambda s, am: fp8_gelu_backward(dout2d, gelu_x2d, s, out=g8, out_t=g8t, amax=am, dbias=db),
+            gt, gs = (then.x8t, then.x_scale) if then is not None else (None, None)
+            # the gated re-run (a gradient scale that had to change) leaves gelu_t alone: its bytes
+            # are made with the forward's scale, right the first time
+            sc.produce(ig, lambda s, am: fp8_gelu_backward(dout2d, gelu_x2d, s, out=g8, out_t=g8t, amax=am, dbias=db,
+                                                           gelu_t=gt, gelu_scale=gs),
                        lambda s, gate: fp8_gelu_backward_gated(dout2d, gelu_x2d, s, gate, out=g8, out_t=g8t))
             dbias = None
+            remade_by_kernel = then is not None
         else:
             if gelu_x2d is not None:
                 gelu_backward(dout2d, gelu_x2d, dx=dout2d, dbias=dbias)
                 dbias = None
             sc.cast(ig, dout2d, out=g8, out_t=g8t, dbias=dbias)    # the bias gradient from the cast's pass
             dbias = None
+        if then is not None:
+            if not remade_by_kernel:
+                fp8_gelu_quantize(then.gelu_of, then.x_scale, out_t=then.x8t)
+            then.run()
         sc.cast(iw, weight, out_t=w8t, record=False)    # the forward's scale
         if x8t is None:
             x8t = xtb[: N * K].reshape(K, N)
-            if gelu_of is not None:     # x = GELU(gelu_of), recomputed inside the cast (the forward's scale)
+            if deferred:
+                pass                    # made by the next backward's GELU pass (then.x8t)
+            elif gelu_of is not None:   # x = GELU(gelu_of), recomputed inside the cast (the forward's scale)
                 fp8_gelu_quantize(gelu_of, sc.tensor(ix)[0], out_t=x8t)
             else:
                 sc.cast(ix, x2d, out_t=x8t, record=False)
         sg, sw, sx = sc.tensor(ig)[1], sc.tensor(iw)[1], sc.tensor(ix)[1]
         fp8_matmul(g8, w8t, "e5m2", "e4m3", sg, sw, out=dx2d, fast_accum=self.fast_dgrad)
+        if deferred:
+            return DeferredWeightGrad(g8t, x8t, gelu_of, sc.tensor(ix)[0], sg, sx, dweight)
         fp8_matmul(g8t, x8t, "e5m2", "e4m3", sg, sx, out=dweight, accumulate=True)
+        return None
 
     # --------------------------------------------------------------- LM head
 

@@ -23,7 +23,9 @@ Memory (the reason for three choices below, as in llm.c):
 - the GELU output is stored per layer only when it fits (keep_gelu, see
   resolve_keep_gelu: L x B x T x 4C values, 4.8 GB at d12 B=64): then the
   backward reads it; otherwise one (B, T, 4C) buffer is reused and the
-  backward pass recomputes gelu(fch[l]) into it (llm.c's "recompute=1");
+  backward pass recomputes gelu(fch[l]) into it (llm.c's "recompute=1"),
+  inside the GELU backward's pass (gelu_backward(gelu_out=)), which reads
+  fch[l] anyway, with fcproj's weight gradient after it;
 - the attention/MLP output projections write into one shared (B, T, C)
   scratch, because the fused residual+layernorm consumes them at once;
 - the LM head never materialises (B, T, Vp) logits in training: it runs in
@@ -46,7 +48,7 @@ from . import dtypes, runtime, settings
 from .ops.attention import attention_backward, attention_forward
 from .ops.classifier import fused_classifier
 from .ops.encoder import encoder_backward, encoder_backward_plan, encoder_forward
-from .ops.gelu import gelu, gelu_backward
+from .ops.gelu import gelu_backward
 from .ops.layernorm import LayerNormCall, fused_residual_layernorm_forward, layernorm_backward
 from .ops.matmul import matmul_backward, matmul_forward
 from .ops.reduce import reduce_sum as _sum
@@ -636,19 +638,30 @@ class GPT2:
         for l in reversed(range(L)):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
             # MLP branch: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
-            if self.fp8 is not None:
-                fch_gelu = a.fch[l]        # a placeholder, not read: x8t was kept, or is recast from GELU(fch)
-            elif a.fch_gelu.ndim == 4:
-                fch_gelu = a.fch_gelu[l]
-            else:
-                fch_gelu = gelu(a.fch[l], out=a.fch_gelu)     # recompute (not stored per layer)
-            lin_bwd(l, FCPROJ, _2d(dres), _2d(fch_gelu), p.fcprojw[l], _2d(dfch), g.fcprojw[l],
-                    None if fuse else g.fcprojb[l], gelu_of=_2d(a.fch[l]))
+            # GELU(fch) not kept (keep_gelu off): the GELU backward that follows fcproj's dx GEMM reads
+            # fch anyway, so it writes GELU(fch) again too (bf16; FP8: fcproj's transposed E4M3 input),
+            # and fcproj's weight gradient runs after it.
+            remake = not self.keep_gelu
+            fcproj_b = None if fuse else g.fcprojb[l]
             if self.fp8 is not None:    # the GELU backward runs inside fc's FP8 gradient cast (and sums fcb)
+                # a.fch[l] as fcproj's x: a placeholder, not read (x8t was kept, or is remade from GELU(fch))
+                later = self.fp8.backward(l, FCPROJ, _2d(dres), _2d(a.fch[l]), p.fcprojw[l], _2d(dfch),
+                                          g.fcprojw[l], fcproj_b, x8t=self._kept_x8t(l, FCPROJ, B * T),
+                                          gelu_of=_2d(a.fch[l]), defer_dweight=remake)
                 self.fp8.backward(l, FC, _2d(dfch), _2d(ln2(l)), p.fcw[l], _2d(dsmall), g.fcw[l], g.fcb[l],
-                                  x8t=self._kept_x8t(l, FC, B * T), gelu_x2d=_2d(a.fch[l]))
+                                  x8t=self._kept_x8t(l, FC, B * T), gelu_x2d=_2d(a.fch[l]), then=later)
             else:
-                gelu_backward(dfch, a.fch[l], dx=dfch, dbias=g.fcb[l] if fuse else None)
+                fch_gelu = a.fch_gelu if remake else a.fch_gelu[l]
+                if remake:              # dx now; dW once gelu_backward has remade fch_gelu
+                    matmul_backward(_2d(dres), _2d(fch_gelu), p.fcprojw[l], dx=_2d(dfch),
+                                    need_dweight=False, need_dbias=False)
+                else:
+                    lin_bwd(l, FCPROJ, _2d(dres), _2d(fch_gelu), p.fcprojw[l], _2d(dfch), g.fcprojw[l], fcproj_b)
+                gelu_backward(dfch, a.fch[l], dx=dfch, dbias=g.fcb[l] if fuse else None,
+                              gelu_out=fch_gelu if remake else None)
+                if remake:
+                    matmul_backward(_2d(dres), _2d(fch_gelu), p.fcprojw[l], dweight=g.fcprojw[l], dbias=fcproj_b,
+                                    need_dx=False, need_dbias=fcproj_b is not None)
                 lin_bwd(l, FC, _2d(dfch), _2d(ln2(l)), p.fcw[l], _2d(dsmall), g.fcw[l], None if fuse else g.fcb[l])
             layernorm_backward(dsmall, a.residual2[l], p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l],
                                dx=dres, dweight=g.ln2w[l], dbias=g.ln2b[l],

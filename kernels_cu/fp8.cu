@@ -267,6 +267,11 @@ extern "C" __global__ void __launch_bounds__(256) fp8_transpose_kernel(
 // (64 threads each adding a column's rows one after another had left the block mostly idle); the
 // Python side adds them over tiles in order (colsum's stage 2) into the fc bias gradient. Same tiles
 // (TR = GELU_BWD_ROWS rows), threads and gate as fp8_cast.
+// gelu_t (C, R) E4M3, optional (with gelu_scale): also gelu(x)'s bytes transposed, scaled by
+// *gelu_scale -- the bits fp8_gelu_cast_kernel_e4m3 writes to out_t -- from the x this pass reads
+// anyway: fcproj's transposed input, when the model did not keep it (its weight gradient runs after
+// this kernel). No amax: the forward's scale is reused, as the standalone recompute did.
+// Its own shared tile (8 KB more), stored after the gradient's.
 #ifndef GELU_BWD_ROWS
 #define GELU_BWD_ROWS 128   // 128: 82.8% of the copy bandwidth on an H200, 64: 75.6% (tools/probes/fp8_cast_rows.py)
 #endif
@@ -274,19 +279,22 @@ template <int FMT, int TR = GELU_BWD_ROWS>
 __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, float* __restrict__ amax,
                                   float* __restrict__ partials, const bf16* __restrict__ dout,
                                   const bf16* __restrict__ x, const float* __restrict__ scale,
-                                  const float* __restrict__ gate, int R, int C) {
+                                  const float* __restrict__ gate, u8* __restrict__ gelu_t,
+                                  const float* __restrict__ gelu_scale, int R, int C) {
     constexpr int H = TR / 32;                 // as fp8_cast
     __shared__ u32 tile[TR * 16];              // swizzled as fp8_cast's
+    __shared__ u32 gtile[TR * 16];             // gelu(x)'s bytes, the same way (gelu_t only)
     __shared__ TileColsum cs;
     if (gate && *gate == 0.0f) return;         // block-uniform
     const int t = threadIdx.x;
     const float s = *scale;
+    const float gs = gelu_t ? *gelu_scale : 0.0f;
     const int col = (t & 7) * 8;
     u32 m = 0;
     for (int ty = blockIdx.y; ty * TR < R; ty += gridDim.y)     // fp8_cast's tile loop
     for (int tx = blockIdx.x; tx * TILE < C; tx += gridDim.x) {
     const int r0 = ty * TR, c0 = tx * TILE;
-    if (out_t || partials) __syncthreads();    // the last tile's shared reads are done
+    if (out_t || partials || gelu_t) __syncthreads();   // the last tile's shared reads are done
     uint4 gp[H], vp[H];
     #pragma unroll
     for (int h = 0; h < H; h++) {              // all loads first
@@ -313,13 +321,20 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
             tile[swz(row, col / 4)] = q.x;
             tile[swz(row, col / 4 + 1)] = q.y;
             if (out) *reinterpret_cast<uint2*>(out + r * C + c0 + col) = q;
+            if (gelu_t) {
+                u32 unused = 0;                // no amax of gelu(x): its scale is the forward's
+                const uint2 gq = quantize8<E4M3>(gelu_pack8(vp[h]), gs, unused);
+                gtile[swz(row, col / 4)] = gq.x;
+                gtile[swz(row, col / 4 + 1)] = gq.y;
+            }
         }
         colsum_add(sum, d, h);
     }
     if (partials) colsum_share(cs, sum, t, col);
-    if (out_t || partials) __syncthreads();
+    if (out_t || partials || gelu_t) __syncthreads();
     if (partials) colsum_eights(cs, t);
     if (out_t) tile_store_t<TR>(out_t, tile, t, r0, c0, R, C);
+    if (gelu_t) tile_store_t<TR>(gelu_t, gtile, t, r0, c0, R, C);
     if (partials) {
         __syncthreads();
         colsum_write(partials, cs, t, ty, c0, C);
@@ -331,8 +346,10 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
 extern "C" __global__ void __launch_bounds__(256, GELU_BWD_ROWS == 64 ? 4 : 3) fp8_gelu_backward_kernel_e5m2(
         u8* out, u8* out_t, float* amax, float* partials,   // (R, C) | null, (C, R) | null, (1,) | null, (R/64, C) | null
         const bf16* dout, const bf16* x,                    // (R, C) x 2: GELU's output gradient and input
-        const float* scale, const float* gate, int R, int C) {
-    fp8_gelu_backward<E5M2>(out, out_t, amax, partials, dout, x, scale, gate, R, C);
+        const float* scale, const float* gate,              // (1,), (1,) | null
+        u8* gelu_t, const float* gelu_scale,                // (C, R) | null, (1,) | null: E4M3 gelu(x)^T
+        int R, int C) {
+    fp8_gelu_backward<E5M2>(out, out_t, amax, partials, dout, x, scale, gate, gelu_t, gelu_scale, R, C);
 }
 
 // amax only (current scaling: the scale of this very tensor before its cast). Grid-stride over

@@ -22,6 +22,10 @@
  * gelu_backward_dbias_kernel_*: the same dx, plus the column sums of dx that
  *   the NEXT layer's bias gradient needs (GPT-2: dfc_bias += sum over rows of
  *   dfch = gelu_backward(...)), so matmul_backward need not read dx again.
+ * *_gout_kernel_* (both backward kernels): also gout = gelu(x), the
+ *   bits gelu_forward writes -- the GELU output a model that does not keep it
+ *   needs again in the backward (fcproj's weight gradient), made from the x
+ *   this pass reads anyway instead of by a gelu_forward pass of its own.
  *   dx is viewed as (N, C), C = last dimension. The sums are of dx AS STORED
  *   (rounded to T: what a later column-sum kernel would read), in float32,
  *   deterministic, no atomics: stage 1 of matmul.cu's two-stage column sum,
@@ -82,11 +86,21 @@ __device__ void gelu_forward(T* out, const T* x, int n) {   // (n,) (n,); out ma
         }
 }
 
+// GELU of one pack of x, rounded as gelu_forward rounds it, stored to gout.
 template <typename T>
-__device__ void gelu_backward(T* dx, const T* dout, const T* x, int n) {   // (n,) x3
+__device__ __forceinline__ void store_gelu_pack(T* gout, const Pack16<T>& v) {
+    constexpr int P = Pack16<T>::size;
+    float f[P];
+    #pragma unroll
+    for (int k = 0; k < P; k++) f[k] = gelu_f<sizeof(T) == 4>(to_float(v.v[k]));
+    store16(gout, round_pack<T>(f));
+}
+
+template <typename T, bool GOUT>
+__device__ void gelu_backward(T* dx, T* gout, const T* dout, const T* x, int n) {   // (n,) x4 (gout: GOUT only)
     constexpr int P = Pack16<T>::size;
     const int base = blockIdx.x * blockDim.x * UNROLL + threadIdx.x;   // in packs
-    if (is_aligned16(dx) && is_aligned16(dout) && is_aligned16(x) &&
+    if (is_aligned16(dx) && is_aligned16(dout) && is_aligned16(x) && (!GOUT || is_aligned16(gout)) &&
         (base + (UNROLL - 1) * (int)blockDim.x + 1) * P <= n) {
         Pack16<T> g[UNROLL], v[UNROLL];
         #pragma unroll
@@ -100,13 +114,18 @@ __device__ void gelu_backward(T* dx, const T* dout, const T* x, int n) {   // (n
             #pragma unroll
             for (int k = 0; k < P; k++) f[k] = gelu_grad_f<sizeof(T) == 4>(to_float(v[u].v[k]), to_float(g[u].v[k]));
             store16(dx + (base + u * blockDim.x) * P, round_pack<T>(f));
+            if constexpr (GOUT) store_gelu_pack(gout + (base + u * blockDim.x) * P, v[u]);
         }
         return;
     }
     for (int u = 0; u < UNROLL; u++)
         for (int k = 0; k < P; k++) {
             const int i = (base + u * blockDim.x) * P + k;
-            if (i < n) dx[i] = from_float<T>(gelu_grad_f<sizeof(T) == 4>(to_float(x[i]), to_float(dout[i])));
+            if (i < n) {
+                const float xi = to_float(x[i]);
+                dx[i] = from_float<T>(gelu_grad_f<sizeof(T) == 4>(xi, to_float(dout[i])));
+                if constexpr (GOUT) gout[i] = from_float<T>(gelu_f<sizeof(T) == 4>(xi));
+            }
         }
 }
 
@@ -119,8 +138,8 @@ __device__ void gelu_backward(T* dx, const T* dout, const T* x, int n) {   // (n
 #define DB_WARPS 8
 #define DB_UNROLL 4
 
-template <typename T>
-__device__ void gelu_backward_dbias(T* dx, float* partials,            // (N, C) (chunks, C)
+template <typename T, bool GOUT>
+__device__ void gelu_backward_dbias(T* dx, T* gout, float* partials,   // (N, C) (N, C): GOUT only (chunks, C)
                                     const T* dout, const T* x,         // (N, C) (N, C)
                                     int N, int C, int rows_per_chunk) {
     constexpr int P = Pack16<T>::size;
@@ -155,6 +174,7 @@ __device__ void gelu_backward_dbias(T* dx, float* partials,            // (N, C)
                     #pragma unroll
                     for (int k = 0; k < P; k++) acc[k] = __fadd_rn(acc[k], to_float(d.v[k]));
                     store16(dx + (size_t)r * C + col0, d);
+                    if constexpr (GOUT) store_gelu_pack(gout + (size_t)r * C + col0, v[u]);
                 }
             }
         }
@@ -179,17 +199,33 @@ extern "C" __global__ void gelu_forward_kernel_f32(float* out, const float* x, i
 extern "C" __global__ void gelu_forward_kernel_bf16(bf16* out, const bf16* x, int n) {
     gelu_forward(out, x, n);
 }
+// The plain kernels and the _gout ones (gelu(x) written too): a template flag, so the plain ones
+// keep their registers (a runtime null test took gelu_backward_dbias_kernel_bf16 from 64 to 77).
 extern "C" __global__ void gelu_backward_kernel_f32(float* dx, const float* dout, const float* x, int n) {
-    gelu_backward(dx, dout, x, n);
+    gelu_backward<float, false>(dx, nullptr, dout, x, n);
 }
 extern "C" __global__ void gelu_backward_kernel_bf16(bf16* dx, const bf16* dout, const bf16* x, int n) {
-    gelu_backward(dx, dout, x, n);
+    gelu_backward<bf16, false>(dx, nullptr, dout, x, n);
+}
+extern "C" __global__ void gelu_backward_gout_kernel_f32(float* dx, float* gout, const float* dout, const float* x, int n) {
+    gelu_backward<float, true>(dx, gout, dout, x, n);
+}
+extern "C" __global__ void gelu_backward_gout_kernel_bf16(bf16* dx, bf16* gout, const bf16* dout, const bf16* x, int n) {
+    gelu_backward<bf16, true>(dx, gout, dout, x, n);
 }
 extern "C" __global__ void __launch_bounds__(32 * DB_WARPS) gelu_backward_dbias_kernel_f32(
         float* dx, float* partials, const float* dout, const float* x, int N, int C, int rows_per_chunk) {
-    gelu_backward_dbias(dx, partials, dout, x, N, C, rows_per_chunk);
+    gelu_backward_dbias<float, false>(dx, nullptr, partials, dout, x, N, C, rows_per_chunk);
 }
 extern "C" __global__ void __launch_bounds__(32 * DB_WARPS) gelu_backward_dbias_kernel_bf16(
         bf16* dx, float* partials, const bf16* dout, const bf16* x, int N, int C, int rows_per_chunk) {
-    gelu_backward_dbias(dx, partials, dout, x, N, C, rows_per_chunk);
+    gelu_backward_dbias<bf16, false>(dx, nullptr, partials, dout, x, N, C, rows_per_chunk);
+}
+extern "C" __global__ void __launch_bounds__(32 * DB_WARPS) gelu_backward_dbias_gout_kernel_f32(
+        float* dx, float* gout, float* partials, const float* dout, const float* x, int N, int C, int rows_per_chunk) {
+    gelu_backward_dbias<float, true>(dx, gout, partials, dout, x, N, C, rows_per_chunk);
+}
+extern "C" __global__ void __launch_bounds__(32 * DB_WARPS) gelu_backward_dbias_gout_kernel_bf16(
+        bf16* dx, bf16* gout, float* partials, const bf16* dout, const bf16* x, int N, int C, int rows_per_chunk) {
+    gelu_backward_dbias<bf16, true>(dx, gout, partials, dout, x, N, C, rows_per_chunk);
 }

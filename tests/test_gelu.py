@@ -4,6 +4,10 @@ gelu_backward(..., dbias=) (the next matmul's bias gradient fused): the referenc
 column sum of the rounded dx; on the GPU, dx bit for bit as without dbias, dbias bit for bit as a
 NumPy float32 emulation of the kernel's fixed summation order (and within an honest float32 bound of
 the float64 sum), determinism, dx aliasing dout, and the fallback layouts.
+
+gelu_backward(..., gelu_out=) (the GELU output remade by the backward's pass, keep_gelu off):
+gelu_out bit for bit gelu(x)'s and dx bit for bit as without it, on the CPU and on the GPU (both
+kernels, the element-wise edges, dx aliasing dout), and its bad input.
 """
 import numpy as np
 import pytest
@@ -143,6 +147,46 @@ def test_gelu_backward_dbias_bad_input(rng):
             gpucore.gelu_backward(d, d, dx=out, dbias=dbias)
         if out is not None:                       # validated before anything is written
             assert (out == 7.0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_dbias", [False, True])
+def test_gelu_backward_gelu_out_cpu(rng, dtype, with_dbias):
+    """gelu_out gets gelu(x)'s bits; dx and dbias are what they are without it; dx may alias dout."""
+    x = (rng.standard_normal((37, 24)) * 3).astype(dtype)
+    dout = rng.standard_normal((37, 24)).astype(dtype)
+    db0 = np.full(24, 0.25, np.float32) if with_dbias else None
+    plain = gpucore.gelu_backward(dout, x, dbias=None if db0 is None else db0.copy())
+    want_db = None
+    if with_dbias:
+        want_db = db0.copy()
+        gpucore.gelu_backward(dout, x, dbias=want_db)
+    g = np.full((37, 24), 7, dtype)
+    d_alias = dout.copy()
+    db = None if db0 is None else db0.copy()
+    assert gpucore.gelu_backward(d_alias, x, dx=d_alias, dbias=db, gelu_out=g) is d_alias
+    assert g.tobytes() == gpucore.gelu(x).tobytes()
+    assert d_alias.tobytes() == plain.tobytes()
+    if with_dbias:
+        assert db.tobytes() == want_db.tobytes()
+
+
+def test_gelu_backward_gelu_out_bad_input(rng):
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    dout = rng.standard_normal((4, 8)).astype(np.float32)
+    dx = np.zeros((4, 8), np.float32)
+    bad = [
+        (ValueError, "gelu_out: expected shape \\(4, 8\\)", np.zeros((4, 7), np.float32), dx),
+        (TypeError, "gelu_out: dtype must be float32, got bfloat16", np.zeros((4, 8), gpucore.bfloat16), dx),
+        (ValueError, "gelu_out: must not overlap x", x, dx),
+        (ValueError, "gelu_out: must not overlap dout", dout, None),
+        (ValueError, "gelu_out: must not overlap dx", dx, dx),
+    ]
+    for exc, msg, g, out in bad:
+        before = dout.copy()
+        with pytest.raises(exc, match=msg):
+            gpucore.gelu_backward(dout, x, dx=out, gelu_out=g)
+        assert np.array_equal(dout, before)       # refused before anything is written
 
 
 def test_dbias_rows_per_chunk():
@@ -374,3 +418,27 @@ def test_gelu_gpu_backward_dbias_bad_device(rng):
     x = cp.asarray(rng.standard_normal((4, 8)).astype(np.float32))
     with pytest.raises(TypeError, match="dbias: must live on the same device"):
         gpucore.gelu_backward(x, x, dbias=np.zeros(8, np.float32))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1000,), (65536 * 3 + 5,), (64, 3072), (130, 1600), (3, 5)])
+@pytest.mark.parametrize("with_dbias", [False, True])
+def test_gpu_gelu_backward_gelu_out_bitwise(rng, dtype, shape, with_dbias):
+    """GPU: gelu_out is gelu(x)'s bits and dx (in place over dout) gelu_backward's, dbias the same
+    sums, through the plain kernel (its element-wise edge too) and the column-sum kernel (its
+    fallback for C % pack != 0 as well)."""
+    cp = runtime.cupy
+    x = cp.asarray((rng.standard_normal(shape) * 3).astype(dtype))
+    dout = cp.asarray(rng.standard_normal(shape).astype(dtype))
+    C = shape[-1]
+    db_want = cp.full(C, 0.25, np.float32) if with_dbias else None
+    dx_want = gpucore.gelu_backward(dout, x, dbias=db_want)
+    g = poison(int(np.prod(shape)), dtype).reshape(shape)
+    db = cp.full(C, 0.25, np.float32) if with_dbias else None
+    d = dout.copy()
+    gpucore.gelu_backward(d, x, dx=d, dbias=db, gelu_out=g)
+    assert to_cpu(g).tobytes() == to_cpu(gpucore.gelu(x)).tobytes()
+    assert to_cpu(d).tobytes() == to_cpu(dx_want).tobytes()
+    if with_dbias:
+        assert to_cpu(db).tobytes() == to_cpu(db_want).tobytes()

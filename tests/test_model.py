@@ -455,6 +455,38 @@ def test_gpu_gelu_epilogue_and_keep_gelu_match_the_separate_kernels(rng):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fp8", [None, "adaptive", "delayed"])
+def test_gpu_remade_gelu_outputs_give_the_kept_gradients_bitwise(rng, fp8):
+    """keep_gelu off: the GELU backward remakes GELU(fch) (bf16: gelu_backward(gelu_out=); FP8:
+    fcproj's transposed E4M3 input from fc's fused GELU backward) and fcproj's weight gradient runs
+    after it. The same bytes as the kept outputs, so the same loss and gradients bit for bit, over
+    two steps (delayed scaling's second step casts by the first's amax). bf16 with the separate
+    GELU kernel (the epilogue's kept output is GELU of the unrounded sum: not the same bits)."""
+    cp = runtime.cupy
+    if fp8 is not None:
+        from gpucore.ops.fp8 import fp8_supported
+        ok, why = fp8_supported()
+        if not ok:
+            pytest.skip(why)
+    cfg = GPT2Config.from_preset("tiny")
+    x, y = _batch(rng, cfg, 4, 64, cp)
+    res = {}
+    for keep in (True, False):
+        with settings.using(gelu_epilogue=False):
+            m = GPT2(cfg, xp=cp, dtype="bfloat16", seed=9, keep_gelu=keep, fp8=fp8)
+            for _ in range(2):
+                m.zero_grad()
+                loss = m.forward(x, y, for_backward=True)
+                m.backward()
+                m.end_step()
+        assert m.keep_gelu is keep
+        res[keep] = to_cpu(loss).tobytes(), to_cpu(m.grads.flat())
+    assert res[True][0] == res[False][0]
+    assert res[True][1].tobytes() == res[False][1].tobytes()
+    assert np.isfinite(res[False][1].astype(np.float32)).all() and np.abs(res[False][1].astype(np.float32)).max() > 0
+
+
+@pytest.mark.cuda
 def test_gpu_bf16_close_to_numpy_fp32(rng):
     cfg = GPT2Config.from_preset("tiny")
     x, y = _batch(rng, cfg, 4, 64)

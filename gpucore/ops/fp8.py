@@ -2,7 +2,7 @@
 
     fp8_quantize(x, fmt, scale, out=, out_t=, amax=)   uint8 FP8 bytes of x * scale (and/or transposed)
     fp8_requantize_gated(x, fmt, scale, gate, ...)       the same when the device flag gate != 0
-    fp8_gelu_backward(dout, x, scale, out=, out_t=, ...)  E5M2 bytes of gelu_backward's dx, fused (+ dbias)
+    fp8_gelu_backward(dout, x, scale, out=, out_t=, ...)  E5M2 bytes of gelu_backward's dx, fused (+ dbias, gelu(x)^T)
     fp8_amax(x, amax)                                    amax = max(amax, max |x|)
     fp8_transpose(x8, out=)                              FP8 bytes (R, C) -> (C, R)
     fp8_dequantize(q, fmt, scale_inv)                    float32 q * scale_inv (the reference's view)
@@ -239,16 +239,20 @@ def _quantize(x, fmt, scale, out, out_t, amax, gate, gelu_first=False, dbias=Non
 
 
 @profiler.profiled("fp8 gelu backward", nbytes=profiler.io_bytes)
-def fp8_gelu_backward(dout, x, scale, *, out=None, out_t=None, amax=None, dbias=None):
+def fp8_gelu_backward(dout, x, scale, *, out=None, out_t=None, amax=None, dbias=None, gelu_t=None,
+                      gelu_scale=None):
     """E5M2 bytes of dx * scale, dx = gelu'(x) * dout in bf16 (gelu_backward's dx, never stored):
     the same bits as gelu_backward followed by fp8_quantize(dx, "e5m2", scale, ...), in one pass.
 
     dout, x (R, C) bfloat16 (GELU's output gradient and its input); out (R, C) / out_t (C, R) uint8,
     at least one; amax (1,) float32, optional: max(amax, max |dx|); dbias (C,) bfloat16 or float32,
     optional: dbias += the column sums of dx (float32 on the GPU, in a fixed order; float64 in the
-    reference). Returns (out, out_t).
+    reference). gelu_t (C, R) uint8 with gelu_scale (1,) float32, optional: also the E4M3 bytes of
+    gelu(x) * gelu_scale, transposed -- the bits of fp8_gelu_quantize(x, gelu_scale, out_t=gelu_t)
+    from the same pass (the GELU output a model did not keep, remade for fcproj's weight gradient).
+    Returns (out, out_t).
     """
-    return _gelu_backward(dout, x, scale, out, out_t, amax, dbias, None)
+    return _gelu_backward(dout, x, scale, out, out_t, amax, dbias, None, gelu_t, gelu_scale)
 
 
 @profiler.profiled("fp8 gelu backward (gated re-run)")
@@ -258,26 +262,36 @@ def fp8_gelu_backward_gated(dout, x, scale, gate, *, out=None, out_t=None):
     return _gelu_backward(dout, x, scale, out, out_t, None, None, gate)
 
 
-def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate):
+def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate, gelu_t=None, gelu_scale=None):
     check_array("dout", dout, dtype=dtypes.bfloat16, ndim=2)
     check_array("x", x, dtype=dtypes.bfloat16, shape=dout.shape)
-    xp = runtime.array_module(dout, x, scale, out, out_t, amax, dbias, gate)
+    xp = runtime.array_module(dout, x, scale, out, out_t, amax, dbias, gate, gelu_t, gelu_scale)
     R, C = dout.shape
     if dbias is not None:
         _check_dbias(dbias, C, xp, "dout")
+    if (gelu_t is None) != (gelu_scale is None):
+        raise ValueError("gelu_t, gelu_scale: give both or neither")
+    if gelu_t is not None:
+        _check_scalar("gelu_scale", gelu_scale, xp)
+        check_array("gelu_t", gelu_t, dtype=np.uint8, shape=(C, R))
+        if (xp is np) != isinstance(gelu_t, np.ndarray):
+            raise TypeError("gelu_t: must live on the same device as x")
     if xp is np:
         if gate is not None:
             _check_scalar("gate", gate, xp)
             if float(gate[0]) == 0.0:
                 return out, out_t
+        if gelu_t is not None:
+            _quantize(x, "e4m3", gelu_scale, None, gelu_t, None, None, gelu_first=True)
         dx = gelu_backward_reference(dout, x).astype(dtypes.bfloat16)
         _quantize(dx, "e5m2", scale, out, out_t, amax, None)
         if dbias is not None:
             colsum_reference(dbias, dx)
         return out, out_t
     check_cast_args(dout, "e5m2", scale, out, out_t, amax, gate, xp, xname="dout")
-    if x.data.ptr % 16:
-        raise ValueError("x: must be 16-byte aligned")
+    for name, a in (("x", x), ("gelu_t", gelu_t)):
+        if a is not None and a.data.ptr % 16:
+            raise ValueError(f"{name}: must be 16-byte aligned")
     tiles = -(-R // GELU_BWD_ROWS)
     if dout.size == 0:
         return out, out_t
@@ -286,6 +300,7 @@ def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate):
     runtime.launch(runtime.get_kernel("fp8", "fp8_gelu_backward_kernel_e5m2"), _grid(R, C, gate is not None, GELU_BWD_ROWS), 256,
                    (null if out is None else out, null if out_t is None else out_t, null if amax is None else amax,
                     null if partials is None else partials, dout, x, scale, null if gate is None else gate,
+                    null if gelu_t is None else gelu_t, null if gelu_scale is None else gelu_scale,
                     np.int32(R), np.int32(C)))
     if dbias is not None:
         reduce_partials(dbias, partials)

@@ -13,6 +13,11 @@ MLP's fc bias gradient is the column sum of exactly this dx (dfch), so fusing
 it here saves matmul_backward a full read of dx (403 MB at 65536 x 3072 bf16).
 The kernel writes per-row-chunk float32 partials; the column sum's stage 2
 (colsum.reduce_partials) adds them in order: deterministic, no atomics.
+
+gelu_backward(..., gelu_out=) also writes gelu(x), bit for bit what gelu(x)
+writes: a model that does not keep the GELU outputs (GPT2 keep_gelu off, d48)
+needs them again for fcproj's weight gradient, and this pass reads x anyway, so
+the recompute costs its writes only, not a pass of its own (gpucore/model.py).
 """
 from __future__ import annotations
 
@@ -106,23 +111,46 @@ def dbias_rows_per_chunk(N: int) -> int:
     return rows
 
 
+def _check_gelu_out(gelu_out, dout, x, dx, xp):
+    """gelu_out: dout's shape and dtype, on its device, sharing no memory with dout, x or dx (the
+    kernel writes it beside dx, and the reference computes both from the original x)."""
+    check_array("gelu_out", gelu_out, dtypes_=(dout.dtype,), shape=dout.shape)
+    if (xp is np) != isinstance(gelu_out, np.ndarray) or (xp is not np and gelu_out.device.id != dout.device.id):
+        raise TypeError("gelu_out: must live on the same device as the inputs")
+    for name, a in (("dout", dout), ("x", x), ("dx", dx)):
+        if a is not None and _overlap(xp, gelu_out, a):
+            raise ValueError(f"gelu_out: must not overlap {name}")
+
+
+def _overlap(xp, a, b) -> bool:
+    if xp is np:
+        return np.shares_memory(a, b)
+    return a.size > 0 and b.size > 0 and a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
+
+
 @profiler.profiled("gelu backward", nbytes=profiler.io_bytes)
-def gelu_backward(dout, x, dx=None, *, dbias=None):
+def gelu_backward(dout, x, dx=None, *, dbias=None, gelu_out=None):
     """dx = gelu'(x) * dout (overwritten, not accumulated); dx may alias dout.
 
     dbias (C,), C = dout.shape[-1], float32 or dout's dtype, optional: dbias += the
     column sums of dx over all leading rows, of dx as stored (rounded to its dtype:
     what a later matmul_backward would read), accumulated in float32 on the GPU
     (float64 in the reference) and rounded once into dbias; deterministic.
+    gelu_out (dout's shape and dtype), optional: also gelu(x) [=], the same bits as
+    gelu(x, out=gelu_out), from the same pass; it may not overlap dout, x or dx.
     """
     check_array("dout", dout)
     check_array("x", x, shape=dout.shape)
     check_same_dtype(dout=dout, x=x)
-    xp = runtime.array_module(dout, x, dx)
+    xp = runtime.array_module(dout, x, dx, gelu_out)
     dx = output("dx", dx, xp, dout.shape, dout.dtype)
     if dbias is not None:
         _check_dbias(dbias, dout, xp)
+    if gelu_out is not None:
+        _check_gelu_out(gelu_out, dout, x, dx, xp)
     if xp is np:
+        if gelu_out is not None:     # before dx is written: dx may alias dout, never x
+            gelu_out[...] = gelu_reference(x).astype(x.dtype)
         dx[...] = gelu_backward_reference(dout, x).astype(dout.dtype)
         if dbias is not None:
             C = dout.shape[-1]
@@ -133,30 +161,40 @@ def gelu_backward(dout, x, dx=None, *, dbias=None):
     if n == 0:
         return dx
     if dbias is not None:
-        return _gelu_backward_dbias(dx, dbias, dout, x)
-    kernel = runtime.get_kernel("gelu", f"gelu_backward_kernel_{dtypes.kernel_suffix(dout.dtype)}")
-    runtime.launch(kernel, _grid(n, dout.dtype), BLOCK, (dx, dout, x, np.int32(n)))
+        return _gelu_backward_dbias(dx, dbias, dout, x, gelu_out)
+    sfx = dtypes.kernel_suffix(dout.dtype)
+    if gelu_out is None:
+        runtime.launch(runtime.get_kernel("gelu", f"gelu_backward_kernel_{sfx}"), _grid(n, dout.dtype), BLOCK,
+                       (dx, dout, x, np.int32(n)))
+    else:
+        runtime.launch(runtime.get_kernel("gelu", f"gelu_backward_gout_kernel_{sfx}"), _grid(n, dout.dtype), BLOCK,
+                       (dx, gelu_out, dout, x, np.int32(n)))
     return dx
 
 
-def _gelu_backward_dbias(dx, dbias, dout, x):
-    """GPU: dx and per-chunk column sums in one pass, then colsum's stage 2 into dbias. Layouts the
-    16-byte kernel cannot take (C % pack != 0, unaligned views) run gelu_backward, then the
-    two-stage column sum over dx (colsum.colsum: one more read of dx; same math, so the same dx
-    bits)."""
+def _gelu_backward_dbias(dx, dbias, dout, x, gelu_out):
+    """GPU: dx [and gelu_out] and per-chunk column sums in one pass, then colsum's stage 2 into
+    dbias. Layouts the 16-byte kernel cannot take (C % pack != 0, unaligned views) run
+    gelu_backward, then the two-stage column sum over dx (colsum.colsum: one more read of dx; same
+    math, so the same dx bits)."""
     cp = runtime.cupy
     C = dout.shape[-1]
     N = dout.size // C
     P = 16 // dout.dtype.itemsize
-    if C % P or any(a.data.ptr % 16 for a in (dx, dout, x)):
-        gelu_backward(dout, x, dx=dx)
+    if C % P or any(a.data.ptr % 16 for a in (dx, dout, x) + ((gelu_out,) if gelu_out is not None else ())):
+        gelu_backward(dout, x, dx=dx, gelu_out=gelu_out)
         colsum(dbias, dx.reshape(N, C))
         return dx
     rows = dbias_rows_per_chunk(N)
     chunks = -(-N // rows)
     partials = cp.empty((chunks, C), dtype=np.float32)
-    kernel = runtime.get_kernel("gelu", f"gelu_backward_dbias_kernel_{dtypes.kernel_suffix(dout.dtype)}")
-    runtime.launch(kernel, (-(-C // (32 * P)), chunks), (32, DBIAS_WARPS),
-                   (dx, partials, dout, x, np.int32(N), np.int32(C), np.int32(rows)))
+    sfx = dtypes.kernel_suffix(dout.dtype)
+    grid, block = (-(-C // (32 * P)), chunks), (32, DBIAS_WARPS)
+    if gelu_out is None:
+        runtime.launch(runtime.get_kernel("gelu", f"gelu_backward_dbias_kernel_{sfx}"), grid, block,
+                       (dx, partials, dout, x, np.int32(N), np.int32(C), np.int32(rows)))
+    else:
+        runtime.launch(runtime.get_kernel("gelu", f"gelu_backward_dbias_gout_kernel_{sfx}"), grid, block,
+                       (dx, gelu_out, partials, dout, x, np.int32(N), np.int32(C), np.int32(rows)))
     reduce_partials(dbias, partials)
     return dx

@@ -44,7 +44,7 @@ for rows in (64, 128):
     k = runtime.get_kernel("fp8", "fp8_gelu_backward_kernel_e5m2", options=(f"-DGELU_BWD_ROWS={rows}",))
     grid = (cols // 64, N // rows)
     fns.append(lambda k=k, grid=grid, o=o, ot=ot, part=part: runtime.launch(
-        k, grid, 256, (o, ot, amax, part, dout, x, scale, null, np.int32(N), np.int32(cols))))
+        k, grid, 256, (o, ot, amax, part, dout, x, scale, null, null, null, np.int32(N), np.int32(cols))))
 ms = time_interleaved(fns)
 same = all(bool((outs[64][i] == outs[128][i]).all()) for i in range(2))
 sums = [outs[r][2].sum(axis=0) for r in (64, 128)]
