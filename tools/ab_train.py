@@ -85,7 +85,8 @@ def main():
             steps = results[v[0]][-1][0]
             print(f"{v[0]} round {r}: median {statistics.median(x['ms'] for x in steps[1:]):.1f} ms/step", flush=True)
 
-    print(f"================ ab_train summary ({args.model} B={args.B} T=1024 bf16, {args.steps} steps, "
+    # bf16 unless a variant's options say otherwise (e.g. --dtype fp8)
+    print(f"================ ab_train summary ({args.model} B={args.B} T=1024, {args.steps} steps, "
           f"{args.rounds} rounds) ================")
     first = None
     summary = {}

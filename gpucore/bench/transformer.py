@@ -226,6 +226,18 @@ def bench_gelu(n: int = 65536, dtype: str = "bfloat16", C: int = 768, **_):
                                       ref_gbps=bw, target=0.7))
                 results.append(Result(f"gelu backward, then column sum (unfused) {dtag}", unfused,
                                       bytes=nbytes, ref_gbps=bw, extra={"bytes": "the fused minimum"}))
-                del dbias
+                # keep_gelu off: the GELU output remade by the same pass (gelu_out=; one more x.nbytes
+                # written) against the separate recompute it replaced, in alternation; both count the
+                # fused pass's bytes.
+                g = cupy.empty_like(x)
+                remade, recompute = time_interleaved([
+                    lambda: gpucore.gelu_backward(dout, x, dx=dx, dbias=dbias, gelu_out=g),
+                    lambda: (gpucore.gelu(x, out=g), gpucore.gelu_backward(dout, x, dx=dx, dbias=dbias))])
+                rbytes = nbytes + x.nbytes
+                results.append(Result(f"gelu backward + dbias + GELU output remade (keep_gelu off) {dtag}", remade,
+                                      bytes=rbytes, ref_gbps=bw, target=0.7))
+                results.append(Result(f"gelu forward, then gelu backward + dbias (the old recompute) {dtag}",
+                                      recompute, bytes=rbytes, ref_gbps=bw, extra={"bytes": "the fused minimum"}))
+                del dbias, g
             del x, out, dout, dx
     return results
