@@ -213,11 +213,11 @@ class Fp8Linears:
         (fp8_quantize(dbias=): no pass of its own) or by the fused GELU backward. x: its transposed
         FP8 copy x8t (K, N) from the forward, or (x8t None) x2d (N, K) bf16, cast here with the
         forward's scale.
-        gelu_of (N, K), optional, with x8t None: x is GELU(gelu_of) (fcproj), cast from it in one pass
-        (x2d is not read). With defer_dweight as well, that pass is left to the next linear's GELU
-        backward, which reads gelu_of anyway: only dx2d is made here, and the returned
-        DeferredWeightGrad goes to that backward as `then` (fc's), which makes x's bytes and then
-        runs this dweight GEMM. (Returns None otherwise.)
+        gelu_of (N, K), optional, with x8t None: x is GELU(gelu_of) (fcproj), and its bytes are made
+        by the next linear's GELU backward, which reads gelu_of anyway: needs defer_dweight=True; only
+        dx2d is made here, and the returned DeferredWeightGrad goes to that backward as `then`
+        (fc's), which makes x's bytes and then runs this dweight GEMM (x2d is not read). Returns None
+        otherwise (defer_dweight with a kept x8t defers nothing).
         gelu_x2d (N, M), optional: dout2d is the gradient of GELU(gelu_x2d) (the fc layer), and the
         output gradient is gelu_backward(dout2d, gelu_x2d): when the scaling allows, its FP8 bytes
         and bias sums come from one fused kernel and the bf16 gradient is never written; else
@@ -227,7 +227,10 @@ class Fp8Linears:
         N, M = dout2d.shape
         K = weight.shape[1]
         x8b, xtb, gb, gtb, _, wtb = self._buffers(N)
-        deferred = defer_dweight and x8t is None and gelu_of is not None
+        deferred = x8t is None and gelu_of is not None
+        if deferred and not defer_dweight:
+            raise ValueError("gelu_of without a kept x8t: x is remade by the next GELU backward; "
+                             "pass defer_dweight=True and hand the result to it as `then`")
         if then is not None and gelu_x2d is None:
             raise ValueError("then: a deferred weight gradient needs the GELU backward (gelu_x2d) that remakes its input")
         # A deferred dweight GEMM keeps its g8T past the next linear's backward, which writes the g8 /
@@ -259,11 +262,7 @@ class Fp8Linears:
         sc.cast(iw, weight, out_t=w8t, record=False)    # the forward's scale
         if x8t is None:
             x8t = xtb[: N * K].reshape(K, N)
-            if deferred:
-                pass                    # made by the next backward's GELU pass (then.x8t)
-            elif gelu_of is not None:   # x = GELU(gelu_of), recomputed inside the cast (the forward's scale)
-                fp8_gelu_quantize(gelu_of, sc.tensor(ix)[0], out_t=x8t)
-            else:
+            if not deferred:            # (deferred: made by the next backward's GELU pass, then.x8t)
                 sc.cast(ix, x2d, out_t=x8t, record=False)
         sg, sw, sx = sc.tensor(ig)[1], sc.tensor(iw)[1], sc.tensor(ix)[1]
         fp8_matmul(g8, w8t, "e5m2", "e4m3", sg, sw, out=dx2d, fast_accum=self.fast_dgrad)

@@ -577,6 +577,32 @@ def test_model_fp8_kept_x8t(mode):
     assert l1 == l0 and g1.tobytes() == g0.tobytes() and np.abs(g1.astype(np.float64)).max() > 0
 
 
+def test_fp8_linears_deferred_weight_grad_contract():
+    """fcproj without its kept x8t: Fp8Linears.backward refuses to run unless told to defer its
+    weight gradient (its input is remade by fc's GELU backward), and `then` needs that GELU
+    backward; deferred, dweight is untouched until fc's backward runs it."""
+    from gpucore.fp8_linear import FC, FCPROJ
+    cfg = GPT2Config.from_preset("tiny")
+    x, y = _tokens(cfg, 2, 16)
+    m = GPT2(cfg, dtype="bfloat16", seed=3, fp8="adaptive", keep_gelu=False)
+    m.zero_grad()
+    m.forward(x, y, for_backward=True)
+    a, p, C, N = m.acts, m.params, cfg.channels, 32
+    fch, dres = a.fch[0].reshape(N, 4 * C), np.full((N, C), 0.01, dtype=p.fcprojw.dtype)
+    dfch, dw = np.zeros((N, 4 * C), p.fcprojw.dtype), np.zeros_like(p.fcprojw[0])
+    with pytest.raises(ValueError, match="defer_dweight=True"):
+        m.fp8.backward(0, FCPROJ, dres, fch, p.fcprojw[0], dfch, dw, gelu_of=fch)
+    later = m.fp8.backward(0, FCPROJ, dres, fch, p.fcprojw[0], dfch, dw, gelu_of=fch, defer_dweight=True)
+    assert later is not None and not dw.any() and dfch.any()
+    with pytest.raises(ValueError, match="gelu_x2d"):
+        m.fp8.backward(0, FC, dfch, a.ln2.reshape(N, C), p.fcw[0], np.zeros((N, C), p.fcw.dtype),
+                       np.zeros_like(p.fcw[0]), then=later)
+    dwfc = np.zeros_like(p.fcw[0])
+    m.fp8.backward(0, FC, dfch, a.ln2.reshape(N, C), p.fcw[0], np.zeros((N, C), p.fcw.dtype), dwfc,
+                   np.zeros(4 * C, np.float32), x8t=m._kept_x8t(0, FC, N), gelu_x2d=fch, then=later)
+    assert dw.any() and dwfc.any()
+
+
 def test_model_fp8_bad_input():
     cfg = GPT2Config.from_preset("micro")
     with pytest.raises(ValueError, match="bfloat16"):
