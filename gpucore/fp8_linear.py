@@ -49,7 +49,7 @@ import numpy as np
 from . import settings
 from .ops.classifier import dlogits_fp8_scale
 from .ops.fp8 import (Fp8Scaling, fp8_gelu_backward, fp8_gelu_backward_gated, fp8_gelu_quantize,
-                      fp8_gelu_quantize_gated, fp8_matmul, fp8_transpose)
+                      fp8_gelu_quantize_gated, fp8_matmul, fp8_requantize_gated, fp8_transpose)
 from .ops.gelu import gelu, gelu_backward
 from .ops.layernorm import fp8_forward_fits, layernorm_forward_fp8
 
@@ -170,7 +170,8 @@ class Fp8Linears:
     def _slot(self, l, j, t):
         return 12 * l + 3 * j + t
 
-    def forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None, x8t=None, ln=None, gelu_of=None):
+    def forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None, x8t=None, ln=None, gelu_of=None,
+                make_x=None):
         """out2d (N, M) = x2d (N, K) @ weight (M, K)^T + bias in FP8; gelu_out2d: also its GELU.
         x8t (K, N) uint8, optional: the same cast pass also writes x's transposed FP8 copy there,
         which the backward's weight gradient then reads instead of casting x again.
@@ -179,7 +180,11 @@ class Fp8Linears:
         written), else it runs in bf16 and x is cast.
         gelu_of (N, K), optional: x is GELU(gelu_of) (fcproj's input, x2d its bf16 scratch): when
         the scaling allows, one pass casts GELU(gelu_of) (fp8_gelu_quantize) and x2d is never
-        written, else GELU runs into x2d and x is cast."""
+        written, else GELU runs into x2d and x is cast.
+        make_x(out8, out8_t, scale, amax), optional: runs the op that makes x2d (bf16, still written:
+        the attention forward); when the scaling allows, that op writes x's FP8 bytes itself too
+        (out8, out8_t with scale, amax into amax), and the gated re-cast reads x2d; else it is
+        called as make_x(None, None, None, None) and x is cast."""
         N, M, K = out2d.shape[0], weight.shape[0], weight.shape[1]
         x8b, _, _, _, w8b, _ = self._buffers(N)
         x8, w8 = x8b[: N * K].reshape(N, K), w8b[: M * K].reshape(M, K)
@@ -195,7 +200,12 @@ class Fp8Linears:
         elif gelu_of is not None and sc.can_produce(ix):
             sc.produce(ix, lambda s, am: fp8_gelu_quantize(gelu_of, s, out=x8, out_t=x8t, amax=am),
                        lambda s, gate: fp8_gelu_quantize_gated(gelu_of, s, gate, out=x8, out_t=x8t))
+        elif make_x is not None and sc.can_produce(ix):
+            sc.produce(ix, lambda s, am: make_x(x8, x8t, s, am),
+                       lambda s, gate: fp8_requantize_gated(x2d, "e4m3", s, gate, out=x8, out_t=x8t))
         else:
+            if make_x is not None:
+                make_x(None, None, None, None)
             if ln is not None:
                 x2d = ln.run().reshape(N, K)
             elif gelu_of is not None:

@@ -487,8 +487,14 @@ class GPT2:
             residual = a.encoded if l == 0 else a.residual3[l - 1]
             x8t = (lambda j: self._kept_x8t(l, j, B * T)) if keep_x8t else (lambda j: None)
             self._ln_linear(l, QKV, ln1_call, p.qkvw[l], p.qkvb[l], _2d(a.qkv[l]), x8t=x8t(QKV))
-            attention_forward(a.qkv[l], NH, out=a.atty[l], lse=a.att_lse[l])
-            lin(l, ATTPROJ, _2d(a.atty[l]), p.attprojw[l], p.attprojb[l], _2d(a.proj), x8t=x8t(ATTPROJ))
+            if self.fp8 is not None:    # the attention forward writes attproj's E4M3 input itself
+                attend = (lambda o8, o8t, s8, am, l=l: attention_forward(
+                    a.qkv[l], NH, out=a.atty[l], lse=a.att_lse[l], out8=o8, out8_t=o8t, scale8=s8, amax8=am))
+                lin(l, ATTPROJ, _2d(a.atty[l]), p.attprojw[l], p.attprojb[l], _2d(a.proj), x8t=x8t(ATTPROJ),
+                    make_x=attend)
+            else:
+                attention_forward(a.qkv[l], NH, out=a.atty[l], lse=a.att_lse[l])
+                lin(l, ATTPROJ, _2d(a.atty[l]), p.attprojw[l], p.attprojb[l], _2d(a.proj))
             ln2_call = LayerNormCall(_2d(residual), _2d(a.proj), p.ln2w[l], p.ln2b[l], _2d(a.residual2[l]),
                                      _2d(ln2(l)), a.ln2_mean[l].reshape(-1), a.ln2_rstd[l].reshape(-1))
             if self.fp8 is not None:    # GELU scratch: the backward's dbig is idle in the forward
@@ -560,12 +566,15 @@ class GPT2:
             loss = (_sum(a.losses) / xp.maximum(count, 1)).astype(np.float32)
         return (loss, logits) if return_logits else loss
 
-    def _linear_forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None, x8t=None, gelu_of=None):
+    def _linear_forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None, x8t=None, gelu_of=None,
+                        make_x=None):
         """Linear j (QKV, ATTPROJ, FC, FCPROJ) of layer l: out2d = x2d @ weight^T + bias [gelu_out2d = GELU].
         x8t (FP8 only): where to keep x's transposed FP8 copy for the backward. gelu_of (FP8 only):
-        x2d is GELU(gelu_of), made by x's FP8 cast (x2d is then only scratch)."""
+        x2d is GELU(gelu_of), made by x's FP8 cast (x2d is then only scratch). make_x (FP8 only): the
+        op that makes x2d, which may write x's FP8 bytes too (Fp8Linears.forward)."""
         if self.fp8 is not None:
-            return self.fp8.forward(l, j, x2d, weight, bias, out2d, gelu_out2d, x8t=x8t, gelu_of=gelu_of)
+            return self.fp8.forward(l, j, x2d, weight, bias, out2d, gelu_out2d, x8t=x8t, gelu_of=gelu_of,
+                                    make_x=make_x)
         return matmul_forward(x2d, weight, bias, out=out2d, gelu_out=gelu_out2d)
 
     def _ln_linear(self, l, j, ln, weight, bias, out2d, gelu_out2d=None, x8t=None):

@@ -637,6 +637,8 @@ def test_v3_forward_kernels_compile_for_sm90a_without_spills():
     log = runtime.compile_cubin(src, "90a", verbose_ptxas=True).log
     assert "serialized" not in log, [ln for ln in log.splitlines() if "serialized" in ln]
     assert v3_fwd_names(DEFAULT_V3_FWD) <= {r["kernel"] for r in rows}
+    f8 = {n.replace("attention_forward_kernel", "attention_forward_f8_kernel") for n in v3_fwd_names({64: [attn.V3_FWD_CONFIG[64]]})}
+    assert f8 <= {r["kernel"] for r in rows}     # the F8 epilogue's kernel: the production config at hd 64
 
 
 @pytest.mark.cuda
@@ -761,3 +763,62 @@ def test_gpu_attention_backward_dbias_from_the_onepass_kernel(rng, case):
         assert rel_err(sums, want) < (1e-5 if dt == np.float32 else 1e-2), dt
         runs.append(to_cpu(db).tobytes())
     assert runs[0] == runs[1]
+
+
+# ------------------------------------------- FP8 output (--dtype fp8's attproj input) ----
+
+def _fp8_out_case(rng, B, T, NH, xp):
+    from gpucore.ops.fp8 import fp8_quantize
+    C = NH * 64
+    qkv = xp.asarray(make_qkv(rng, B, T, NH, 64, BF16, sigma=1.5))
+    out, lse = gpucore.attention_forward(qkv, NH)
+    want8, want8t, want_am = xp.zeros((B * T, C), np.uint8), xp.zeros((C, B * T), np.uint8), xp.zeros(1, np.float32)
+    scale = xp.asarray([200.0], np.float32)
+    fp8_quantize(out.reshape(B * T, C), "e4m3", scale, out=want8, out_t=want8t, amax=want_am)
+    return qkv, out, lse, scale, (to_cpu(want8), to_cpu(want8t), to_cpu(want_am))
+
+
+def test_attention_forward_fp8_output_numpy(rng):
+    """out8 / out8_t / amax8: fp8_quantize of the output (the NumPy path runs that cast), out and
+    lse unchanged; bad arguments refused with one line."""
+    B, T, NH, C = 2, 8, 2, 128
+    qkv, out, lse, scale, (w8, w8t, wam) = _fp8_out_case(rng, B, T, NH, np)
+    o8, o8t, am = np.zeros((B * T, C), np.uint8), np.zeros((C, B * T), np.uint8), np.zeros(1, np.float32)
+    out2, lse2 = gpucore.attention_forward(qkv, NH, out8=o8, out8_t=o8t, scale8=scale, amax8=am)
+    assert out2.tobytes() == out.tobytes() and lse2.tobytes() == lse.tobytes()
+    assert np.array_equal(o8, w8) and np.array_equal(o8t, w8t) and am[0] == wam[0] and w8.any()
+    with pytest.raises(ValueError, match="scale8: needed"):
+        gpucore.attention_forward(qkv, NH, out8=o8)
+    with pytest.raises(ValueError, match="only with out8"):
+        gpucore.attention_forward(qkv, NH, scale8=scale)
+    with pytest.raises(TypeError, match="needs bfloat16"):
+        gpucore.attention_forward(qkv.astype(np.float32), NH, out8=o8, scale8=scale)
+    with pytest.raises(ValueError, match="out8_t: expected shape"):
+        gpucore.attention_forward(qkv, NH, out8_t=o8, scale8=scale)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("B,T,NH", [(2, 64, 2), (2, 1024, 12), (2, 1000, 4), (8, 1002, 3), (1, 256, 25)])
+def test_gpu_attention_forward_fp8_output_bitwise(rng, B, T, NH):
+    """GPU: the forward's E4M3 bytes (both layouts) and amax are fp8_quantize's of its output, bit for
+    bit -- written by the F8 kernel where fused_fp8_output (T % 4 == 0: T = 1000 has a partial last
+    tile), by the cast after it elsewhere (T = 1002) -- out and lse as without them, and either
+    layout alone."""
+    need_sm90()
+    cp = runtime.cupy
+    C = NH * 64
+    qkv, out, lse, scale, (w8, w8t, wam) = _fp8_out_case(rng, B, T, NH, cp)
+    o8, o8t, am = cp.full((B * T, C), 0xAB, np.uint8), cp.full((C, B * T), 0xAB, np.uint8), cp.zeros(1, np.float32)
+    out2, lse2 = gpucore.attention_forward(qkv, NH, out8=o8, out8_t=o8t, scale8=scale, amax8=am)
+    assert to_cpu(out2).tobytes() == to_cpu(out).tobytes() and to_cpu(lse2).tobytes() == to_cpu(lse).tobytes()
+    bad = np.argwhere(to_cpu(o8) != w8)
+    assert len(bad) == 0, f"out8: {len(bad)} bytes differ, first at {tuple(bad[0])}"
+    bad = np.argwhere(to_cpu(o8t) != w8t)
+    assert len(bad) == 0, f"out8_t: {len(bad)} bytes differ, first at {tuple(bad[0])}"
+    assert to_cpu(am)[0] == wam[0] > 0
+    only = cp.zeros((C, B * T), np.uint8)
+    gpucore.attention_forward(qkv, NH, out8_t=only, scale8=scale)
+    assert np.array_equal(to_cpu(only), w8t)
+    only = cp.zeros((B * T, C), np.uint8)
+    gpucore.attention_forward(qkv, NH, out8=only, scale8=scale)
+    assert np.array_equal(to_cpu(only), w8)

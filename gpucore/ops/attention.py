@@ -65,6 +65,7 @@ from .. import dtypes, runtime, settings
 from .. import profiler
 from ._common import check_array, check_same_dtype, output
 from .colsum import colsum, colsum_reference, reduce_partials
+from .fp8 import check_cast_args, fp8_quantize
 from .matmul import batched_matmul
 
 F32, BF16 = dtypes.float32, dtypes.bfloat16
@@ -392,10 +393,11 @@ def backward_v2(dout, qkv, out, lse, NH, dqkv, dkdv_config=None, dq_config=None)
 
 # -------------------------------------------------------------- version 3 ----
 
-def forward_v3(qkv, NH, out, lse, config=None):
+def forward_v3(qkv, NH, out, lse, config=None, f8=None):
     """v3 pipelined wgmma forward (attention/flash_v3_fwd.cu) with `config` (warpgroups, BN,
     K/V stages), default V3_FWD_CONFIG[hd]; grid (B*NH, Q tiles of 64 * warpgroups rows).
-    Writes out and lse exactly as v2 does."""
+    Writes out and lse exactly as v2 does. f8 (out8, out8_t, amax8, scale8), optional (the
+    default config at hd 64 only: fused_fp8_output): the F8 kernel also writes out's E4M3 bytes."""
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
     config = config or V3_FWD_CONFIG[hd]
@@ -403,11 +405,19 @@ def forward_v3(qkv, NH, out, lse, config=None):
         raise ValueError(f"config: (warpgroups, BN, stages) of attention/flash_v3_fwd.cu, got {config!r} "
                          "(the non-pipelined kernels are gpucore.ladder.attention.forward_v3_serial)")
     wgs, bn, stages = config
-    k = runtime.get_kernel("attention/flash_v3_fwd", f"attention_forward_kernel_v3_hd{hd}_g{wgs}_n{bn}_s{stages}_bf16",
+    kind = "forward_f8" if f8 is not None else "forward"
+    k = runtime.get_kernel("attention/flash_v3_fwd", f"attention_{kind}_kernel_v3_hd{hd}_g{wgs}_n{bn}_s{stages}_bf16",
                            options=v3_compile_options(), arch=V3_ARCH)
-    runtime.launch(k, (B * NH, -(-T // (64 * wgs))), 128 * wgs,
-                   (out, lse, qkv, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd))),
-                   shared_mem=v3_fwd_smem(hd, wgs, bn, stages))
+    args = (out, lse, qkv, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd)))
+    if f8 is not None:
+        args += tuple(np.uint64(0) if a is None else a for a in f8)
+    runtime.launch(k, (B * NH, -(-T // (64 * wgs))), 128 * wgs, args, shared_mem=v3_fwd_smem(hd, wgs, bn, stages))
+
+
+def fused_fp8_output(hd: int, T: int) -> bool:
+    """Can the v3 forward write its output's E4M3 bytes itself (attention_forward_f8_kernel: the
+    production config at hd 64, whole 4-row blocks of tokens)?"""
+    return hd == 64 and T % 4 == 0
 
 
 def _v3_bwd_kernel(pass_, hd, config):
@@ -586,34 +596,57 @@ def scratch_bytes(B, T, NH, hd, dtype, version, backward=False) -> int:
 # ---------------------------------------------------------------- public -----
 
 @profiler.profiled("attention forward", flops=profiler.attention_forward_flops)
-def attention_forward(qkv, num_heads, out=None, lse=None, version=None):
+def attention_forward(qkv, num_heads, out=None, lse=None, version=None, *, out8=None, out8_t=None, scale8=None,
+                      amax8=None):
     """Causal self-attention of qkv (B, T, 3C) with num_heads heads.
 
     Returns (out (B, T, C) of qkv's dtype, lse (B, NH, T) float32). `version`:
     None (the production path: 3 where it applies and settings.attention_v3_forward,
     else 2, else 1), 1 (classic, stores (B, NH, T, T)), 2 (flash, bf16, hd 64/128) or
     3 (flash on Hopper wgmma: bf16, sm_90, hd 64/128; same out/lse layout as 2).
+    out8 (B*T, C) and/or out8_t (C, B*T) uint8, with scale8 (1,) float32 [and amax8 (1,) float32]
+    (bf16 only): also out's E4M3 bytes -- the attention projection's FP8 input, the bits of
+    fp8_quantize(out.reshape(B*T, C), "e4m3", scale8, out=out8, out_t=out8_t, amax=amax8). The v3
+    kernel writes them itself where fused_fp8_output(hd, T) (no re-read of out); elsewhere that
+    cast runs after the forward.
     """
     B, T, C, NH, hd = _check_qkv(qkv, num_heads)
     _check_version(version)
-    xp = runtime.array_module(qkv, out, lse)
+    xp = runtime.array_module(qkv, out, lse, out8, out8_t, scale8, amax8)
     out = output("out", out, xp, (B, T, C), qkv.dtype)
     lse = output("lse", lse, xp, (B, NH, T), F32)
+    fp8 = out8 is not None or out8_t is not None
+    if fp8:
+        if qkv.dtype != dtypes.bfloat16:
+            raise TypeError(f"out8, out8_t: FP8 output needs bfloat16 attention, got {dtypes.name(qkv.dtype)}")
+        if scale8 is None:
+            raise ValueError("scale8: needed with out8 / out8_t")
+        for name, a, shape in (("out8", out8, (B * T, C)), ("out8_t", out8_t, (C, B * T))):
+            if a is not None:
+                check_array(name, a, dtype=np.uint8, shape=shape)
+        check_cast_args(out.reshape(B * T, C), "e4m3", scale8, out8, out8_t, amax8, None, xp, xname="out")
+    elif scale8 is not None or amax8 is not None:
+        raise ValueError("scale8, amax8: only with out8 / out8_t")
     if xp is np:
         r_out, r_lse = attention_forward_reference(qkv, NH)
         out[...] = r_out.astype(out.dtype)
         lse[...] = r_lse.astype(F32)
-        return out, lse
-    version = pick_version("forward", version, qkv.dtype, hd, runtime.device_arch(),
-                           _misaligned((("qkv", qkv), ("out", out))))
-    if B * T == 0:
-        return out, lse
-    if version == 3:
-        forward_v3(qkv, NH, out, lse)
-    elif version == 2:
-        forward_v2(qkv, NH, out, lse)
     else:
-        _forward_v1(qkv, NH, out, lse)
+        version = pick_version("forward", version, qkv.dtype, hd, runtime.device_arch(),
+                               _misaligned((("qkv", qkv), ("out", out))))
+        if B * T == 0:
+            return out, lse
+        fused = fp8 and version == 3 and fused_fp8_output(hd, T)
+        if version == 3:
+            forward_v3(qkv, NH, out, lse, f8=(out8, out8_t, amax8, scale8) if fused else None)
+        elif version == 2:
+            forward_v2(qkv, NH, out, lse)
+        else:
+            _forward_v1(qkv, NH, out, lse)
+        if fused:
+            return out, lse
+    if fp8:
+        fp8_quantize(out.reshape(B * T, C), "e4m3", scale8, out=out8, out_t=out8_t, amax=amax8)
     return out, lse
 
 

@@ -35,6 +35,61 @@
 #include "attention/flash.cuh"   // FA_LOG2E, FA_LN2, FA_NEG_INF, fast_exp2, pack_bf16x2_rn
 #include "wgmma.cuh"
 #include "attention/flash_v3.cuh"   // v3_off, v3_load_tile, v3_to_frags, v3_mma_ss/rs
+#include "fp8_cast.cuh"             // quantize8, store_block4_t, block_amax: the F8 epilogue
+
+// The F8 epilogue (attention_forward_f8_kernel_*, hd 64; --dtype fp8): after v3_fwd_epilogue, the
+// output's E4M3 bytes for the attention projection's FP8 GEMM -- the bits fp8_cast makes of the
+// bf16 out (ops/fp8.py fp8_quantize(out, "e4m3", scale8, out=, out_t=, amax=)), so that cast's
+// pass (a re-read of out) goes. Each warp re-reads its 16 bf16 rows from its own smem rows (still
+// there after v3_fwd_epilogue's stores), quantizes each 16-byte chunk (quantize8: bf16 bit max on
+// the way), stores out8 (B*T, C) row-major, then rewrites its rows as a byte tile (16 rows of
+// HD + 4 bytes: the odd word pitch spreads the transposed gathers over the banks) and stores out8_t
+// (C, B*T) in 4 x 4 blocks (store_block4_t): 4 lanes cover a channel's 16 tokens, and the block's
+// 8 warps a channel's 128 contiguous tokens. Rows >= T skipped (T % 4 == 0: a block is all in or
+// all out). amax8 (optional): max |out| by the same bit max, atomicMax over blocks. All threads call
+// it (block_amax's barrier).
+template <int HD, int BM>
+__device__ __forceinline__ void v3_fwd_epilogue_f8(u8* out8, u8* out8_t, float* amax8, float s8, unsigned char* smem_gen,
+                                                   int b, int h, int T, int C, int R, int m0, int wg, int w4, int lane) {
+    static_assert(HD == 64, "the F8 epilogue's byte tile fits the warp's smem rows at hd 64");
+    constexpr int ND = HD / 8, PITCH = HD + 4;                  // chunks a row; byte-tile row pitch
+    const int lr0 = 64 * wg + 16 * w4;
+    u32 m = 0;
+    uint2 q[16 * ND / 32];
+    __syncwarp();                                              // v3_fwd_epilogue's reads are done
+    #pragma unroll
+    for (int it = 0; it < 16 * ND / 32; it++) {
+        const int i = it * 32 + lane;
+        const int r = i / ND, c = i % ND;
+        const int row = m0 + lr0 + r;
+        q[it] = make_uint2(0u, 0u);
+        if (row < T) {
+            q[it] = quantize8<E4M3>(*reinterpret_cast<const uint4*>(smem_gen + v3_off<BM>(lr0 + r, c)), s8, m);
+            if (out8) *reinterpret_cast<uint2*>(out8 + ((size_t)b * T + row) * C + h * HD + c * 8) = q[it];
+        }
+    }
+    if (out8_t) {
+        u32* tile = reinterpret_cast<u32*>(smem_gen + v3_off<BM>(lr0, 0));   // the warp's 16 rows: 2 KB, contiguous
+        __syncwarp();                                          // every lane has read its chunks
+        #pragma unroll
+        for (int it = 0; it < 16 * ND / 32; it++) {
+            const int i = it * 32 + lane;
+            const int r = i / ND, c = i % ND;
+            tile[(r * PITCH + c * 8) / 4] = q[it].x;
+            tile[(r * PITCH + c * 8) / 4 + 1] = q[it].y;
+        }
+        __syncwarp();
+        #pragma unroll
+        for (int k = lane; k < 4 * (HD / 4); k += 32) {        // 4 x 4 blocks: 4 row quads x HD/4 column words
+            const int rq = k & 3, cw = k >> 2;
+            const int row = m0 + lr0 + 4 * rq;
+            if (row < T)
+                store_block4_t(out8_t, tile + (4 * rq * PITCH) / 4 + cw, PITCH / 4, R, (long long)h * HD + 4 * cw,
+                               (long long)b * T + row);
+        }
+    }
+    if (amax8) block_amax(amax8, m);
+}
 
 // K/V tile copies with the per-thread index math done once: the same chunks, addresses and bytes as
 // v3_load_tile (thread tid copies rows tid / CPR + it * RSTEP, chunk tid % CPR), but a tile costs
@@ -162,11 +217,13 @@ __device__ __forceinline__ void v3p_step(float (&s)[BN / 2], float (&o)[HD / 2],
     v3_to_frags<BN>(pa, s);
 }
 
-template <int HD, int NWG, int BN, int NSTAGE>
+template <int HD, int NWG, int BN, int NSTAGE, bool F8 = false>
 __device__ __forceinline__ void flash_forward_v3p(bf16* out,          // (B, T, C)
                                                   float* lse,         // (B, NH, T)
                                                   const bf16* qkv,    // (B, T, 3C)
-                                                  int T, int NH, float scale) {
+                                                  int T, int NH, float scale,
+                                                  u8* out8 = nullptr, u8* out8_t = nullptr,   // F8 only
+                                                  float* amax8 = nullptr, const float* scale8 = nullptr) {
     constexpr int BM = 64 * NWG, NT = 128 * NWG;
     constexpr int PRE = NSTAGE - 2;                           // tiles copied ahead of the one in use
     static_assert(PRE >= 1, "NSTAGE >= 3: V_{j-1}, tile j and PRE tiles in flight");
@@ -252,11 +309,17 @@ __device__ __forceinline__ void flash_forward_v3p(bf16* out,          // (B, T, 
     // Epilogue (as v3): quad sums, lse, O / l as bf16 into this warp's own 16 Q rows (only this
     // warpgroup's wgmma read them, all retired), then 16-byte coalesced stores.
     v3_fwd_epilogue<HD, BM>(out, lse, o, m_run, l_run, n_wg > 0, smem_gen, row0, bh, b, h, T, C, m0, wg, w4, lane);
+    if constexpr (F8)
+        v3_fwd_epilogue_f8<HD, BM>(out8, out8_t, amax8, *scale8, smem_gen, b, h, T, C, (int)(gridDim.x / NH) * T, m0,
+                                   wg, w4, lane);
 }
 
 #define FLASH_V3P_BODY(HD, NWG, BN, NSTAGE) flash_forward_v3p<HD, NWG, BN, NSTAGE>(out, lse, qkv, T, NH, scale)
+#define FLASH_V3P_F8_BODY(HD, NWG, BN, NSTAGE) \
+    flash_forward_v3p<HD, NWG, BN, NSTAGE, true>(out, lse, qkv, T, NH, scale, out8, out8_t, amax8, scale8)
 #else
 #define FLASH_V3P_BODY(HD, NWG, BN, NSTAGE) __trap()   // not sm_90a: Python never launches this
+#define FLASH_V3P_F8_BODY(HD, NWG, BN, NSTAGE) __trap()
 #endif
 
 // Configurations (HD, consumer warpgroups, keys per KV tile, K/V stages, MINB = blocks per SM
@@ -273,3 +336,15 @@ FLASH_FWD_V3P(64, 2, 64, 3, 2)
 FLASH_FWD_V3P(64, 2, 128, 3, 1)
 FLASH_FWD_V3P(64, 2, 64, 4, 2)
 FLASH_FWD_V3P(128, 2, 64, 3, 1)
+
+// The F8 variant of the production configuration (ops/attention.py V3_FWD_CONFIG[64]): also the
+// output's E4M3 bytes (v3_fwd_epilogue_f8). out8 / out8_t / amax8 may be null (not all three).
+#define FLASH_FWD_V3P_F8(HD, NWG, BN, NSTAGE, MINB)                                            \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, MINB)                               \
+    attention_forward_f8_kernel_v3_hd##HD##_g##NWG##_n##BN##_s##NSTAGE##_bf16(                  \
+            bf16* out, float* lse, const bf16* qkv, int T, int NH, float scale,                 \
+            u8* out8, u8* out8_t, float* amax8, const float* scale8) {                          \
+        FLASH_V3P_F8_BODY(HD, NWG, BN, NSTAGE);                                                 \
+    }
+
+FLASH_FWD_V3P_F8(64, 2, 64, 3, 2)
