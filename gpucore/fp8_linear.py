@@ -32,8 +32,9 @@ GELU(fch) beside dfch the same way.
 
 Who writes the FP8 bytes: the layernorm before qkv and fc (layernorm_forward_fp8), the GELU
 before fcproj (fp8_gelu_quantize, from fch) and the GELU backward before fc's gradient GEMMs
-(fp8_gelu_backward) write them themselves, never their bf16 output; the other inputs and
-gradients (attention output, the residual gradients, dqkv) and the weights go through a
+(fp8_gelu_backward) write them themselves, never their bf16 output; the attention forward writes
+attproj's beside its bf16 output, which the backward needs (attention_forward(out8=), through
+forward(make_x=)); the other gradients (the residual gradients, dqkv) and the weights go through a
 standalone cast (gpucore/ops/fp8.py). A producer can write FP8 only when the scale is known
 before it runs (adaptive or delayed scaling, Fp8Scaling.can_produce); with current scaling the
 bf16 tensor is made, measured and cast. tools/notes/fp8.md has what each costs. The forward

@@ -13,7 +13,8 @@ The production path (version=None), picked per call by `pick_version`:
      attention_v3_forward / attention_v3_backward on (default):
        forward   kernels_cu/attention/flash_v3_fwd.cu: FlashAttention-3-style on Hopper wgmma,
                  pipelined (S of KV tile j+1 in flight during tile j's softmax), config
-                 V3_FWD_CONFIG[hd] (compiled for sm_90a).
+                 V3_FWD_CONFIG[hd] (compiled for sm_90a). With out8 / out8_t (--dtype fp8: the
+                 attention projection's E4M3 input) its F8 kernel (hd 64) writes those bytes too.
        backward  kernels_cu/attention/flash_v3_bwd.cu: v2's deterministic two passes on wgmma --
                  D = rowsum(dout * out) by v2's preprocess (attention/flash_bwd.cu), then the dK/dV
                  pass (V3_DKDV_CONFIG[hd]; at hd 64 the register-A kernel, V3_RA) and the dQ pass
