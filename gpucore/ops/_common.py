@@ -57,3 +57,10 @@ def output(name: str, out, xp, shape, dtype, allowed=None, max_elements=2**31 - 
     if (xp is np) != isinstance(out, np.ndarray):
         raise TypeError(f"{name}: must live on the same device as the inputs")
     return out
+
+
+def overlaps(xp, a, b) -> bool:
+    """Do arrays a and b (both on xp's device) share any memory? (Two outputs of one kernel must not.)"""
+    if xp is np:
+        return np.shares_memory(a, b)
+    return a.size > 0 and b.size > 0 and a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes

@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import dtypes, runtime
 from .. import profiler
-from ._common import check_array, check_same_dtype, output
+from ._common import check_array, check_same_dtype, output, overlaps
 from .colsum import colsum, reduce_partials   # the column sum (fallback) and its stage 2
 
 BLOCK = 256
@@ -118,14 +118,8 @@ def _check_gelu_out(gelu_out, dout, x, dx, xp):
     if (xp is np) != isinstance(gelu_out, np.ndarray) or (xp is not np and gelu_out.device.id != dout.device.id):
         raise TypeError("gelu_out: must live on the same device as the inputs")
     for name, a in (("dout", dout), ("x", x), ("dx", dx)):
-        if a is not None and _overlap(xp, gelu_out, a):
+        if a is not None and overlaps(xp, gelu_out, a):
             raise ValueError(f"gelu_out: must not overlap {name}")
-
-
-def _overlap(xp, a, b) -> bool:
-    if xp is np:
-        return np.shares_memory(a, b)
-    return a.size > 0 and b.size > 0 and a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
 
 
 @profiler.profiled("gelu backward", nbytes=profiler.io_bytes)
@@ -162,14 +156,20 @@ def gelu_backward(dout, x, dx=None, *, dbias=None, gelu_out=None):
         return dx
     if dbias is not None:
         return _gelu_backward_dbias(dx, dbias, dout, x, gelu_out)
-    sfx = dtypes.kernel_suffix(dout.dtype)
-    if gelu_out is None:
-        runtime.launch(runtime.get_kernel("gelu", f"gelu_backward_kernel_{sfx}"), _grid(n, dout.dtype), BLOCK,
-                       (dx, dout, x, np.int32(n)))
-    else:
-        runtime.launch(runtime.get_kernel("gelu", f"gelu_backward_gout_kernel_{sfx}"), _grid(n, dout.dtype), BLOCK,
-                       (dx, gelu_out, dout, x, np.int32(n)))
+    runtime.launch(_backward_kernel("gelu_backward", dout.dtype, gelu_out), _grid(n, dout.dtype), BLOCK,
+                   (dx, *_gout(gelu_out), dout, x, np.int32(n)))
     return dx
+
+
+def _backward_kernel(family, dtype, gelu_out):
+    """gelu.cu's `family` kernel for dtype, its _gout variant (gelu(x) written too) when gelu_out is given."""
+    return runtime.get_kernel("gelu", f"{family}{'_gout' if gelu_out is not None else ''}_kernel_"
+                                      f"{dtypes.kernel_suffix(dtype)}")
+
+
+def _gout(gelu_out):
+    """The _gout kernels' extra argument (after dx), none for the plain ones."""
+    return () if gelu_out is None else (gelu_out,)
 
 
 def _gelu_backward_dbias(dx, dbias, dout, x, gelu_out):
@@ -181,20 +181,14 @@ def _gelu_backward_dbias(dx, dbias, dout, x, gelu_out):
     C = dout.shape[-1]
     N = dout.size // C
     P = 16 // dout.dtype.itemsize
-    if C % P or any(a.data.ptr % 16 for a in (dx, dout, x) + ((gelu_out,) if gelu_out is not None else ())):
+    if C % P or any(a.data.ptr % 16 for a in (dx, dout, x, *_gout(gelu_out))):
         gelu_backward(dout, x, dx=dx, gelu_out=gelu_out)
         colsum(dbias, dx.reshape(N, C))
         return dx
     rows = dbias_rows_per_chunk(N)
     chunks = -(-N // rows)
     partials = cp.empty((chunks, C), dtype=np.float32)
-    sfx = dtypes.kernel_suffix(dout.dtype)
-    grid, block = (-(-C // (32 * P)), chunks), (32, DBIAS_WARPS)
-    if gelu_out is None:
-        runtime.launch(runtime.get_kernel("gelu", f"gelu_backward_dbias_kernel_{sfx}"), grid, block,
-                       (dx, partials, dout, x, np.int32(N), np.int32(C), np.int32(rows)))
-    else:
-        runtime.launch(runtime.get_kernel("gelu", f"gelu_backward_dbias_gout_kernel_{sfx}"), grid, block,
-                       (dx, gelu_out, partials, dout, x, np.int32(N), np.int32(C), np.int32(rows)))
+    runtime.launch(_backward_kernel("gelu_backward_dbias", dout.dtype, gelu_out), (-(-C // (32 * P)), chunks),
+                   (32, DBIAS_WARPS), (dx, *_gout(gelu_out), partials, dout, x, np.int32(N), np.int32(C), np.int32(rows)))
     reduce_partials(dbias, partials)
     return dx

@@ -50,7 +50,7 @@ import numpy as np
 from .. import dtypes, runtime, settings
 from .. import profiler
 from ..cublas import gemm_ex, lt_gemm
-from ._common import check_array, check_same_dtype, output
+from ._common import check_array, check_same_dtype, output, overlaps
 from .colsum import colsum
 from .gelu import gelu as _gelu, gelu_reference
 
@@ -183,7 +183,7 @@ def matmul_forward(x, weight, bias=None, out=None, *, gelu_out=None):
     if gelu_out is not None:
         _check("gelu_out", gelu_out, dtypes_=(out.dtype,), shape=out.shape)
         _device(xp, "gelu_out", gelu_out)
-        if _overlap(xp, gelu_out, out):
+        if overlaps(xp, gelu_out, out):
             raise ValueError("gelu_out: must not overlap out (both are outputs)")
     if xp is np:
         r = _f64(x) @ _f64(weight).T
@@ -210,12 +210,6 @@ def matmul_forward(x, weight, bias=None, out=None, *, gelu_out=None):
     if gelu_out is not None:
         _gelu(out, out=gelu_out)
     return out
-
-
-def _overlap(xp, a, b) -> bool:
-    if xp is np:
-        return np.shares_memory(a, b)
-    return a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
 
 
 @profiler.profiled("matmul backward", flops=profiler.matmul_backward_flops)
