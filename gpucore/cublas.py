@@ -495,11 +495,13 @@ def _epilogue(bias, gelu) -> int:
 
 
 def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0, beta=0.0, bias=None,
-            gelu_aux=None) -> bool:
+            gelu_aux=None, c=None) -> bool:
     """Row-major out = alpha * op(a) @ op(b) + beta * out [+ bias over rows] by cublasLtMatmul.
 
     bias (N,) must have out's dtype (Lt's bias has D's type). gelu_aux (M, N), out's dtype and
     layout: it receives the sum above and out gets its GELU (tanh form; GELU_AUX(_BIAS)).
+    c (M, N), out's dtype and layout, optional: Lt's C matrix apart from D -- beta * c is added
+    in place of beta * out, and out is only written (a residual added in the epilogue).
     Returns False (nothing launched) when cuBLASLt is off or unavailable, has no algorithm for
     this case, or plain gemmEx won the timing race: the caller then runs gemm_ex (with the bias
     or the GELU some other way).
@@ -514,14 +516,18 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
     epilogue = _epilogue(bias, gelu)
     bias_ptr = bias.data.ptr if bias is not None else 0
     aux_ptr = gelu_aux.data.ptr if gelu else 0
-    aligns = tuple(_alignment(p) for p in (b.data.ptr, a.data.ptr, out.data.ptr, out.data.ptr))
+    c_ptr = c.data.ptr if c is not None else 0
+    aligns = tuple(_alignment(p) for p in (b.data.ptr, a.data.ptr, c_ptr or out.data.ptr, out.data.ptr))
     # The None stands where the bias-gradient epilogue's vector type was: the key (and so every
     # tune-cache entry written before that epilogue was removed) stays the same. The aux
-    # alignment is appended only for the GELU epilogues, for the same reason.
+    # alignment is appended only for the GELU epilogues, and "c" only for a separate C, for
+    # the same reason.
     key = (dev, op_a, op_b, M, N, K, a.shape[-1], b.shape[-1], ta, tb, tc, epilogue, None,
            _alignment(bias_ptr) if bias is not None else 0, aligns, beta != 0.0)
     if gelu:
         key = key[:-1] + (_alignment(aux_ptr), key[-1])
+    if c is not None:
+        key = key[:-1] + ("c", key[-1])
     plan = lt.plan(key, handle, op_b, op_a, N, M, K, b.shape[-1], a.shape[-1], tb, ta, tc, epilogue, bias_ptr,
                    aligns, aux_ptr)
     if plan is None:
@@ -531,9 +537,9 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
     stream = runtime.cupy.cuda.get_current_stream().ptr
     pa, pb = a.data.ptr, b.data.ptr
 
-    def launch(i, c_ptr):
+    def launch(i, d_ptr):
         lt._ok(lt.lib.cublasLtMatmul(handle, plan.desc, ctypes.addressof(al), pb, plan.lay_b, pa, plan.lay_a,
-                                     ctypes.addressof(be), c_ptr, plan.lay_c, c_ptr, plan.lay_c,
+                                     ctypes.addressof(be), c_ptr or d_ptr, plan.lay_c, d_ptr, plan.lay_c,
                                      plan.algo_ptr(i), ws.data.ptr, LT_WORKSPACE_BYTES, stream),
                "cublasLtMatmul")
 
@@ -543,10 +549,11 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
     else:
         if plan.choice is None:
             gemmex = None
-            if epilogue == _EPILOGUE_DEFAULT and s.lt_try_gemmex:
-                def gemmex(c):
-                    gemm_ex(a, b, c, M, N, K, transpose_a, transpose_b, alpha, beta)
-            lt.choose(plan, key, launch, out, beta, 2.0 * M * N * K, gemmex)
+            if epilogue == _EPILOGUE_DEFAULT and s.lt_try_gemmex and c is None:
+                def gemmex(target):
+                    gemm_ex(a, b, target, M, N, K, transpose_a, transpose_b, alpha, beta)
+            # with a separate C, out is only written: the race may time into it
+            lt.choose(plan, key, launch, out, 0.0 if c is not None else beta, 2.0 * M * N * K, gemmex)
         choice = plan.choice if plan.choice is not None else plan.candidates[0]
     if choice == GEMMEX:
         return False
@@ -555,7 +562,7 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
 
 
 def lt_fp8_gemm(a8, b8, out, M, N, K, a_format, b_format, a_scale_inv, b_scale_inv, beta=0.0, bias=None,
-                fast_accum=False, gelu_aux=None) -> None:
+                fast_accum=False, gelu_aux=None, c=None) -> None:
     """Row-major out (M, N) = (a (M, K) @ b (N, K)^T) * a_scale_inv * b_scale_inv [+ bias] [+ beta * out].
 
     a8, b8: uint8 arrays holding FP8 bytes (a_format / b_format "e4m3" or "e5m2"; not both e5m2),
@@ -563,7 +570,8 @@ def lt_fp8_gemm(a8, b8, out, M, N, K, a_format, b_format, a_scale_inv, b_scale_i
     (read by the GEMM, so they may change on the device between calls). out bf16, bias bf16 (N,).
     fast_accum: Hopper's faster FP8 accumulation (partial sums in lower precision; Transformer
     Engine uses it for the forward only). gelu_aux (M, N) bf16: it receives the sum and out its
-    GELU (GELU_AUX(_BIAS), as lt_gemm). Raises RuntimeError when cuBLASLt cannot (no fallback:
+    GELU (GELU_AUX(_BIAS), as lt_gemm). c (M, N) bf16, optional: Lt's C apart from D, as lt_gemm's
+    (beta * c added, out only written). Raises RuntimeError when cuBLASLt cannot (no fallback:
     callers check fp8_supported() first).
     """
     lt = lt_binding()
@@ -574,9 +582,12 @@ def lt_fp8_gemm(a8, b8, out, M, N, K, a_format, b_format, a_scale_inv, b_scale_i
     epilogue = _epilogue(bias, gelu_aux is not None)
     bias_ptr = bias.data.ptr if bias is not None else 0
     aux_ptr = gelu_aux.data.ptr if gelu_aux is not None else 0
-    aligns = tuple(_alignment(p) for p in (b8.data.ptr, a8.data.ptr, out.data.ptr, out.data.ptr))
+    c_ptr = c.data.ptr if c is not None else 0
+    aligns = tuple(_alignment(p) for p in (b8.data.ptr, a8.data.ptr, c_ptr or out.data.ptr, out.data.ptr))
     key = (dev, "fp8", M, N, K, ta, tb, tc, epilogue, _alignment(bias_ptr) if bias is not None else 0, aligns,
            _alignment(aux_ptr) if aux_ptr else 0, beta != 0.0, bool(fast_accum))
+    if c is not None:
+        key = key + ("c",)
     scales = (b_scale_inv.data.ptr, a_scale_inv.data.ptr)   # Lt's A is our b
     plan = lt.plan(key, handle, 1, 0, N, M, K, K, K, tb, ta, tc, epilogue, bias_ptr, aligns,
                    aux_ptr=aux_ptr, scale_ptrs=scales, fast_accum=fast_accum)
@@ -587,14 +598,14 @@ def lt_fp8_gemm(a8, b8, out, M, N, K, a_format, b_format, a_scale_inv, b_scale_i
     al, be = ctypes.c_float(1.0), ctypes.c_float(beta)
     stream = runtime.cupy.cuda.get_current_stream().ptr
 
-    def launch(i, c_ptr):
+    def launch(i, d_ptr):
         lt._ok(lt.lib.cublasLtMatmul(handle, plan.desc, ctypes.addressof(al), b8.data.ptr, plan.lay_b, a8.data.ptr,
-                                     plan.lay_a, ctypes.addressof(be), c_ptr, plan.lay_c, c_ptr, plan.lay_c,
+                                     plan.lay_a, ctypes.addressof(be), c_ptr or d_ptr, plan.lay_c, d_ptr, plan.lay_c,
                                      plan.algo_ptr(i), ws.data.ptr, LT_WORKSPACE_BYTES, stream),
                "cublasLtMatmul (FP8)")
 
     if settings.current().lt_autotune and plan.choice is None:
-        lt.choose(plan, key, launch, out, beta, 2.0 * M * N * K, None)
+        lt.choose(plan, key, launch, out, 0.0 if c is not None else beta, 2.0 * M * N * K, None)
     launch(plan.choice if plan.choice is not None else plan.candidates[0], out.data.ptr)
 
 

@@ -172,8 +172,9 @@ class Fp8Linears:
         return 12 * l + 3 * j + t
 
     def forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None, x8t=None, ln=None, gelu_of=None,
-                make_x=None):
-        """out2d (N, M) = x2d (N, K) @ weight (M, K)^T + bias in FP8; gelu_out2d: also its GELU.
+                make_x=None, residual=None):
+        """out2d (N, M) = x2d (N, K) @ weight (M, K)^T + bias [+ residual (N, M), added in the GEMM's
+        epilogue] in FP8; gelu_out2d: also its GELU.
         x8t (K, N) uint8, optional: the same cast pass also writes x's transposed FP8 copy there,
         which the backward's weight gradient then reads instead of casting x again.
         ln (ops.layernorm.LayerNormCall), instead of x2d: x is that layernorm's output; when the
@@ -214,7 +215,7 @@ class Fp8Linears:
             sc.cast(ix, x2d, out=x8, out_t=x8t)
         sc.cast(iw, weight, out=w8, current=self.weights_current)
         fp8_matmul(x8, w8, "e4m3", "e4m3", sc.tensor(ix)[1], sc.tensor(iw)[1], out=out2d, bias=bias,
-                   fast_accum=True, gelu_out=gelu_out2d)
+                   fast_accum=True, gelu_out=gelu_out2d, residual=residual)
         return out2d
 
     def backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias=None, x8t=None, gelu_x2d=None,

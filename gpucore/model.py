@@ -26,8 +26,11 @@ Memory (the reason for three choices below, as in llm.c):
   backward pass recomputes gelu(fch[l]) into it (llm.c's "recompute=1"),
   inside the GELU backward's pass (gelu_backward(gelu_out=)), which reads
   fch[l] anyway, with fcproj's weight gradient after it;
-- the attention/MLP output projections write into one shared (B, T, C)
-  scratch, because the fused residual+layernorm consumes them at once;
+- the attention/MLP output projections add the residual stream in the GEMM's
+  epilogue (cuBLASLt's C matrix) and write the next residual (residual2 /
+  residual3) themselves: no projection output is stored, and each layernorm
+  reads one stream (a fused residual + layernorm pass read two and wrote the
+  sum: one pass more over the stream, tools/notes/profile.md);
 - the LM head never materialises (B, T, Vp) logits in training: it runs in
   row chunks of at most ~1 GiB, and with for_backward=True each chunk's
   fused classifier turns the logits into dlogits in place and the chunk's
@@ -49,7 +52,7 @@ from .ops.attention import attention_backward, attention_forward
 from .ops.classifier import fused_classifier
 from .ops.encoder import encoder_backward, encoder_backward_plan, encoder_forward
 from .ops.gelu import gelu_backward
-from .ops.layernorm import LayerNormCall, fused_residual_layernorm_forward, layernorm_backward
+from .ops.layernorm import LayerNormCall, layernorm_backward, layernorm_forward
 from .ops.matmul import matmul_backward, matmul_forward
 from .ops.reduce import reduce_sum as _sum
 from .fp8_linear import ATTPROJ, FC, FCPROJ, QKV, Fp8Linears, kept_x8t
@@ -191,7 +194,6 @@ def activation_specs(cfg: GPT2Config, B: int, T: int, dtype, keep_gelu: bool = F
         # forward's GELU scratch (written only where a cast needs the bf16 values first: current
         # scaling, a tensor's first step) is the backward's idle dbig (GPT2.forward).
         *([] if fp8 else [("fch_gelu", (L, B, T, 4 * C) if keep_gelu else (B, T, 4 * C), dtype)]),
-        ("proj", (B, T, C), dtype),                # scratch: attproj / fcproj matmul outputs
         ("logits", (head_chunk_rows(cfg, B * T, dtype), Vp), dtype),  # scratch: one LM-head chunk
     ]
     if fp8:
@@ -479,24 +481,27 @@ class GPT2:
                               if for_backward and xp is not np else None)
         ln1, ln2 = self._ln_out(a.ln1), self._ln_out(a.ln2)      # per layer, or one scratch (FP8)
         keep_x8t = self.fp8 is not None and for_backward        # the FP8 backward reads x8t, not x
-        # ln1 of layer 0; later ones are fused with the previous layer's second residual add. Each runs
-        # in the linear that consumes it (_ln_linear: with FP8 the layernorm may write FP8 itself).
-        ln1_call = LayerNormCall(_2d(a.encoded), None, p.ln1w[0], p.ln1b[0], None, _2d(ln1(0)),
-                                 a.ln1_mean[0].reshape(-1), a.ln1_rstd[0].reshape(-1))
+        # Each layernorm runs in the linear that consumes it (_ln_linear: with FP8 the layernorm may
+        # write FP8 itself).
+        def ln_call(x, w, b, out, mean, rstd):
+            return LayerNormCall(_2d(x), None, w, b, None, _2d(out), mean.reshape(-1), rstd.reshape(-1))
+
         for l in range(L):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
             x8t = (lambda j: self._kept_x8t(l, j, B * T)) if keep_x8t else (lambda j: None)
+            ln1_call = ln_call(residual, p.ln1w[l], p.ln1b[l], ln1(l), a.ln1_mean[l], a.ln1_rstd[l])
             self._ln_linear(l, QKV, ln1_call, p.qkvw[l], p.qkvb[l], _2d(a.qkv[l]), x8t=x8t(QKV))
+            # residual2 = residual + attproj(...): the residual added in the GEMM's epilogue
             if self.fp8 is not None:    # the attention forward writes attproj's E4M3 input itself
                 attend = (lambda o8, o8t, s8, am, l=l: attention_forward(
                     a.qkv[l], NH, out=a.atty[l], lse=a.att_lse[l], out8=o8, out8_t=o8t, scale8=s8, amax8=am))
-                lin(l, ATTPROJ, _2d(a.atty[l]), p.attprojw[l], p.attprojb[l], _2d(a.proj), x8t=x8t(ATTPROJ),
-                    make_x=attend)
+                lin(l, ATTPROJ, _2d(a.atty[l]), p.attprojw[l], p.attprojb[l], _2d(a.residual2[l]),
+                    x8t=x8t(ATTPROJ), make_x=attend, residual=_2d(residual))
             else:
                 attention_forward(a.qkv[l], NH, out=a.atty[l], lse=a.att_lse[l])
-                lin(l, ATTPROJ, _2d(a.atty[l]), p.attprojw[l], p.attprojb[l], _2d(a.proj))
-            ln2_call = LayerNormCall(_2d(residual), _2d(a.proj), p.ln2w[l], p.ln2b[l], _2d(a.residual2[l]),
-                                     _2d(ln2(l)), a.ln2_mean[l].reshape(-1), a.ln2_rstd[l].reshape(-1))
+                lin(l, ATTPROJ, _2d(a.atty[l]), p.attprojw[l], p.attprojb[l], _2d(a.residual2[l]),
+                    residual=_2d(residual))
+            ln2_call = ln_call(a.residual2[l], p.ln2w[l], p.ln2b[l], ln2(l), a.ln2_mean[l], a.ln2_rstd[l])
             if self.fp8 is not None:    # GELU scratch: the backward's dbig is idle in the forward
                 fch_gelu = self.grad_acts.dbig
             else:
@@ -504,16 +509,9 @@ class GPT2:
             # bf16: GELU in the fc GEMM's epilogue. FP8: fcproj's input cast makes GELU(fch) itself.
             fc_gelu = _2d(fch_gelu) if self.fp8 is None else None
             self._ln_linear(l, FC, ln2_call, p.fcw[l], p.fcb[l], _2d(a.fch[l]), fc_gelu, x8t=x8t(FC))
-            lin(l, FCPROJ, _2d(fch_gelu), p.fcprojw[l], p.fcprojb[l], _2d(a.proj), x8t=x8t(FCPROJ),
-                gelu_of=_2d(a.fch[l]))
-            if l + 1 < L:   # the next layer's ln1, fused with this layer's second residual add
-                ln1_call = LayerNormCall(_2d(a.residual2[l]), _2d(a.proj), p.ln1w[l + 1], p.ln1b[l + 1],
-                                         _2d(a.residual3[l]), _2d(ln1(l + 1)), a.ln1_mean[l + 1].reshape(-1),
-                                         a.ln1_rstd[l + 1].reshape(-1))
-            else:
-                fused_residual_layernorm_forward(a.residual2[l], a.proj, p.lnfw, p.lnfb,
-                                                 residual=a.residual3[l], out=a.lnf,
-                                                 mean=a.lnf_mean, rstd=a.lnf_rstd)
+            lin(l, FCPROJ, _2d(fch_gelu), p.fcprojw[l], p.fcprojb[l], _2d(a.residual3[l]), x8t=x8t(FCPROJ),
+                gelu_of=_2d(a.fch[l]), residual=_2d(a.residual2[l]))
+        layernorm_forward(a.residual3[L - 1], p.lnfw, p.lnfb, out=a.lnf, mean=a.lnf_mean, rstd=a.lnf_rstd)
 
         lnf = _2d(a.lnf)                                    # (BT, C)
         losses = a.losses.reshape(-1)                      # (BT,)
@@ -567,15 +565,16 @@ class GPT2:
         return (loss, logits) if return_logits else loss
 
     def _linear_forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None, x8t=None, gelu_of=None,
-                        make_x=None):
-        """Linear j (QKV, ATTPROJ, FC, FCPROJ) of layer l: out2d = x2d @ weight^T + bias [gelu_out2d = GELU].
-        x8t (FP8 only): where to keep x's transposed FP8 copy for the backward. gelu_of (FP8 only):
-        x2d is GELU(gelu_of), made by x's FP8 cast (x2d is then only scratch). make_x (FP8 only): the
-        op that makes x2d, which may write x's FP8 bytes too (Fp8Linears.forward)."""
+                        make_x=None, residual=None):
+        """Linear j (QKV, ATTPROJ, FC, FCPROJ) of layer l: out2d = x2d @ weight^T + bias [gelu_out2d = GELU]
+        [+ residual, added in the GEMM's epilogue]. x8t (FP8 only): where to keep x's transposed FP8
+        copy for the backward. gelu_of (FP8 only): x2d is GELU(gelu_of), made by x's FP8 cast (x2d is
+        then only scratch). make_x (FP8 only): the op that makes x2d, which may write x's FP8 bytes
+        too (Fp8Linears.forward)."""
         if self.fp8 is not None:
             return self.fp8.forward(l, j, x2d, weight, bias, out2d, gelu_out2d, x8t=x8t, gelu_of=gelu_of,
-                                    make_x=make_x)
-        return matmul_forward(x2d, weight, bias, out=out2d, gelu_out=gelu_out2d)
+                                    make_x=make_x, residual=residual)
+        return matmul_forward(x2d, weight, bias, out=out2d, gelu_out=gelu_out2d, residual=residual)
 
     def _ln_linear(self, l, j, ln, weight, bias, out2d, gelu_out2d=None, x8t=None):
         """Linear j of layer l on the output of the layernorm call `ln` (LayerNormCall): the layernorm,

@@ -13,7 +13,7 @@ import pytest
 
 from gpucore import runtime
 from gpucore.dtypes import bfloat16
-from gpucore.ops.fp8 import (FORMATS, Fp8Scaling, fp8_amax, fp8_dequantize, fp8_gelu_backward,
+from gpucore.ops.fp8 import (FORMATS, Fp8Scaling, fp8_amax, fp8_dequantize, fp8_gelu_backward, fp8_matmul_reference,
                              fp8_gelu_backward_gated, fp8_gelu_quantize, fp8_matmul, fp8_quantize, fp8_quantize_reference,
                              fp8_transpose)
 from gpucore.ops.gelu import gelu_backward
@@ -469,6 +469,28 @@ def test_gpu_matmul(rng, fa, fb, M, N, K, fast):
     again = cp.empty_like(out)
     fp8_matmul(cp.asarray(a8), cp.asarray(b8), fa, fb, sia, sib, out=again, bias=cp.asarray(bias), fast_accum=fast)
     assert to_cpu(again).tobytes() == to_cpu(out).tobytes()      # deterministic
+    res = _bf16(rng, (M, N), 4.0)
+    with_res = cp.empty_like(out)
+    fp8_matmul(cp.asarray(a8), cp.asarray(b8), fa, fb, sia, sib, out=with_res, bias=cp.asarray(bias), fast_accum=fast,
+               residual=cp.asarray(res))
+    assert rel_err(to_cpu(with_res).astype(np.float64), ref + res.astype(np.float64)) < 2e-2
+
+
+def test_matmul_residual_reference_and_bad_input(rng):
+    """residual joins the unrounded sum (one rounding); it must not overlap out or come with accumulate."""
+    a, b = _bf16(rng, (16, 32)), _bf16(rng, (48, 32))
+    a8, b8 = fp8_quantize_reference(a, "e4m3", 64.0), fp8_quantize_reference(b, "e4m3", 16.0)
+    sa, sb = np.array([1 / 64], F32), np.array([1 / 16], F32)
+    bias, res = _bf16(rng, (48,)), _bf16(rng, (16, 48), 8.0)
+    out = fp8_matmul(a8, b8, "e4m3", "e4m3", sa, sb, bias=bias, residual=res)
+    ref = fp8_matmul_reference(a8, b8, "e4m3", "e4m3", 1 / 64, 1 / 16, bias) + res.astype(np.float64)
+    assert np.array_equal(out, ref.astype(bfloat16))
+    with pytest.raises(ValueError, match="residual"):
+        fp8_matmul(a8, b8, "e4m3", "e4m3", sa, sb, out=out, residual=out)
+    with pytest.raises(ValueError, match="residual"):
+        fp8_matmul(a8, b8, "e4m3", "e4m3", sa, sb, out=out, accumulate=True, residual=res)
+    with pytest.raises(ValueError, match="residual"):
+        fp8_matmul(a8, b8, "e4m3", "e4m3", sa, sb, residual=np.zeros((16, 40), bfloat16))
 
 
 # -------------------------------------------------- the model's FP8 linears ----
@@ -697,7 +719,9 @@ def test_gpu_model_fp8_close_to_bf16_and_deterministic(mode, lm_head):
     assert abs(l8 - l16) < 1e-2 * l16
     assert np.isfinite(g8).all() and rel_err(g8, g16) < (0.2 if lm_head else 0.15)
     assert l8 == l8b and g8.tobytes() == g8b.tobytes()
-    assert abs(l8 - l8n) < 2e-3 * l8n and rel_err(g8, g8n) < 5e-2
+    # 6e-2: the residual adds moved into the projections' GEMM epilogues (one rounding, fast FP8
+    # accumulation before it) read 0.0503 on an H100 (adaptive + FP8 LM head)
+    assert abs(l8 - l8n) < 2e-3 * l8n and rel_err(g8, g8n) < 6e-2
 
 
 # ------------------------------------------------------- the FP8 LM head ----

@@ -287,6 +287,60 @@ def test_gpu_matmul_runs_on_current_stream(rng, gemm_path):
 
 
 
+# ------------------------------------------- the residual in the GEMM (projections) ----
+
+def test_matmul_forward_residual_reference(rng):
+    """residual is added to the unrounded sum: one rounding, as the GEMM epilogue's C matrix."""
+    x, w, b = _rand(rng, (6, 8), BF16), _rand(rng, (12, 8), BF16, 0.5), _rand(rng, (12,), BF16)
+    res = _rand(rng, (6, 12), BF16, 4.0)
+    out = gpucore.matmul_forward(x, w, b, residual=res)
+    r = x.astype(np.float64) @ w.astype(np.float64).T + b.astype(np.float64) + res.astype(np.float64)
+    np.testing.assert_array_equal(out, r.astype(BF16))
+    acc = res.copy()                     # in place: out is the residual (+=)
+    gpucore.matmul_forward(x, w, b, out=acc, residual=acc)
+    np.testing.assert_array_equal(acc, out)
+
+
+def test_matmul_residual_bad_input(rng):
+    x, w = _rand(rng, (4, 8), np.float32), _rand(rng, (6, 8), np.float32)
+    out = np.empty((4, 6), np.float32)
+    with pytest.raises(ValueError, match="residual"):
+        gpucore.matmul_forward(x, w, out=out, residual=np.empty((4, 5), np.float32))
+    with pytest.raises(TypeError, match="residual"):
+        gpucore.matmul_forward(x, w, out=out, residual=np.empty((4, 6), BF16))
+    with pytest.raises(ValueError, match="residual"):
+        gpucore.matmul_forward(x, w, out=out, residual=np.empty((4, 6), np.float32), gelu_out=np.empty_like(out))
+    big = np.zeros((5, 6), np.float32)
+    with pytest.raises(ValueError, match="overlap"):
+        gpucore.matmul_forward(x, w, out=big[:4], residual=big[1:])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K,M", [(7, 5, 3), (300, 96, 200), (4096, 768, 768), (1024, 3072, 768)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gpu_matmul_forward_residual(rng, gemm_path, dtype, N, K, M, with_bias):
+    """out = x @ w^T + b + residual through Lt's C matrix (and the gemmEx + add fallback), against
+    the float64 reference, deterministic, C untouched; out as the residual itself (+=) too."""
+    cp = runtime.cupy
+    x, w = _rand(rng, (N, K), dtype), _rand(rng, (M, K), dtype, 0.05)
+    b = _rand(rng, (M,), dtype) if with_bias else None
+    res = _rand(rng, (N, M), dtype, 3.0)
+    args = (cp.asarray(x), cp.asarray(w), None if b is None else cp.asarray(b))
+    res_d, out = cp.asarray(res), poison((N, M), dtype)
+    gpucore.matmul_forward(*args, out=out, residual=res_d)
+    ref = mm.matmul_forward_reference(x, w, b, np.float64) + res.astype(np.float64)
+    _check_close(out, ref, dtype, f"matmul_forward + residual ({gemm_path})")
+    if dtype == np.float32:
+        assert rel_err(to_cpu(out), ref) < 5e-6
+    np.testing.assert_array_equal(to_cpu(res_d), res)            # C is read, never written
+    again = poison((N, M), dtype)
+    gpucore.matmul_forward(*args, out=again, residual=res_d)
+    assert to_cpu(again).tobytes() == to_cpu(out).tobytes()
+    gpucore.matmul_forward(*args, out=res_d, residual=res_d)     # in place (C = D: its own plan)
+    _check_close(res_d, ref, dtype, f"matmul_forward, residual in place ({gemm_path})")
+
+
 # --------------------------------------------------- GELU in the GEMM (the MLP) ----
 
 from gpucore.ops.gelu import gelu_reference   # noqa: E402

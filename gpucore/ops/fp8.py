@@ -32,7 +32,8 @@ import numpy as np
 
 from .. import cublas, dtypes, runtime
 from .. import profiler
-from ._common import check_array
+from ._common import check_array, overlaps
+from .add import add
 from .colsum import colsum_reference, reduce_partials
 from .gelu import MAX_GRID_Y, gelu, gelu_backward_reference, gelu_reference
 
@@ -539,13 +540,15 @@ def fp8_matmul_reference(a8, b8, a_fmt, b_fmt, a_scale_inv, b_scale_inv, bias=No
 
 @profiler.profiled("fp8 matmul", flops=lambda r, args, kw: 2.0 * args[0].shape[0] * args[1].shape[0] * args[0].shape[1])
 def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=None, bias=None,
-               accumulate=False, fast_accum=False, gelu_out=None):
+               accumulate=False, fast_accum=False, gelu_out=None, residual=None):
     """out (M, N) bfloat16 = (a (M, K) @ b (N, K)^T) * a_scale_inv * b_scale_inv [+ bias (N,)] [+ out].
 
     a8, b8: uint8 FP8 bytes (not both "e5m2"); scales (1,) float32 on the same device.
     accumulate: out += the product (out must be given). fast_accum: Hopper's fast FP8 accumulation.
     gelu_out (M, N) bfloat16, optional: also gelu(out) (of the fp32 sum: cuBLASLt's GELU_AUX
     epilogue; when Lt has no such FP8 algorithm, the gelu kernel after the GEMM).
+    residual (M, N) bfloat16, optional: added before the rounding into out (cuBLASLt's C apart
+    from D; matmul_forward's residual); not overlapping out, not with accumulate or gelu_out.
     """
     _fmt(a_fmt), _fmt(b_fmt)
     if a_fmt == b_fmt == "e5m2":
@@ -570,9 +573,16 @@ def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=
         check_array("gelu_out", gelu_out, dtype=dtypes.bfloat16, shape=(M, N), max_elements=None)
         if accumulate:
             raise ValueError("gelu_out: not with accumulate=True")
+    if residual is not None:
+        check_array("residual", residual, dtype=dtypes.bfloat16, shape=(M, N), max_elements=None)
+        if accumulate or gelu_out is not None:
+            raise ValueError("residual: not with accumulate=True or gelu_out")
+        if overlaps(xp, residual, out):
+            raise ValueError("residual: must not overlap out (accumulate=True adds into out itself)")
     if xp is np:
         r = fp8_matmul_reference(a8, b8, a_fmt, b_fmt, _host_scalar(a_scale_inv), _host_scalar(b_scale_inv), bias)
         r = r + (out.astype(np.float64) if accumulate else 0)
+        r = r + (residual.astype(np.float64) if residual is not None else 0)
         out[...] = r.astype(out.dtype)
         if gelu_out is not None:
             gelu_out[...] = gelu_reference(r).astype(gelu_out.dtype)
@@ -587,8 +597,17 @@ def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=
             return out
         except RuntimeError:
             pass          # no FP8 algorithm with the GELU epilogue here: the GEMM, then the gelu kernel
+    if residual is not None:
+        try:
+            cublas.lt_fp8_gemm(a8, b8, out, M, N, K, a_fmt, b_fmt, a_scale_inv, b_scale_inv, beta=1.0, bias=bias,
+                               fast_accum=fast_accum, c=residual)
+            return out
+        except RuntimeError:
+            pass          # no FP8 algorithm with a C matrix here: the GEMM, then the add
     cublas.lt_fp8_gemm(a8, b8, out, M, N, K, a_fmt, b_fmt, a_scale_inv, b_scale_inv,
                        beta=1.0 if accumulate else 0.0, bias=bias, fast_accum=fast_accum)
     if gelu_out is not None:
         gelu(out, out=gelu_out)
+    if residual is not None:
+        add(out, residual, out=out)
     return out

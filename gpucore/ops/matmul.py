@@ -51,6 +51,7 @@ from .. import dtypes, runtime, settings
 from .. import profiler
 from ..cublas import gemm_ex, lt_gemm
 from ._common import check_array, check_same_dtype, output, overlaps
+from .add import add as _add
 from .colsum import colsum
 from .gelu import gelu as _gelu, gelu_reference
 
@@ -156,15 +157,41 @@ def _bias_fill(out2d, bias):
     runtime.launch(k, (strips, row_groups), (32, 8), (out2d, bias, np.int32(N), np.int32(M)))
 
 
+def _same_view(xp, a, b) -> bool:
+    """Are a and b the same elements in the same layout (the same array, or equal views)?"""
+    def ptr(v):
+        return v.__array_interface__["data"][0] if xp is np else v.data.ptr
+    return a is b or (ptr(a) == ptr(b) and a.shape == b.shape and a.strides == b.strides)
+
+
+def _residual_gemm(x, weight, bias, out2d, res2d, N, M, K):
+    """out2d = x @ weight^T + bias + res2d: cuBLASLt with res2d as C (beta = 1, read in the
+    epilogue; out2d only written unless it is res2d); else the GEMM and bias, then an add pass."""
+    same = res2d.data.ptr == out2d.data.ptr
+    if K > 0 and (bias is None or bias.dtype == out2d.dtype) and lt_gemm(
+            x, weight, out2d, N, M, K, transpose_b=True, beta=1.0, bias=bias, c=None if same else res2d):
+        return
+    if same:
+        res2d = res2d.copy()             # the fallback writes out2d before it adds
+    if K == 0:
+        out2d.fill(0) if bias is None else _bias_fill(out2d, bias)
+    else:
+        _train_gemm(x, weight, out2d, N, M, K, transpose_b=True, bias=bias)
+    _add(out2d, res2d, out=out2d)
+
+
 @profiler.profiled("matmul forward", flops=profiler.matmul_forward_flops)
-def matmul_forward(x, weight, bias=None, out=None, *, gelu_out=None):
-    """out (N, M) = x (N, K) @ weight (M, K)^T + bias (M,).
+def matmul_forward(x, weight, bias=None, out=None, *, gelu_out=None, residual=None):
+    """out (N, M) = x (N, K) @ weight (M, K)^T + bias (M,) [+ residual].
 
     x may have leading dims (..., K): they are flattened to N rows and out has
     shape (..., M). x, weight (and bias) share a dtype; with bfloat16 inputs,
     out may be bfloat16 (default) or float32; bias has x's dtype or out's.
     gelu_out (out's shape and dtype), optional: also gelu(out) (fused into the
     GEMM's epilogue for bfloat16; see the module docstring).
+    residual (out's shape and dtype), optional: added to the sum before it is
+    rounded into out (cuBLASLt's C matrix, read in the epilogue): out may be
+    residual itself (+=) but not overlap it otherwise. Not with gelu_out.
     """
     _check("x", x)
     if x.ndim < 2:
@@ -185,10 +212,19 @@ def matmul_forward(x, weight, bias=None, out=None, *, gelu_out=None):
         _device(xp, "gelu_out", gelu_out)
         if overlaps(xp, gelu_out, out):
             raise ValueError("gelu_out: must not overlap out (both are outputs)")
+    if residual is not None:
+        _check("residual", residual, dtypes_=(out.dtype,), shape=out.shape)
+        _device(xp, "residual", residual)
+        if gelu_out is not None:
+            raise ValueError("residual: not with gelu_out (GELU of a sum with the residual is no layer's)")
+        if not _same_view(xp, residual, out) and overlaps(xp, residual, out):
+            raise ValueError("residual: must be out itself or not overlap it")
     if xp is np:
         r = _f64(x) @ _f64(weight).T
         if bias is not None:
             r = r + _f64(bias)
+        if residual is not None:
+            r = r + _f64(residual)
         out[...] = r.astype(out.dtype)
         if gelu_out is not None:
             gelu_out[...] = gelu_reference(r).astype(gelu_out.dtype)
@@ -197,6 +233,9 @@ def matmul_forward(x, weight, bias=None, out=None, *, gelu_out=None):
     if N == 0 or M == 0:
         return out
     out2d = out.reshape(N, M)
+    if residual is not None:
+        _residual_gemm(x, weight, bias, out2d, residual.reshape(N, M), N, M, K)
+        return out
     if K == 0:                          # an empty sum: out = bias (or 0)
         if bias is None:
             out.fill(0)
