@@ -73,7 +73,8 @@ def main():
     p.add_argument("--json", help="also write the summary (per variant: ms/step, tokens/s, pool peak) here")
     args = p.parse_args()
     variants = [parse_variant(v) for v in args.variants]
-    log = Path(os.environ.get("OUT", ROOT / "out")) / "ab_train"
+    # absolute: each run's working directory is its own tree, where a relative OUT would point elsewhere
+    log = Path(os.environ.get("OUT", ROOT / "out")).resolve() / "ab_train"
     log.mkdir(parents=True, exist_ok=True)
     if not (ROOT / "data" / "tinyshakespeare" / "tinyshakespeare_train.bin").exists():
         subprocess.run([sys.executable, "-m", "gpucore.cli", "prepro"], cwd=ROOT, check=True,
