@@ -301,18 +301,20 @@ def test_matmul_forward_residual_reference(rng):
     np.testing.assert_array_equal(acc, out)
 
 
-def test_matmul_residual_bad_input(rng):
+@pytest.mark.parametrize("arg", ["gelu_out", "residual"])
+def test_matmul_forward_extra_arrays_bad_input(rng, arg):
+    """gelu_out / residual: out's shape and dtype; neither may partly overlap out; not both."""
     x, w = _rand(rng, (4, 8), np.float32), _rand(rng, (6, 8), np.float32)
     out = np.empty((4, 6), np.float32)
-    with pytest.raises(ValueError, match="residual"):
-        gpucore.matmul_forward(x, w, out=out, residual=np.empty((4, 5), np.float32))
-    with pytest.raises(TypeError, match="residual"):
-        gpucore.matmul_forward(x, w, out=out, residual=np.empty((4, 6), BF16))
-    with pytest.raises(ValueError, match="residual"):
-        gpucore.matmul_forward(x, w, out=out, residual=np.empty((4, 6), np.float32), gelu_out=np.empty_like(out))
+    with pytest.raises(ValueError, match=arg):
+        gpucore.matmul_forward(x, w, out=out, **{arg: np.empty((4, 5), np.float32)})
+    with pytest.raises(TypeError, match=arg):
+        gpucore.matmul_forward(x, w, out=out, **{arg: np.empty((4, 6), BF16)})
     big = np.zeros((5, 6), np.float32)
     with pytest.raises(ValueError, match="overlap"):
-        gpucore.matmul_forward(x, w, out=big[:4], residual=big[1:])
+        gpucore.matmul_forward(x, w, out=big[:4], **{arg: big[1:]})
+    with pytest.raises(ValueError, match="residual"):
+        gpucore.matmul_forward(x, w, out=out, residual=np.empty((4, 6), np.float32), gelu_out=np.empty_like(out))
 
 
 @pytest.mark.cuda
@@ -357,13 +359,9 @@ def test_matmul_forward_gelu_out_reference(rng):
     assert not np.array_equal(g.astype(np.float32), out.astype(np.float32))    # GELU applied
 
 
-def test_matmul_gelu_bad_input(rng):
+def test_matmul_gelu_out_may_not_be_out(rng):
     x, w = _rand(rng, (4, 8), np.float32), _rand(rng, (6, 8), np.float32)
     out = np.empty((4, 6), np.float32)
-    with pytest.raises(ValueError, match="gelu_out"):
-        gpucore.matmul_forward(x, w, out=out, gelu_out=np.empty((4, 5), np.float32))
-    with pytest.raises(TypeError, match="gelu_out"):
-        gpucore.matmul_forward(x, w, out=out, gelu_out=np.empty((4, 6), BF16))
     with pytest.raises(ValueError, match="overlap"):
         gpucore.matmul_forward(x, w, out=out, gelu_out=out)
 
