@@ -1,6 +1,6 @@
 """The training matmul: linear layers (x @ W^T + b) and numpy-like matmuls, on cuBLAS.
 
-    matmul_forward   out (N, M) = x (N, K) @ weight (M, K)^T + bias (M,)   [gelu_out = gelu(out)]
+    matmul_forward   out (N, M) = x (N, K) @ weight (M, K)^T + bias (M,) [+ residual]   [gelu_out = gelu(out)]
     matmul_backward  dx = dout @ weight [=], dweight += dout^T @ x [+=], dbias += dout.sum(0) [+=]
     batched_matmul   (Bt, M, N) = alpha * op(a) @ op(b) + beta * out   (attention v1)
     matmul           numpy-like 2-D / 3-D a @ b
@@ -164,22 +164,6 @@ def _same_view(xp, a, b) -> bool:
     return a is b or (ptr(a) == ptr(b) and a.shape == b.shape and a.strides == b.strides)
 
 
-def _residual_gemm(x, weight, bias, out2d, res2d, N, M, K):
-    """out2d = x @ weight^T + bias + res2d: cuBLASLt with res2d as C (beta = 1, read in the
-    epilogue; out2d only written unless it is res2d); else the GEMM and bias, then an add pass."""
-    same = res2d.data.ptr == out2d.data.ptr
-    if K > 0 and (bias is None or bias.dtype == out2d.dtype) and lt_gemm(
-            x, weight, out2d, N, M, K, transpose_b=True, beta=1.0, bias=bias, c=None if same else res2d):
-        return
-    if same:
-        res2d = res2d.copy()             # the fallback writes out2d before it adds
-    if K == 0:
-        out2d.fill(0) if bias is None else _bias_fill(out2d, bias)
-    else:
-        _train_gemm(x, weight, out2d, N, M, K, transpose_b=True, bias=bias)
-    _add(out2d, res2d, out=out2d)
-
-
 @profiler.profiled("matmul forward", flops=profiler.matmul_forward_flops)
 def matmul_forward(x, weight, bias=None, out=None, *, gelu_out=None, residual=None):
     """out (N, M) = x (N, K) @ weight (M, K)^T + bias (M,) [+ residual].
@@ -233,9 +217,14 @@ def matmul_forward(x, weight, bias=None, out=None, *, gelu_out=None, residual=No
     if N == 0 or M == 0:
         return out
     out2d = out.reshape(N, M)
-    if residual is not None:
-        _residual_gemm(x, weight, bias, out2d, residual.reshape(N, M), N, M, K)
-        return out
+    if residual is not None:            # cuBLASLt adds it as C (beta = 1, read in the epilogue)
+        res2d = residual.reshape(N, M)
+        in_place = res2d.data.ptr == out2d.data.ptr     # (checked above: then the same view)
+        if K > 0 and (bias is None or bias.dtype == out.dtype) and lt_gemm(
+                x, weight, out2d, N, M, K, transpose_b=True, beta=1.0, bias=bias, c=None if in_place else res2d):
+            return out
+        if in_place:                    # else the plain path below, then an add pass
+            res2d = res2d.copy()        # (it writes out before the add)
     if K == 0:                          # an empty sum: out = bias (or 0)
         if bias is None:
             out.fill(0)
@@ -248,6 +237,8 @@ def matmul_forward(x, weight, bias=None, out=None, *, gelu_out=None, residual=No
         _train_gemm(x, weight, out2d, N, M, K, transpose_b=True, bias=bias)
     if gelu_out is not None:
         _gelu(out, out=gelu_out)
+    if residual is not None:
+        _add(out2d, res2d, out=out2d)
     return out
 
 
