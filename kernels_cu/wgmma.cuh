@@ -66,6 +66,13 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo_bytes, u32 sbo_bytes)
            ((u64)((sbo_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 
+// desc's matrix moved `bytes` further (a multiple of 16): smem_desc(addr + bytes, ...) as one add to the
+// start field, exact while addr + bytes stays under 2^18 (the field's reach: all of shared memory).
+// Build a product's descriptors once and step them with this: smem_desc's shift and masks before
+// every wgmma (and the move into a uniform register after them) were ~10 instructions on the
+// critical path of each k-step (ncu, tools/notes/attention.md, sixteenth session).
+__device__ __forceinline__ u64 desc_add(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
+
 #define WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
                  "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 

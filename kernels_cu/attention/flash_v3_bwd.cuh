@@ -63,7 +63,13 @@ __device__ __forceinline__ void v3_tile_frags(u32 (&f)[HD / 16][4], const unsign
 // (flash_v3_bwd.cu) and the one-pass kernel (flash_v3_bwd1.cu).
 // P^T = exp(S^T * scale - lse[query]) in place (sl2 = scale * log2 e, l_s: the tile's lse); with
 // mask (diagonal or tail tiles) 0 where key > query or query >= T.
-template <int BM>
+// MASK: 0 no tests (a tile wholly below the diagonal and inside T), 1 the tests, -1 the tests where
+// the runtime flag `mask` says so. The one-pass kernel branches between 0 and 1 (warpgroup-uniform):
+// with -1 ptxas applied the tests to every tile (~4 instructions a value, 13% of the kernel's
+// instructions; ncu, sixteenth session). The two-pass dK/dV kernel keeps -1: the same branch there,
+// with its register-A dP^T product in flight across it, made its dK and dV wrong (GPU tests; the
+// one-pass kernel's dP^T reads shared memory only, and its bits stayed the same).
+template <int BM, int MASK = -1>
 __device__ __forceinline__ void v3_pt_from_st(float* st, const float* l_s, float sl2, bool mask, int key0, int m0,
                                               int T, int t4) {
     #pragma unroll
@@ -73,7 +79,7 @@ __device__ __forceinline__ void v3_pt_from_st(float* st, const float* l_s, float
         #pragma unroll
         for (int e = 0; e < 4; e++) {
             float p = fast_exp2(fmaf(st[4 * j + e], sl2, nl[e & 1]));
-            if (mask) {
+            if (MASK == 1 || (MASK == -1 && mask)) {
                 const int qa = m0 + 8 * j + 2 * t4 + (e & 1);
                 if (key0 + 8 * (e >> 1) > qa || qa >= T) p = 0.f;
             }
@@ -136,20 +142,22 @@ __device__ __forceinline__ void v3_store_acc_staged(bf16* g, const float* d, flo
 // halves the smem operand traffic of these N = 64 products. No commit.
 template <int HD>
 __device__ __forceinline__ void v3_product_rk(float* d, const u32 (&a)[HD / 16][4], u32 b) {
+    const u64 db = smem_desc(b, 16, 1024);
     #pragma unroll
     for (int ks = 0; ks < HD / 16; ks++)
-        wgmma_m64n64k16_rs_kk(d, a[ks], smem_desc(b + (ks >> 2) * (64 * 128) + (ks & 3) * 32, 16, 1024), ks > 0);
+        wgmma_m64n64k16_rs_kk(d, a[ks], desc_add(db, (ks >> 2) * (64 * 128) + (ks & 3) * 32), ks > 0);
 }
 
 // D (64 x N) = A (64 x HD, K-major at a + wgrow bytes, column blocks arows * 128 apart)
 //            @ B^T (B: N x HD K-major at b, column blocks N * 128 apart). No commit.
 template <int N, int HD>
 __device__ __forceinline__ void v3_product_kk(float* d, u32 a, int arows, u32 b) {
+    const u64 da = smem_desc(a, 16, 1024), db = smem_desc(b, 16, 1024);
     #pragma unroll
     for (int ks = 0; ks < HD / 16; ks++) {
         const u32 off_a = (ks >> 2) * (arows * 128) + (ks & 3) * 32;
         const u32 off_b = (ks >> 2) * (N * 128) + (ks & 3) * 32;
-        v3_mma_ss<N>(d, smem_desc(a + off_a, 16, 1024), smem_desc(b + off_b, 16, 1024), ks > 0);
+        v3_mma_ss<N>(d, desc_add(da, off_a), desc_add(db, off_b), ks > 0);
     }
 }
 
@@ -158,7 +166,8 @@ template <int KN, int HD>
 __device__ __forceinline__ void v3_product_rs(float* d, u32 (&f)[KN / 16][4], u32 b) {
     wg_fence_regs<KN / 4>(&f[0][0]);
     wgmma_fence();
+    const u64 db = smem_desc(b, KN * 128, 1024);
     #pragma unroll
-    for (int k = 0; k < KN / 16; k++) v3_mma_rs<HD>(d, f[k], smem_desc(b + k * 2048, KN * 128, 1024), 1);
+    for (int k = 0; k < KN / 16; k++) v3_mma_rs<HD>(d, f[k], desc_add(db, k * 2048), 1);
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -311,7 +311,8 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             v3_product_kk<BM, HD>(dpt, cV + wg * 8192, BN, o_s);  // dP^T = V dO^T, runs on
             wgmma_commit();
             // P^T = exp(S^T * scale - lse[query]); 0 where key > query or query >= T
-            v3_pt_from_st<BM>(st, l_s, sl2, wk0 + 63 > m0 || m0 + BM > T, key0, m0, T, t4);
+            if (wk0 + 63 > m0 || m0 + BM > T) v3_pt_from_st<BM, 1>(st, l_s, sl2, true, key0, m0, T, t4);
+            else v3_pt_from_st<BM, 0>(st, l_s, sl2, false, key0, m0, T, t4);
             {
                 u32 pa[BM / 16][4];
                 v3_to_frags<BM>(pa, st);
@@ -346,10 +347,10 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             __syncthreads();                      // ... from every warp (dQ^T reads all BN keys)
             wg_fence_regs<QN / 2>(dq);
             wgmma_fence();
+            const u64 dk_desc = smem_desc(cK, BN * 128, 1024), ds_desc = smem_desc(sS + 2 * QN * wg, BN * 128, 1024);
             #pragma unroll
             for (int ks = 0; ks < BN / 16; ks++)  // dQ^T = K^T dS^T over all BN keys
-                wgmma_m64n32k16_ss_mnmn(dq, smem_desc(cK + ks * 2048, BN * 128, 1024),
-                                        smem_desc(sS + ks * 2048 + 2 * QN * wg, BN * 128, 1024), ks > 0);
+                wgmma_m64n32k16_ss_mnmn(dq, desc_add(dk_desc, ks * 2048), desc_add(ds_desc, ks * 2048), ks > 0);
             wgmma_commit();
             // the previous tile's staged part (not its last KV tile) into the scratch
             if (threadIdx.x == 0 && pend_i >= 0 && j != pend_i * BM / BN)
