@@ -25,12 +25,14 @@
  *   tile ahead (cp.async) and the sum plus this part goes to dqkv as bf16 (times scale) instead.
  *   Only ordered bulk adds, no atomics; same bits run after run. dK, dV of KV tile j are stored
  *   when its Q loop ends.
- * Pipelining (per warpgroup): per tile, after the loop-top barrier: S^T group; wait<0> (S^T, and
- * the previous tile's dV, dK, dQ^T groups) -> dP^T group, running on -> P^T -> dV group ->
+ * Pipelining (per warpgroup): per tile, after the loop-top barrier: wait<0> (S^T, issued by the
+ * previous tile, and the previous tile's dV, dK, dQ^T groups) -> dP^T group, running on -> P^T -> dV group ->
  * wait<1> (dP^T) -> dS^T -> dK group -> the previous tile's dQ^T into the staging tile (or, at its
  * diagonal, added to the sums there and stored to dqkv) while dV and dK run; dS^T to smem (its last
  * reader, the previous dQ^T, retired at the wait<0>) -> fence.proxy.async + barrier -> the previous
- * tile's bulk store or add, the dQ^T group; dV, dK and dQ^T run on into the next tile. Q/dO/lse/D
+ * tile's bulk store or add, the dQ^T group, then the next tile's S^T group (its Q tile waited for
+ * before that barrier); dV, dK, dQ^T and S^T run on into the next tile (ptxas' C7517 notes: the
+ * waits it adds where S^T's registers cross the KV loop's ends, where all is retired anyway). Q/dO/lse/D
  * stream through a 4-stage cp.async ring (the stage a running group reads is never the one
  * prefetched), prefetched two tiles ahead, across KV tiles too; K and V of the next KV tile are
  * copied into the second K/V buffer at its predecessor's first Q tile. At a KV tile's end dK and dV
@@ -258,6 +260,14 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     float dk[HD / 2], dv[HD / 2], st[BM / 2], dpt[BM / 2], dq[QN / 2];
     #pragma unroll
     for (int e = 0; e < BM / 2; e++) st[e] = dpt[e] = 0.f;
+    // S^T = K Q^T of the first visit (each visit issues its successor's after its dQ^T)
+    cp_async_wait<1>();
+    fence_proxy_async();
+    __syncthreads();
+    wg_fence_regs<BM / 2>(st);
+    wgmma_fence();
+    v3_product_kk<BM, HD>(st, sK + wg * 8192, BN, sQ);
+    wgmma_commit();
     #pragma unroll
     for (int e = 0; e < QN / 2; e++) dq[e] = 0.f;
     int tc = 0;                                   // tiles done: ring stage tc % ST, staging buffer tc % SA
@@ -299,12 +309,8 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             const u32 q_s = sQ + buf * Q_BYTES, o_s = sO + buf * Q_BYTES;
             const float* l_s = sL + buf * BM;
             const float* d_s = sD + buf * BM;
-            wg_fence_regs<BM / 2>(st);
-            wg_fence_regs<BM / 2>(dpt);
-            wgmma_fence();
-            v3_product_kk<BM, HD>(st, cK + wg * 8192, BN, q_s);   // S^T = K Q^T
-            wgmma_commit();
-            wgmma_wait<0>();                      // S^T and the previous tile's dV, dK, dQ^T retired
+            wgmma_wait<0>();                      // S^T (issued by the previous visit) and the previous
+                                                  // tile's dV, dK, dQ^T retired
             wg_fence_regs<BM / 2>(st);
             wg_fence_regs<QN / 2>(dq);
             wgmma_fence();
@@ -343,6 +349,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                     *reinterpret_cast<u32*>(blk + wg_swz128(r + 8, 2 * k + 1)) = sa[k][3];
                 }
             }
+            cp_async_wait<2>();                   // the next visit's Q tile (this thread's copies)
             fence_proxy_async();                  // dS^T (and staged dQ^T) stores visible to the async proxy ...
             __syncthreads();                      // ... from every warp (dQ^T reads all BN keys)
             wg_fence_regs<QN / 2>(dq);
@@ -352,6 +359,17 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             for (int ks = 0; ks < BN / 16; ks++)  // dQ^T = K^T dS^T over all BN keys
                 wgmma_m64n32k16_ss_mnmn(dq, desc_add(dk_desc, ks * 2048), desc_add(ds_desc, ks * 2048), ks > 0);
             wgmma_commit();
+            {   // the next visit's S^T = K Q^T, running while this one finishes and the next one's
+                // loop top meets (the next KV tile's first after this KV tile's last; after the
+                // head's last visit a product nobody reads, on stale tiles). Issuing its dP^T here
+                // too measured no faster: dP^T then no longer runs beside the exps.
+                const u32 kn = sK + ((i + 1 == nt ? j + 1 : j) & 1) * 2 * KV_BYTES;
+                wg_fence_regs<BM / 2>(st);
+                wg_fence_regs<BM / 2>(dpt);
+                wgmma_fence();
+                v3_product_kk<BM, HD>(st, kn + wg * 8192, BN, sQ + (tc + 1) % ST * Q_BYTES);
+                wgmma_commit();
+            }
             // the previous tile's staged part (not its last KV tile) into the scratch
             if (threadIdx.x == 0 && pend_i >= 0 && j != pend_i * BM / BN)
                 v3_dq_flush(qacc + pend_i * HD * 64, sA + tc % SA * A_BYTES, j, A_BYTES);
