@@ -520,9 +520,9 @@ ONEPASS_SUMS_BYTES = 8 * 128 * 4 + 2 * 64 * 4   # the _sums variant's running su
 def v3_onepass_smem(hd, wgs):
     """Dynamic shared memory of a one-pass backward block: two K/V buffers (64 wgs x hd each; the
     next KV tile's copied in a tile ahead), 4 stages of Q and dO (64 x hd; copied two tiles ahead),
-    the dS^T tile (64 wgs x 64), all bf16; 3 staged dQ^T partial-sum tiles (hd x 64 f32); 4 x 64
+    two dS^T tiles (64 wgs x 64), all bf16; 3 staged dQ^T partial-sum tiles (hd x 64 f32); 4 x 64
     lse and D; + 1024 for the swizzle alignment."""
-    return 1024 + (4 * wgs + 2 * 4 + wgs) * 64 * hd * 2 + 3 * hd * 64 * 4 + 2 * 4 * 64 * 4
+    return 1024 + (4 * wgs + 2 * 4 + 2 * wgs) * 64 * hd * 2 + 3 * hd * 64 * 4 + 2 * 4 * 64 * 4
 
 
 def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None, D=None, sums=None):

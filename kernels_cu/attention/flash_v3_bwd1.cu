@@ -41,9 +41,9 @@
  * whole head, so gpucore/ops/attention.py takes this kernel only where B*NH fills the SMs' waves.
  * (The 1-warpgroup instantiation, 2 blocks per SM, lost and spills at 255 registers: not built.)
  *
- * Shared memory: 2 x K, V (128 x HD), 4 stages of Q, dO (64 x HD), the dS^T tile (128 keys x 64
+ * Shared memory: 2 x K, V (128 x HD), 4 stages of Q, dO (64 x HD), two dS^T tiles (128 keys x 64
  * queries), all 128B-swizzled (wgmma.cuh); 3 staged dQ^T partial-sum tiles (16 KB each); 4 x 64
- * lse and D: 199,680 bytes with the alignment slack (gpucore/ops/attention.py: v3_onepass_smem).
+ * lse and D: 216,064 bytes with the alignment slack (gpucore/ops/attention.py: v3_onepass_smem).
  * Compiled for anything but sm_90a the kernel traps; Python launches it only on sm_90 devices.
  */
 #include "attention/flash.cuh"
@@ -196,9 +196,13 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     // two K/V buffers (KV tile j in buffer j & 1): buffer b's K at sK + b * 2 KV_BYTES, V after it
     const u32 sQ = sK + 4 * KV_BYTES;             // ST stages
     const u32 sO = sQ + ST * Q_BYTES;             // ST stages (dout)
-    const u32 sS = sO + ST * Q_BYTES;             // the dS^T tile (BN keys x BM queries)
+    // two dS^T tiles (BN keys x BM queries), tile tc's in tc & 1: the other warpgroup's dQ^T of tile
+    // tc - 1 may still read its buffer while this one writes tile tc's half -- that dQ^T is retired by
+    // its own warpgroup's wait<0> only, and the next S^T is issued before the loop-top barrier --
+    // while tile tc - 2's readers all retired before tile tc - 1's middle barrier
+    const u32 sS = sO + ST * Q_BYTES;
     unsigned char* sS_gen = smem_v3 + (sS - raw);
-    const u32 sA = sS + DS_BYTES;                 // SA staged dQ^T partial-sum tiles
+    const u32 sA = sS + 2 * DS_BYTES;             // SA staged dQ^T partial-sum tiles
     float* sA_gen = reinterpret_cast<float*>(smem_v3 + (sA - raw));
     float* sL = reinterpret_cast<float*>(smem_v3 + (sA + SA * A_BYTES - raw));  // ST x BM lse
     float* sD = sL + ST * BM;                                                            // ST x BM D
@@ -339,7 +343,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                 // dS^T (keys x queries) into smem, swizzled like any (BN, 64) tile: the A fragment
                 // of k-step k holds rows r, r+8 (keys) x columns 16k + 2t4 (+1), 16k + 8 + 2t4 (+1)
                 // (v3_tile_frags' inverse). The last reader, tile tc-1's dQ^T, retired at the wait<0>.
-                unsigned char* blk = sS_gen + 4 * t4;
+                unsigned char* blk = sS_gen + (tc & 1) * DS_BYTES + 4 * t4;
                 const int r = 64 * wg + 16 * w4 + g;
                 #pragma unroll
                 for (int k = 0; k < BM / 16; k++) {
@@ -354,7 +358,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             __syncthreads();                      // ... from every warp (dQ^T reads all BN keys)
             wg_fence_regs<QN / 2>(dq);
             wgmma_fence();
-            const u64 dk_desc = smem_desc(cK, BN * 128, 1024), ds_desc = smem_desc(sS + 2 * QN * wg, BN * 128, 1024);
+            const u64 dk_desc = smem_desc(cK, BN * 128, 1024), ds_desc = smem_desc(sS + (tc & 1) * DS_BYTES + 2 * QN * wg, BN * 128, 1024);
             #pragma unroll
             for (int ks = 0; ks < BN / 16; ks++)  // dQ^T = K^T dS^T over all BN keys
                 wgmma_m64n32k16_ss_mnmn(dq, desc_add(dk_desc, ks * 2048), desc_add(ds_desc, ks * 2048), ks > 0);
@@ -393,8 +397,8 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         if (threadIdx.x == 0) bulk_wait_done<0>();
         pend_i = -1;
         bf16* dk_g = dqkv + (size_t)b * T * stride + C + h * HD;
-        // dK, dV through the dS^T tile (free: every dQ^T that read it retired before the barrier
-        // above; the next KV tile writes it after its loop-top barrier), 8 KB per warpgroup
+        // dK, dV through the first dS^T tile (free: every dQ^T that read it retired before the
+        // barrier above; the next KV tile writes it after its loop-top barrier), 8 KB per warpgroup
         const u32 stage = sS + wg * (64 * HD * 2);
         unsigned char* stage_gen = sS_gen + wg * (64 * HD * 2);
         v3_store_acc_staged<HD>(dk_g, dk, scale, wk0, T, stride, stage, stage_gen, w4, lane);
