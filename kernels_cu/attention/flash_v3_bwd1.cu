@@ -342,7 +342,8 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                 if (pend_i >= 0) dq_rmw(dq, pend_i, j, sA_gen + tc % SA * (A_BYTES / 4));
                 // dS^T (keys x queries) into smem, swizzled like any (BN, 64) tile: the A fragment
                 // of k-step k holds rows r, r+8 (keys) x columns 16k + 2t4 (+1), 16k + 8 + 2t4 (+1)
-                // (v3_tile_frags' inverse). The last reader, tile tc-1's dQ^T, retired at the wait<0>.
+                // (v3_tile_frags' inverse). Into buffer tc & 1: its last readers, both warpgroups'
+                // dQ^T of tile tc-2, retired before tile tc-1's middle barrier.
                 unsigned char* blk = sS_gen + (tc & 1) * DS_BYTES + 4 * t4;
                 const int r = 64 * wg + 16 * w4 + g;
                 #pragma unroll
@@ -353,12 +354,14 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                     *reinterpret_cast<u32*>(blk + wg_swz128(r + 8, 2 * k + 1)) = sa[k][3];
                 }
             }
-            cp_async_wait<2>();                   // the next visit's Q tile (this thread's copies)
+            cp_async_wait<2>();                   // all but this visit's two groups: the next visit's Q
+                                                  // tile, and the next KV tile's K (this thread's copies)
             fence_proxy_async();                  // dS^T (and staged dQ^T) stores visible to the async proxy ...
             __syncthreads();                      // ... from every warp (dQ^T reads all BN keys)
             wg_fence_regs<QN / 2>(dq);
             wgmma_fence();
-            const u64 dk_desc = smem_desc(cK, BN * 128, 1024), ds_desc = smem_desc(sS + (tc & 1) * DS_BYTES + 2 * QN * wg, BN * 128, 1024);
+            const u64 dk_desc = smem_desc(cK, BN * 128, 1024);
+            const u64 ds_desc = smem_desc(sS + (tc & 1) * DS_BYTES + 2 * QN * wg, BN * 128, 1024);
             #pragma unroll
             for (int ks = 0; ks < BN / 16; ks++)  // dQ^T = K^T dS^T over all BN keys
                 wgmma_m64n32k16_ss_mnmn(dq, desc_add(dk_desc, ks * 2048), desc_add(ds_desc, ks * 2048), ks > 0);
