@@ -360,11 +360,11 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             __syncthreads();                      // ... from every warp (dQ^T reads all BN keys)
             wg_fence_regs<QN / 2>(dq);
             wgmma_fence();
-            const u64 dk_desc = smem_desc(cK, BN * 128, 1024);
+            const u64 k_desc = smem_desc(cK, BN * 128, 1024);   // K^T: K's rows MN-major
             const u64 ds_desc = smem_desc(sS + (tc & 1) * DS_BYTES + 2 * QN * wg, BN * 128, 1024);
             #pragma unroll
             for (int ks = 0; ks < BN / 16; ks++)  // dQ^T = K^T dS^T over all BN keys
-                wgmma_m64n32k16_ss_mnmn(dq, desc_add(dk_desc, ks * 2048), desc_add(ds_desc, ks * 2048), ks > 0);
+                wgmma_m64n32k16_ss_mnmn(dq, desc_add(k_desc, ks * 2048), desc_add(ds_desc, ks * 2048), ks > 0);
             wgmma_commit();
             {   // the next visit's S^T = K Q^T, running while this one finishes and the next one's
                 // loop top meets (the next KV tile's first after this KV tile's last; after the

@@ -131,10 +131,10 @@ struct V3KvCopier {
 // O += P V for one KV tile (V stage at shared address vb); issue only (caller commits/waits).
 template <int HD, int BN>
 __device__ __forceinline__ void v3p_issue_pv(float* o, u32 (&pa)[BN / 16][4], u32 vb) {
-    const u64 dv = smem_desc(vb, BN * 128, 1024);
+    const u64 v_desc = smem_desc(vb, BN * 128, 1024);
     #pragma unroll
     for (int kk = 0; kk < BN / 16; kk++)                       // V k-step: 16 key rows = 2048 B
-        v3_mma_rs<HD>(o, pa[kk], desc_add(dv, kk * 2048), 1);
+        v3_mma_rs<HD>(o, pa[kk], desc_add(v_desc, kk * 2048), 1);
 }
 
 // The warpgroup's last O += P V (nothing else in flight): fence, issue, wait<0>.
@@ -168,11 +168,11 @@ __device__ __forceinline__ void v3p_step(float (&s)[BN / 2], float (&o)[HD / 2],
     #pragma unroll
     for (int kk = 0; kk < BN / 16; kk++) wg_fence_regs<4>(pa[kk]);
     wgmma_fence();
-    const u64 dq = smem_desc(sQ + wg * (64 * 128), 16, 1024), dk = smem_desc(kb, 16, 1024);
+    const u64 q_desc = smem_desc(sQ + wg * (64 * 128), 16, 1024), k_desc = smem_desc(kb, 16, 1024);
     #pragma unroll
     for (int ks = 0; ks < HD / 16; ks++)                       // S_j: k-step ks = 16 head dims
-        v3_mma_ss<BN>(s, desc_add(dq, (ks >> 2) * (BM * 128) + (ks & 3) * 32),
-                      desc_add(dk, (ks >> 2) * (BN * 128) + (ks & 3) * 32), ks > 0);
+        v3_mma_ss<BN>(s, desc_add(q_desc, (ks >> 2) * (BM * 128) + (ks & 3) * 32),
+                      desc_add(k_desc, (ks >> 2) * (BN * 128) + (ks & 3) * 32), ks > 0);
     wgmma_commit();
     if (PV) {                                                  // compile-time
         v3p_issue_pv<HD, BN>(o, pa, vb);
