@@ -1,13 +1,15 @@
 """Probe: `gpucore profile`'s per-op timing, one row per (op, shape of its first array argument),
 so that the many calls of one family (FP8 casts of weights, activations and gradients) show apart.
-Run:  PYTHONPATH=. python3 tools/probes/profile_by_shape.py [model=d12] [B=64] [dtype=fp8] [steps=3] [top=40]
+Run:  PYTHONPATH=. python3 tools/probes/profile_by_shape.py [model=d12] [B=64] [dtype=fp8] [steps=3] [top=40] [warm=2]
+warm: untimed steps first (FP8's adaptive scales re-cast many tensors in the first ~15 steps; warm=20
+profiles the steady state).
 """
 import sys
 
 from gpucore import profiler
 from gpucore.profile import _sync, synthetic_training
 
-opts = dict(model="d12", B="64", dtype="fp8", steps="3", top="40")
+opts = dict(model="d12", B="64", dtype="fp8", steps="3", top="40", warm="2")
 opts.update(kv.split("=", 1) for kv in sys.argv[1:])
 steps = int(opts["steps"])
 run = synthetic_training(opts["model"], int(opts["B"]), None, "cuda", opts["dtype"])
@@ -19,8 +21,8 @@ def label(name, args, kwargs):
     return f"{name} {'x'.join(map(str, shape))}"
 
 
-float(step()[0])
-float(step()[0])
+for _ in range(int(opts["warm"])):
+    float(step()[0])
 _sync(device)
 with profiler.recording(label) as rec:
     for _ in range(steps):
