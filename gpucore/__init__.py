@@ -12,7 +12,7 @@ from .dtypes import bfloat16, float32
 from .ops.add import add
 from .ops.attention import attention, attention_backward, attention_forward
 from .ops.cast import astype
-from .ops.matmul import batched_matmul, bias_column_weight, matmul, matmul_backward, matmul_forward
+from .ops.matmul import batched_matmul, matmul, matmul_backward, matmul_forward
 from .ops.reduce import reduce_max as max  # noqa: A004 - numpy-like names on purpose
 from .ops.reduce import reduce_sum as sum  # noqa: A004
 from .ops.adamw import adamw_update, grad_norm, stochastic_round
@@ -42,7 +42,7 @@ __all__ = [
     "bfloat16", "float32", "gpu_available", "KernelCompileError", "settings",
     "add", "astype", "sum", "max",
     "attention", "attention_forward", "attention_backward",
-    "matmul", "matmul_forward", "matmul_backward", "batched_matmul", "bias_column_weight", "gemm",
+    "matmul", "matmul_forward", "matmul_backward", "batched_matmul", "gemm",
     "softmax", "softmax_backward", "cross_entropy", "fused_classifier", "grad_norm", "adamw_update",
     "stochastic_round", "sfadamw_update", "sfadamw_average",
     "encoder_forward", "encoder_backward", "encoder_backward_plan", "gelu", "gelu_backward",

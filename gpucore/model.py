@@ -36,10 +36,6 @@ Memory (the reason for three choices below, as in llm.c):
   fused classifier turns the logits into dlogits in place and the chunk's
   matmul backward runs at once (dlnf rows, dwte +=). The rest of the backward
   pass starts from dlnf in backward().
-- bf16 (settings.bias_column): qkv's and fc's biases ride in their GEMMs' main loop, as one more
-  input column: ln1 / ln2 rows are [layernorm | 1 | 0 ...] (bias_column_width(C) columns) and the
-  weight is rebuilt as [W | b | 0 ...] in a scratch before each GEMM; cuBLASLt's bias epilogue cost
-  those GEMMs 10-20% (gpucore/ops/matmul.py).
 With FP8 linears the layers' matmul inputs are kept as transposed FP8 copies
 (activation "x8t"), and ln1 / ln2 / the GELU output are single scratch buffers
 (gpucore/fp8_linear.py).
@@ -57,7 +53,7 @@ from .ops.classifier import fused_classifier
 from .ops.encoder import encoder_backward, encoder_backward_plan, encoder_forward
 from .ops.gelu import gelu_backward
 from .ops.layernorm import LayerNormCall, layernorm_backward, layernorm_forward
-from .ops.matmul import bias_column_weight, bias_column_width, matmul_backward, matmul_forward
+from .ops.matmul import matmul_backward, matmul_forward
 from .ops.reduce import reduce_sum as _sum
 from .fp8_linear import ATTPROJ, FC, FCPROJ, QKV, Fp8Linears, kept_x8t
 from .tensors import TensorLayout
@@ -174,27 +170,15 @@ def head_chunk_rows(cfg: GPT2Config, BT: int, dtype) -> int:
     return min(BT, 1 << (limit.bit_length() - 1))
 
 
-def uses_bias_column(cfg: GPT2Config, dtype, fp8: bool) -> bool:
-    """Do qkv and fc take their bias as an input column (settings.bias_column)? bf16 linears (not FP8)
-    whose K grows by at most an eighth (C >= 512: d12's 768 -> 832; toy models would double it)."""
-    C = cfg.channels
-    return (settings.current().bias_column and dtypes.normalize(dtype) == dtypes.bfloat16 and not fp8
-            and 8 * bias_column_width(C) <= 9 * C)
-
-
-def activation_specs(cfg: GPT2Config, B: int, T: int, dtype, keep_gelu: bool = False, fp8: bool = False,
-                     bias_column: bool = False):
+def activation_specs(cfg: GPT2Config, B: int, T: int, dtype, keep_gelu: bool = False, fp8: bool = False):
     """The forward activations kept for the backward pass (plus scratch), for a (B, T) batch.
     keep_gelu: fch_gelu is stored per layer (L, B, T, 4C) instead of one recomputed (B, T, 4C).
     fp8: the FP8 linears keep their inputs as transposed FP8 copies ("x8t", 1 byte per value;
     gpucore/fp8_linear.py), so ln1, ln2 and fch_gelu are one scratch each, not per layer; with
-    keep_gelu the GELU output is kept that way too (4C bytes per token instead of 8C).
-    bias_column: ln1 / ln2 rows carry qkv's / fc's bias column (bias_column_width(C) values, see
-    uses_bias_column), and "w_aug" is the scratch for the weight with its bias column."""
+    keep_gelu the GELU output is kept that way too (4C bytes per token instead of 8C)."""
     L, C, NH, Vp = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size
     f32 = dtypes.float32
-    Kln = bias_column_width(C) if bias_column else C
-    per_layer_ln = (B, T, Kln) if fp8 else (L, B, T, Kln)
+    per_layer_ln = (B, T, C) if fp8 else (L, B, T, C)
     specs = [
         ("encoded", (B, T, C), dtype),             # wte[tokens] + wpe: the residual stream, layer 0 input
         ("ln1", per_layer_ln, dtype), ("ln1_mean", (L, B, T), f32), ("ln1_rstd", (L, B, T), f32),
@@ -211,7 +195,6 @@ def activation_specs(cfg: GPT2Config, B: int, T: int, dtype, keep_gelu: bool = F
         # scaling, a tensor's first step) is the backward's idle dbig (GPT2.forward).
         *([] if fp8 else [("fch_gelu", (L, B, T, 4 * C) if keep_gelu else (B, T, 4 * C), dtype)]),
         ("logits", (head_chunk_rows(cfg, B * T, dtype), Vp), dtype),  # scratch: one LM-head chunk
-        *([("w_aug", (4 * C, Kln), dtype)] if bias_column else []),     # scratch: [W | b | 0 ...] of qkv or fc
     ]
     if fp8:
         from .fp8_linear import kept_x8t_per_token
@@ -230,8 +213,7 @@ def grad_activation_specs(cfg: GPT2Config, B: int, T: int, dtype):
 
 
 def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "fp32",
-                keep_gelu: bool = False, fp8: bool = False, fp8_lm_head: bool | None = None,
-                bias_column: bool | None = None) -> dict[str, int]:
+                keep_gelu: bool = False, fp8: bool = False, fp8_lm_head: bool | None = None) -> dict[str, int]:
     """Bytes of each flat buffer a training run at (B, T) allocates (nothing is allocated).
 
     The fp32 master copy exists only when the parameters are not fp32 and master_weights is
@@ -241,8 +223,6 @@ def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "f
     dtype = dtypes.normalize(dtype)
     if fp8_lm_head is None:
         fp8_lm_head = settings.current().fp8_lm_head
-    if bias_column is None:
-        bias_column = uses_bias_column(cfg, dtype, fp8)
     n = cfg.num_parameters
     per = bytes_per_parameter(dtype, master_weights)
     plan = {
@@ -251,7 +231,7 @@ def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "f
         "master": n * per["master"],
         "m": n * per["m"],
         "v": n * per["v"],
-        "activations": TensorLayout(activation_specs(cfg, B, T, dtype, keep_gelu, fp8, bias_column)).nbytes,
+        "activations": TensorLayout(activation_specs(cfg, B, T, dtype, keep_gelu, fp8)).nbytes,
         "grad scratch": TensorLayout(grad_activation_specs(cfg, B, T, dtype)).nbytes,
     }
     if per["kahan"]:
@@ -295,20 +275,19 @@ def _2d(x):
 LAYER_ACTIVATIONS = frozenset({"ln1_mean", "ln1_rstd", "qkv", "atty", "att_lse", "residual2",
                                "ln2_mean", "ln2_rstd", "fch", "residual3", "x8t"})
 STACKED_IF_4D = frozenset({"ln1", "ln2", "fch_gelu"})   # per layer unless FP8 / not kept: (B, T, .)
-SHARED_SCRATCH = frozenset({"logits", "w_aug"})          # not per batch row: shared whole
 
 
 class _BatchViews:
     """Views of the first B batch rows of activation Tensors allocated for a larger B.
 
     Per-layer stacks are sliced as x[:, :B] (x[:, :B][l] is contiguous); batch tensors as x[:B];
-    the LM-head logits scratch and the bias-column weight scratch are shared whole.
+    the LM-head logits scratch is shared whole.
     """
 
     def __init__(self, tensors, B: int):
         for name, x in tensors:
             per_layer = name in LAYER_ACTIVATIONS or (name in STACKED_IF_4D and x.ndim == 4)
-            if name in SHARED_SCRATCH or x.shape[1 if per_layer else 0] == B:
+            if name == "logits" or x.shape[1 if per_layer else 0] == B:
                 v = x
             else:
                 v = x[:, :B] if per_layer else x[:B]
@@ -348,7 +327,6 @@ class GPT2:
         self._encoder_plan = None    # its token sort for the encoder backward (GPU; made in forward)
         self.keep_gelu_request = keep_gelu
         self.keep_gelu = False       # decided in allocate_activations
-        self.bias_column = False     # likewise (uses_bias_column): the buffers' layout depends on it
         self.fp8 = None
         if fp8 is not None:
             if self.dtype != dtypes.bfloat16:
@@ -421,10 +399,8 @@ class GPT2:
             self._shape = self._backward_ready = None
             self.keep_gelu = resolve_keep_gelu(self.keep_gelu_request, self.config, B, T, self.dtype, self.xp,
                                                fp8=self.fp8 is not None)
-            self.bias_column = uses_bias_column(self.config, self.dtype, self.fp8 is not None)
             self._acts_full = allocate(TensorLayout(activation_specs(self.config, B, T, self.dtype,
-                                                                     self.keep_gelu, self.fp8 is not None,
-                                                                     self.bias_column)),
+                                                                     self.keep_gelu, self.fp8 is not None)),
                                        self.xp, zero=False)
             self._grad_full = allocate(TensorLayout(grad_activation_specs(self.config, B, T, self.dtype)),
                                        self.xp, zero=False)
@@ -606,11 +582,6 @@ class GPT2:
         layernorm write FP8 bytes instead of its bf16 output)."""
         if self.fp8 is not None:
             return self.fp8.forward(l, j, None, weight, bias, out2d, gelu_out2d, x8t=x8t, ln=ln)
-        if self.bias_column:    # ln.out has the bias column's width; the weight gets the bias as its column
-            x = layernorm_forward(ln.x, ln.weight, ln.bias, out=ln.out, mean=ln.mean, rstd=ln.rstd,
-                                  bias_column=True)[0]
-            w = bias_column_weight(weight, bias, out=self.acts.w_aug[: weight.shape[0]])
-            return matmul_forward(x, w, None, out=out2d, gelu_out=gelu_out2d)
         return matmul_forward(ln.run(), weight, bias, out=out2d, gelu_out=gelu_out2d)
 
     def _linear_backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias, gelu_of=None):
@@ -621,7 +592,7 @@ class GPT2:
             return self.fp8.backward(l, j, dout2d, x2d, weight, dx2d, dweight, dbias,
                                      x8t=self._kept_x8t(l, j, dout2d.shape[0]), gelu_of=gelu_of)
         return matmul_backward(dout2d, x2d, weight, dx=dx2d, dweight=dweight, dbias=dbias,
-                               need_dbias=dbias is not None, padded_x=self.bias_column and j in (QKV, FC))
+                               need_dbias=dbias is not None)
 
     def _ln_out(self, stack):
         """l -> the layernorm output buffer of layer l: stack[l], or with FP8 linears the one scratch."""

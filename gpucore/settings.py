@@ -40,8 +40,6 @@ class Settings:
     lt_search: int = 0                    # > 0: the race also gets the fastest of up to this many configurations
                                           # drawn from cuBLASLt's whole space (gpucore/lt_search.py); 0: heuristic only
     gelu_epilogue: bool = True            # bf16 matmul_forward(gelu_out=): GELU in Lt's epilogue (GELU_AUX_BIAS)
-    bias_column: bool = True              # bf16 GPT-2: qkv's and fc's bias as one more input column, summed in
-                                          # the GEMM's main loop (no bias epilogue; ops/matmul.py)
     # ---- attention (gpucore/ops/attention.py)
     attention_v3_forward: bool = True     # version=None forward: v3 (Hopper wgmma) where it applies, else v2
     attention_v3_backward: bool = True    # version=None backward: likewise

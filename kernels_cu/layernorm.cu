@@ -21,10 +21,6 @@
  * Shapes: x, out, residual, a, b, dout, dx (rows, C) with leading dims
  *   flattened to rows; weight, bias, dweight, dbias, dx_colsum (C,);
  *   mean, rstd (rows,).
- * Bias column (plain forward only): out's rows are ldo >= C apart; where
- *   ldo > C each row is [layernorm(x) | 1 | 0 ... 0], the input of a linear
- *   whose weight carries its bias as column C (gpucore/ops/matmul.py:
- *   bias_column_weight): the GEMM then needs no bias epilogue.
  * Gradient rule: dx is the residual stream's gradient (+=); dweight, dbias
  *   are parameter gradients (+=).
  * Determinism: no atomics. dweight/dbias are a two-stage reduction: stage 1
@@ -76,10 +72,10 @@
 template <typename T, bool FUSED>
 __device__ void layernorm_forward_v1(T* residual, T* out, float* mean, float* rstd,   // (rows,C) (rows,C) (rows,) (rows,)
                                      const T* a, const T* b, const T* weight, const T* bias,   // (rows,C) x2 (C,) (C,)
-                                     int rows, int C, int ldo, float eps) {
+                                     int rows, int C, float eps) {
     const int row = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= rows) return;
-    const size_t off = (size_t)row * C, out_off = (size_t)row * ldo;
+    const size_t off = (size_t)row * C;
     // Each lane always visits the same columns (c = lane mod 32), so it reads
     // back only what it wrote itself: no barrier needed after writing residual.
     const T* src = FUSED ? residual + off : a + off;
@@ -103,9 +99,7 @@ __device__ void layernorm_forward_v1(T* residual, T* out, float* mean, float* rs
     }
     const float rs = rsqrtf(warp_sum(q) / C + eps);
     for (int c = lane; c < C; c += 32)
-        out[out_off + c] = from_float<T>((to_float(src[c]) - m) * rs * to_float(weight[c]) + to_float(bias[c]));
-    for (int c = C + lane; c < ldo; c += 32)        // the bias column: 1, then zeros
-        out[out_off + c] = from_float<T>(c == C ? 1.0f : 0.0f);
+        out[off + c] = from_float<T>((to_float(src[c]) - m) * rs * to_float(weight[c]) + to_float(bias[c]));
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = rs;
@@ -255,12 +249,12 @@ __device__ __forceinline__ bool layernorm_stats_exact(float m, float rs) {
 template <typename T, int N, bool FUSED>
 __device__ void layernorm_forward_v2(T* residual, T* out, float* mean, float* rstd,   // (rows,C) (rows,C) (rows,) (rows,)
                                      const T* a, const T* b, const T* weight, const T* bias,   // (rows,C) x2 (C,) (C,)
-                                     int rows, int C, int ldo, float eps) {
+                                     int rows, int C, float eps) {
     constexpr int P = Pack16<T>::size;
     const int row = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= rows) return;
     const int nP = C / P;
-    const size_t off = (size_t)row * C, out_off = (size_t)row * ldo;
+    const size_t off = (size_t)row * C;
     uint4 v[N];
     float m, rs;
     layernorm_row_v2<T, N, FUSED>(v, m, rs, residual, a, b, off, lane, C, eps);
@@ -269,15 +263,7 @@ __device__ void layernorm_forward_v2(T* residual, T* out, float* mean, float* rs
     for (int j = 0; j < N; j++) {
         const int i = j * 32 + lane;
         if (i < nP)
-            *reinterpret_cast<uint4*>(out + out_off + i * P) =
-                layernorm_out_pack<T, N>(v, j, i, m, rs, weight, bias, exact);
-    }
-    // The bias column (ldo - C a multiple of P, checked by the launcher): 1, then zeros.
-    for (int i = lane; i < (ldo - C) / P; i += 32) {
-        float f[P];
-        #pragma unroll
-        for (int k = 0; k < P; k++) f[k] = (i == 0 && k == 0) ? 1.0f : 0.0f;
-        *reinterpret_cast<uint4*>(out + out_off + C + i * P) = Raw<T>::pack_fast(f);
+            *reinterpret_cast<uint4*>(out + off + i * P) = layernorm_out_pack<T, N>(v, j, i, m, rs, weight, bias, exact);
     }
     if (lane == 0) {
         mean[row] = m;
@@ -582,13 +568,13 @@ __host__ __device__ constexpr int colsum_min_blocks(int N, int P) { return N == 
 #define LN_V1(T, SUF)                                                                                       \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_forward_kernel_v1_##SUF(            \
         T* out, float* mean, float* rstd, const T* x, const T* weight, const T* bias, int rows, int C,     \
-        int ldo, float eps) {                                                                               \
-        layernorm_forward_v1<T, false>(nullptr, out, mean, rstd, x, nullptr, weight, bias, rows, C, ldo, eps); \
+        float eps) {                                                                                        \
+        layernorm_forward_v1<T, false>(nullptr, out, mean, rstd, x, nullptr, weight, bias, rows, C, eps);  \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_residual_forward_kernel_v1_##SUF(   \
         T* residual, T* out, float* mean, float* rstd, const T* a, const T* b, const T* weight,            \
         const T* bias, int rows, int C, float eps) {                                                        \
-        layernorm_forward_v1<T, true>(residual, out, mean, rstd, a, b, weight, bias, rows, C, C, eps);     \
+        layernorm_forward_v1<T, true>(residual, out, mean, rstd, a, b, weight, bias, rows, C, eps);        \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_backward_dx_kernel_v1_##SUF(        \
         T* dx, const T* dout, const T* x, const T* weight, const float* mean, const float* rstd, int rows, \
@@ -608,13 +594,13 @@ __host__ __device__ constexpr int colsum_min_blocks(int N, int P) { return N == 
 #define LN_V2(N, T, SUF)                                                                                    \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_forward_kernel_v2_n##N##_##SUF(      \
         T* out, float* mean, float* rstd, const T* x, const T* weight, const T* bias, int rows, int C,     \
-        int ldo, float eps) {                                                                               \
-        layernorm_forward_v2<T, N, false>(nullptr, out, mean, rstd, x, nullptr, weight, bias, rows, C, ldo, eps); \
+        float eps) {                                                                                        \
+        layernorm_forward_v2<T, N, false>(nullptr, out, mean, rstd, x, nullptr, weight, bias, rows, C, eps); \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_residual_forward_kernel_v2_n##N##_##SUF( \
         T* residual, T* out, float* mean, float* rstd, const T* a, const T* b, const T* weight,            \
         const T* bias, int rows, int C, float eps) {                                                        \
-        layernorm_forward_v2<T, N, true>(residual, out, mean, rstd, a, b, weight, bias, rows, C, C, eps);  \
+        layernorm_forward_v2<T, N, true>(residual, out, mean, rstd, a, b, weight, bias, rows, C, eps);     \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_backward_kernel_v2_n##N##_##SUF(     \
         float* scratch, T* dx, const T* dout, const T* x, const T* weight, const float* mean,              \

@@ -15,13 +15,6 @@
  *   out instead of the read + write of a separate bias-add kernel). Used only
  *   where cuBLASLt's bias epilogue cannot run (no cuBLASLt, a bf16 bias into a
  *   float32 out).
- *
- * matmul_bias_column_kernel_*: out (M, Kp) = [weight | bias | 0 ... 0], the weight
- *   of a linear whose input rows end in [1, 0 ... 0] (layernorm.cu's bias column):
- *   x_aug @ out^T = x @ weight^T + bias, summed in the GEMM's main loop, so the GEMM
- *   runs without cuBLASLt's bias epilogue (slower at K = 768 / 1600 by 10-20%:
- *   tools/notes/matmul.md). Rebuilt before every use (a few MB; its weight just
- *   changed, and the bytes stay in L2 for the GEMM right after).
  */
 #include "common.cuh"
 
@@ -56,21 +49,3 @@ BIAS_FILL(bf16, bf16, 8, vec_bf16_bf16)
 BIAS_FILL(float, float, 1, scalar_f32_f32)
 BIAS_FILL(bf16, bf16, 1, scalar_bf16_bf16)
 BIAS_FILL(float, bf16, 1, scalar_f32_bf16)
-
-// out (M, Kp) = [weight (M, K) | bias (M,) | zeros]: one thread per output element of a column
-// strip (blockIdx.x), rows blockIdx.y, + gridDim.y, ...; a few MB per call.
-template <typename T>
-__device__ void bias_column(T* out, const T* weight, const T* bias, int M, int K, int Kp) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= Kp) return;
-    for (int r = blockIdx.y; r < M; r += gridDim.y)
-        out[(size_t)r * Kp + c] = c < K ? weight[(size_t)r * K + c] : (c == K ? bias[r] : from_float<T>(0.0f));
-}
-
-#define BIAS_COLUMN(T, SUF)                                                                          \
-    extern "C" __global__ void matmul_bias_column_kernel_##SUF(T* out, const T* weight, const T* bias, \
-                                                              int M, int K, int Kp) {                \
-        bias_column<T>(out, weight, bias, M, K, Kp);                                                 \
-    }
-BIAS_COLUMN(float, f32)
-BIAS_COLUMN(bf16, bf16)

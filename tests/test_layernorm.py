@@ -235,24 +235,6 @@ def test_colsum_emulation_within_bound(rng, rows, grid):
 
 # (rows, C): C in {768, 1024, 1600} (GPT-2 sizes) plus small and odd ones; rows not
 # multiples of the 4 rows per block. (C=1600 float32 and odd C take v1.)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_cpu_bias_column_rows(rng, dtype):
-    """bias_column=True: rows [layernorm(x) | 1 | 0 ...]; the default width is matmul's bias_column_width."""
-    x = rng.standard_normal((2, 3, 16)).astype(dtype)
-    w, b = (p.astype(dtype) for p in _params(rng, 16))
-    plain = gpucore.layernorm_forward(x, w, b)[0]
-    out = gpucore.layernorm_forward(x, w, b, bias_column=True)[0]
-    assert out.shape == (2, 3, 64) and out.dtype == dtype
-    np.testing.assert_array_equal(out[..., :16].astype(np.float64), plain.astype(np.float64))
-    np.testing.assert_array_equal(out[..., 16].astype(np.float64), 1.0)
-    np.testing.assert_array_equal(out[..., 17:].astype(np.float64), 0.0)
-    given = np.full((2, 3, 24), np.nan, dtype)               # any width > C
-    gpucore.layernorm_forward(x, w, b, out=given, bias_column=True)
-    np.testing.assert_array_equal(given.astype(np.float64), out[..., :24].astype(np.float64))
-    with pytest.raises(ValueError, match="more columns"):
-        gpucore.layernorm_forward(x, w, b, out=np.empty((2, 3, 16), dtype), bias_column=True)
-
-
 SHAPES = [(1, 768), (7, 768), (301, 768), (5, 1024), (130, 1024), (3, 1600), (257, 1600),
           (9, 8), (33, 96), (6, 37), (5, 2056)]
 
@@ -321,32 +303,6 @@ def _check_forward(out, mean, rstd, x, w, b, dtype):
     assert rel_err(o, ref) < TOL[np.dtype(dtype)]
     np.testing.assert_allclose(to_cpu(mean), rm, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(to_cpu(rstd), rr, rtol=1e-5)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,C,Kp", [(301, 768, 832), (7, 1600, 1664), (33, 96, 128), (6, 37, 45),
-                                       (9, 8, 16)])
-def test_gpu_bias_column_forward(rng, dtype, rows, C, Kp):
-    """The bias-column rows on the GPU: columns :C bit for bit the plain kernel's (each version), then
-    1 and zeros; a width that is not whole 16-byte packs takes v1, and v2 refuses it."""
-    cp = runtime.cupy
-    x, w, b = (cp.asarray(a) for a in _gpu_inputs(rng, rows, C, dtype))
-    P = 16 // np.dtype(dtype).itemsize
-    for version in _versions(C, dtype):
-        plain = gpucore.layernorm_forward(x, w, b, version=version)
-        out, mean, rstd = poison((rows, Kp), dtype), poison(rows, np.float32), poison(rows, np.float32)
-        if version == 2 and (Kp - C) % P:
-            with pytest.raises(ValueError, match="16-byte packs"):
-                gpucore.layernorm_forward(x, w, b, out=out, version=2, bias_column=True)
-            continue
-        gpucore.layernorm_forward(x, w, b, out=out, mean=mean, rstd=rstd, version=version, bias_column=True)
-        got = to_cpu(out).astype(np.float64)
-        np.testing.assert_array_equal(got[:, :C], to_cpu(plain[0]).astype(np.float64))
-        np.testing.assert_array_equal(got[:, C], 1.0)
-        np.testing.assert_array_equal(got[:, C + 1:], 0.0)
-        np.testing.assert_array_equal(to_cpu(mean), to_cpu(plain[1]))
-        np.testing.assert_array_equal(to_cpu(rstd), to_cpu(plain[2]))
 
 
 @pytest.mark.cuda

@@ -130,52 +130,6 @@ def test_matmul_bad_input(rng):
 
 # ------------------------------------------------------------------ GPU ----
 
-# ---------------------------------------------------------- bias as a column ----
-
-def test_bias_column_width():
-    assert [mm.bias_column_width(K) for K in (1, 63, 64, 768, 1600, 3072)] == [64, 64, 128, 832, 1664, 3136]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_bias_column_reference(rng, dtype):
-    """x_aug @ [W | b | 0]^T is x @ W^T + b, and matmul_backward(padded_x=True) reads x_aug's first K
-    columns: the same results as the unpadded call, on the NumPy path."""
-    N, K, M = 9, 16, 12
-    x, w, b = _rand(rng, (N, K), dtype), _rand(rng, (M, K), dtype), _rand(rng, (M,), dtype)
-    wa = gpucore.bias_column_weight(w, b)
-    assert wa.shape == (M, 64) and wa.dtype == dtype
-    np.testing.assert_array_equal(wa[:, :K], w)
-    np.testing.assert_array_equal(wa[:, K], b)
-    np.testing.assert_array_equal(wa[:, K + 1:].astype(np.float64), 0.0)
-    xa = np.zeros((N, 64), dtype)
-    xa[:, :K], xa[:, K] = x, 1
-    np.testing.assert_array_equal(gpucore.matmul_forward(xa, wa, None), gpucore.matmul_forward(x, w, b))
-    dout = _rand(rng, (N, M), dtype)
-    want = gpucore.matmul_backward(dout, x, w)
-    got = gpucore.matmul_backward(dout, xa, w, padded_x=True)
-    assert got[0].shape == (N, K)
-    for g, r in zip(got, want):
-        np.testing.assert_array_equal(g, r)
-
-
-def test_bias_column_bad_input(rng):
-    w, b = _rand(rng, (4, 8), np.float32), _rand(rng, (4,), np.float32)
-    with pytest.raises(ValueError, match="more columns"):
-        gpucore.bias_column_weight(w, b, out=np.empty((4, 8), np.float32))
-    with pytest.raises(ValueError, match="shape"):
-        gpucore.bias_column_weight(w, b[:3])
-    with pytest.raises(TypeError, match="dtype"):
-        gpucore.bias_column_weight(w, b.astype(BF16))
-    with pytest.raises(ValueError, match="overlap"):
-        buf = np.zeros((4, 64), np.float32)
-        gpucore.bias_column_weight(w, buf[0, :4], out=buf)
-    x, dout = _rand(rng, (3, 8), np.float32), _rand(rng, (3, 4), np.float32)
-    with pytest.raises(ValueError, match="Kx > 8"):
-        gpucore.matmul_backward(dout, x, w, padded_x=True)
-    with pytest.raises(ValueError, match=r"\(\.\.\., 8\)"):
-        gpucore.matmul_backward(dout, np.zeros((3, 16), np.float32), w)
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
@@ -455,34 +409,3 @@ def test_gpu_gelu_epilogue_is_used_for_bf16():
     with settings.using(gelu_epilogue=True):
         gpucore.matmul_forward(x, w, b, out=out, gelu_out=g)
     assert cublas.plan_choice(N, M, K, transpose_b=True, bias=True, gelu=True) not in ("-", "?", "gemmEx")
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("N,K,M", [(7, 5, 3), (300, 96, 200), (1000, 768, 2304), (4096, 768, 3072)])
-def test_gpu_bias_column(rng, gemm_path, dtype, N, K, M):
-    """The bias as a column on the GPU: bias_column_weight bit for bit the NumPy one; matmul_forward of
-    the padded operands (+ GELU_AUX for bf16, as the model's fc) against the reference with the
-    bias; matmul_backward(padded_x=True) against the unpadded reference."""
-    cp = runtime.cupy
-    x, w, b = _rand(rng, (N, K), dtype), _rand(rng, (M, K), dtype, 0.05), _rand(rng, (M,), dtype)
-    Kp = mm.bias_column_width(K)
-    wa = poison((M, Kp), dtype)
-    gpucore.bias_column_weight(cp.asarray(w), cp.asarray(b), out=wa)
-    assert to_cpu(wa).tobytes() == gpucore.bias_column_weight(w, b).tobytes()
-    xa = np.zeros((N, Kp), dtype)
-    xa[:, :K], xa[:, K] = x, 1
-    out, gelu = poison((N, M), dtype), poison((N, M), dtype)
-    gpucore.matmul_forward(cp.asarray(xa), wa, None, out=out, gelu_out=gelu)
-    ref = mm.matmul_forward_reference(x, w, b, np.float64)
-    _check_close(out, ref, dtype, "x_aug @ w_aug^T")
-    _check_close(gelu, gelu_reference(ref), dtype, "gelu(x_aug @ w_aug^T)")
-    dout = _rand(rng, (N, M), dtype)
-    dx = poison((N, K), dtype)
-    gpucore.matmul_backward(cp.asarray(dout), cp.asarray(xa), cp.asarray(w), dx=dx, need_dweight=False,
-                            need_dbias=False, padded_x=True)
-    dw_f = gpucore.matmul_backward(cp.asarray(dout), cp.asarray(xa), cp.asarray(w), need_dx=False,
-                                   need_dbias=False, padded_x=True)[1]
-    rdx, rdw, _ = mm.matmul_backward_reference(dout, x, w)
-    _check_close(dx, rdx, dtype, "dx (padded x)")
-    _check_close(dw_f, rdw, dtype, "dweight (padded x)")

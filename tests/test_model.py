@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gpucore import bfloat16, runtime, settings
-from gpucore.model import GPT2, PRESETS, GPT2Config, memory_plan, parameter_specs, uses_bias_column
+from gpucore.model import GPT2, PRESETS, GPT2Config, memory_plan, parameter_specs
 from gpucore.sample import KVCache, decode_step, generate, sample_token
 from conftest import rel_err, to_cpu
 
@@ -281,48 +281,6 @@ def test_fused_bias_grads_setting_numpy(rng):
             assert got.tobytes() == want.tobytes(), name
 
 
-def _wide(**kw):
-    """micro's toy vocabulary with d12-like width: C = 512 (8 heads of 64), where qkv and fc take their
-    bias as an input column (uses_bias_column: K + 64 is at most an eighth more)."""
-    return GPT2Config.from_preset("micro", channels=512, num_heads=8, **kw)
-
-
-def test_bias_column_rule_and_plan():
-    d12, wide, micro = GPT2Config.from_preset("d12"), _wide(), GPT2Config.from_preset("micro")
-    assert uses_bias_column(d12, "bfloat16", fp8=False) and uses_bias_column(wide, "bfloat16", fp8=False)
-    assert not uses_bias_column(d12, "float32", fp8=False)          # measured for bf16 GEMMs only
-    assert not uses_bias_column(d12, "bfloat16", fp8=True)          # FP8 linears keep the epilogue
-    assert not uses_bias_column(micro, "bfloat16", fp8=False)       # 16 -> 64 columns: not worth it
-    with settings.using(bias_column=False):
-        assert not uses_bias_column(d12, "bfloat16", fp8=False)
-    on = memory_plan(d12, 64, 1024, "bfloat16", keep_gelu=True)["activations"]
-    off = memory_plan(d12, 64, 1024, "bfloat16", keep_gelu=True, bias_column=False)["activations"]
-    L, C = d12.num_layers, d12.channels
-    assert on - off == 2 * L * 64 * 1024 * 64 * 2 + 4 * C * 832 * 2    # ln1/ln2's 64 more columns, w_aug
-
-
-def test_bias_column_numpy_matches_the_bias_epilogue(rng):
-    """bf16 on NumPy: the bias as a column gives the loss and every gradient of the plain path bit for
-    bit (the float64 reference adds x.1 * b exactly), over the model's wiring: ln1 / ln2 rows
-    [layernorm | 1 | 0...], the w_aug scratch, the backward reading the padded inputs."""
-    cfg = _wide()
-    x, y = _batch(rng, cfg, 2, 16)
-    res = {}
-    for on in (False, True):
-        with settings.using(bias_column=on):
-            m = GPT2(cfg, dtype="bfloat16", seed=4)
-            _randomize(m, np.random.default_rng(2), 0.05)
-            m.zero_grad()
-            loss = m.forward(x, y, for_backward=True)
-            m.backward()
-        assert m.bias_column is on and m.acts.ln1.shape[-1] == (576 if on else 512)
-        res[on] = np.asarray(loss).tobytes(), {name: np.array(a) for name, a in m.grads}
-    assert res[True][0] == res[False][0]
-    for name, want in res[False][1].items():
-        assert res[True][1][name].tobytes() == want.tobytes(), name
-    assert np.abs(res[True][1]["qkvb"].astype(np.float32)).max() > 0
-
-
 def test_lm_head_backward_sums_no_bias(rng, monkeypatch):
     """The LM head has no bias: its backward must not make matmul_backward sum dlogits' columns
     (a whole extra read of every logits chunk, ~1.6 ms of a d12 B=64 step on an H200). Every
@@ -526,40 +484,6 @@ def test_gpu_remade_gelu_outputs_give_the_kept_gradients_bitwise(rng, fp8):
     assert res[True][0] == res[False][0]
     assert res[True][1].tobytes() == res[False][1].tobytes()
     assert np.isfinite(res[False][1].astype(np.float32)).all() and np.abs(res[False][1].astype(np.float32)).max() > 0
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("keep_gelu", [False, True])
-def test_gpu_bias_column_matches_the_bias_epilogue(rng, keep_gelu):
-    """bf16 on the GPU at C = 512: qkv's and fc's bias as an input column (the default) against the
-    bias epilogue: the same loss and gradients up to bf16 rounding (the bias now sums inside the GEMM),
-    both close to the float32 NumPy model, and bit for bit the same run to run."""
-    cp = runtime.cupy
-    cfg = _wide(num_layers=2)
-    x, y = _batch(rng, cfg, 4, 16)
-    res = {}
-    for on, run in ((False, 0), (True, 0), (True, 1)):
-        with settings.using(bias_column=on):
-            m = GPT2(cfg, xp=cp, dtype="bfloat16", seed=9, keep_gelu=keep_gelu)
-            _randomize(m, np.random.default_rng(1), 0.05)
-            m.zero_grad()
-            loss = m.forward(cp.asarray(x), cp.asarray(y), for_backward=True)
-            m.backward()
-        assert m.bias_column is on
-        res[on, run] = to_cpu(loss).tobytes(), float(loss), to_cpu(m.grads.flat()).astype(np.float32)
-    ref = GPT2(cfg, dtype="float32", seed=9)
-    _randomize(ref, np.random.default_rng(1), 0.05)
-    ref.zero_grad()
-    l_ref = float(ref.forward(x, y, for_backward=True))
-    ref.backward()
-    g_ref = ref.grads.flat().astype(np.float32)
-    assert res[True, 0][0] == res[True, 1][0] and res[True, 0][2].tobytes() == res[True, 1][2].tobytes()
-    for key in ((False, 0), (True, 0)):
-        _, loss, g = res[key]
-        assert np.isfinite(loss) and abs(loss - l_ref) < 1e-2 * l_ref, key
-        assert np.all(np.isfinite(g)) and rel_err(g, g_ref) < 1e-1, key
-    assert abs(res[True, 0][1] - res[False, 0][1]) < 2e-3 * res[False, 0][1]
-    assert rel_err(res[True, 0][2], res[False, 0][2]) < 3e-2
 
 
 @pytest.mark.cuda

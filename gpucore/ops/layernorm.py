@@ -39,7 +39,6 @@ from .. import dtypes, runtime
 from .. import profiler
 from ._common import check_array, check_same_dtype, output
 from .colsum import colsum, colsum_reference
-from .matmul import bias_column_width
 
 WARPS = 4                 # rows (forward) / warps (backward) per block, as WARPS in layernorm.cu
 BLOCK = 32 * WARPS
@@ -168,42 +167,25 @@ def _forward_args(x, weight, bias, name):
 
 
 @profiler.profiled("layernorm forward", nbytes=profiler.io_bytes)
-def layernorm_forward(x, weight, bias, eps=1e-5, out=None, mean=None, rstd=None, *, version=None,
-                      bias_column=False):
-    """LayerNorm of x (..., C) over its last axis -> (out, mean, rstd); mean/rstd float32 (...,).
-
-    bias_column: out is (..., Kp) with Kp > C (default Kp: matmul.bias_column_width(C)) and each of
-    its rows is [layernorm(x) | 1 | 0 ... 0] -- the input of a linear whose weight carries its bias
-    as column C (matmul.bias_column_weight), which then runs without a bias epilogue."""
+def layernorm_forward(x, weight, bias, eps=1e-5, out=None, mean=None, rstd=None, *, version=None):
+    """LayerNorm of x (..., C) over its last axis -> (out, mean, rstd); mean/rstd float32 (...,)."""
     rows, C = _forward_args(x, weight, bias, "x")
     eps = _check_eps(eps)
     xp = runtime.array_module(x, weight, bias, out, mean, rstd)
-    Kp = C
-    if bias_column:
-        Kp = out.shape[-1] if out is not None and out.ndim else bias_column_width(C)
-        if Kp <= C:
-            raise ValueError(f"out: bias_column needs more columns than x's {C}, got shape {tuple(out.shape)}")
-    out = output("out", out, xp, x.shape[:-1] + (Kp,), x.dtype)
+    out = output("out", out, xp, x.shape, x.dtype)
     mean = output("mean", mean, xp, x.shape[:-1], np.float32)
     rstd = output("rstd", rstd, xp, x.shape[:-1], np.float32)
     if xp is np:
         o, m, r = layernorm_forward_reference(x, weight, bias, float(eps))
-        out[..., :C], mean[...], rstd[...] = o.astype(x.dtype), m, r
-        if bias_column:
-            out[..., C:] = 0
-            out[..., C] = 1
+        out[...], mean[...], rstd[...] = o.astype(x.dtype), m, r
         return out, mean, rstd
-    if (Kp - C) % (16 // x.dtype.itemsize):      # v2 stores the bias column as whole 16-byte packs
-        if version == 2:
-            raise ValueError(f"version: v2 needs out's rows whole 16-byte packs apart (got {Kp} columns)")
-        version = 1
     version, N = pick_version(version, x.dtype, C, (x, weight, bias, out))
     if rows == 0:
         return out, mean, rstd
     suf = dtypes.kernel_suffix(x.dtype)
     name = f"layernorm_forward_kernel_v2_n{N}_{suf}" if version == 2 else f"layernorm_forward_kernel_v1_{suf}"
     runtime.launch(runtime.get_kernel("layernorm", name), -(-rows // WARPS), BLOCK,
-                   (out, mean, rstd, x, weight, bias, np.int32(rows), np.int32(C), np.int32(Kp), eps))
+                   (out, mean, rstd, x, weight, bias, np.int32(rows), np.int32(C), eps))
     return out, mean, rstd
 
 

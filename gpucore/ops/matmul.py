@@ -2,7 +2,6 @@
 
     matmul_forward   out (N, M) = x (N, K) @ weight (M, K)^T + bias (M,) [+ residual]   [gelu_out = gelu(out)]
     matmul_backward  dx = dout @ weight [=], dweight += dout^T @ x [+=], dbias += dout.sum(0) [+=]
-    bias_column_weight  [weight | bias | 0 ...]: a linear's bias as one more input column
     batched_matmul   (Bt, M, N) = alpha * op(a) @ op(b) + beta * out   (attention v1)
     matmul           numpy-like 2-D / 3-D a @ b
 
@@ -27,15 +26,6 @@ runs use the separate kernel (ops/gelu.py), which agrees with the float64
 reference to float32 rounding. The backward's gelu' stays gelu_backward's one
 pass (which also sums dx's columns for the fc bias): cuBLASLt's DGELU epilogue
 was measured no faster and removed (tools/notes/profile.md).
-
-Bias as a column (settings.bias_column, the GPT-2 engine's bf16 qkv and fc
-linears): cuBLASLt's BIAS epilogue costs those wide, short-K GEMMs 10-20%
-(65536 x 2304 / 3072 x 768, H100 and H200; tools/notes/matmul.md). The
-layernorm that makes their input writes rows [x | 1 | 0 ... 0]
-(layernorm_forward(bias_column=True)), bias_column_weight makes the weight
-[W | b | 0 ... 0], and the GEMM sums the bias in its main loop: K grows to
-bias_column_width(K) (+64 columns at d12: 8% more FLOPs, and still faster).
-The backward reads such an x in place (matmul_backward(padded_x=True)).
 
 Bias gradient in the backward: the deterministic column-sum kernel
 (gpucore/ops/colsum.py) reads dout once more, after the GEMMs. In the GPT-2
@@ -174,39 +164,6 @@ def _same_view(xp, a, b) -> bool:
     return a is b or (ptr(a) == ptr(b) and a.shape == b.shape and a.strides == b.strides)
 
 
-def bias_column_width(K: int) -> int:
-    """Columns of a linear's input (and weight) with the bias as one more column: K + 1 rounded up to
-    a whole 64-wide k tile. Measured on an H100 (d12, tools/notes/matmul.md): K + 8 ran 7-9% slower
-    than the bias epilogue (a ragged last k tile), K + 64 11-12% faster."""
-    return -(-(K + 1) // 64) * 64
-
-
-@profiler.profiled("bias column weight", nbytes=profiler.io_bytes)
-def bias_column_weight(weight, bias, out=None):
-    """out (M, Kp) = [weight (M, K) | bias (M,) | 0 ... 0]: the weight of a linear whose input rows end in
-    [1, 0 ... 0] (layernorm_forward(bias_column=True)), so that matmul_forward(x_aug, out, None) is
-    x @ weight^T + bias. Kp: out's columns (> K), default bias_column_width(K)."""
-    _check("weight", weight, ndim=2)
-    M, K = weight.shape
-    _check("bias", bias, shape=(M,))
-    check_same_dtype(weight=weight, bias=bias)
-    xp = runtime.array_module(weight, bias, out)
-    Kp = out.shape[-1] if out is not None and out.ndim == 2 else bias_column_width(K)
-    if Kp <= K:
-        raise ValueError(f"out: needs more columns than weight's {K}, got shape {tuple(out.shape)}")
-    out = output("out", out, xp, (M, Kp), weight.dtype)
-    if overlaps(xp, out, weight) or overlaps(xp, out, bias):
-        raise ValueError("out: must not overlap weight or bias")
-    if xp is np:
-        out[:, :K], out[:, K], out[:, K + 1:] = weight, bias, 0
-        return out
-    if M:
-        k = runtime.get_kernel("matmul", f"matmul_bias_column_kernel_{dtypes.kernel_suffix(weight.dtype)}")
-        runtime.launch(k, (-(-Kp // 256), min(M, 65535)), 256,
-                       (out, weight, bias, np.int32(M), np.int32(K), np.int32(Kp)))
-    return out
-
-
 @profiler.profiled("matmul forward", flops=profiler.matmul_forward_flops)
 def matmul_forward(x, weight, bias=None, out=None, *, gelu_out=None, residual=None):
     """out (N, M) = x (N, K) @ weight (M, K)^T + bias (M,) [+ residual].
@@ -287,7 +244,7 @@ def matmul_forward(x, weight, bias=None, out=None, *, gelu_out=None, residual=No
 
 @profiler.profiled("matmul backward", flops=profiler.matmul_backward_flops)
 def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=True, *,
-                    need_dweight=True, need_dbias=True, padded_x=False):
+                    need_dweight=True, need_dbias=True):
     """Gradients of out = x @ weight^T + bias. Returns (dx, dweight, dbias).
 
     dout (..., M), x (..., K), weight (M, K), all one dtype.
@@ -299,24 +256,20 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
     returned): a layer without bias should pass need_dbias=False. dbias comes
     from the two-stage column-sum kernel (ops/colsum.py), after the GEMMs:
     it reads dout once more.
-    padded_x: x is (..., Kx) with Kx > K, the layer's input with the bias column appended
-    (layernorm_forward(bias_column=True)); only its first K columns are read, in place.
     """
     _check("dout", dout)
     _check("x", x)
     _check("weight", weight, ndim=2)
     check_same_dtype(dout=dout, x=x, weight=weight)
     M, K = weight.shape
-    Kx = x.shape[-1] if x.ndim else None
-    if x.ndim < 2 or (Kx <= K if padded_x else Kx != K):
-        want = f"(..., Kx) with Kx > {K}" if padded_x else f"(..., {K})"
-        raise ValueError(f"x: expected shape {want} to match weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+    if x.ndim < 2 or x.shape[-1] != K:
+        raise ValueError(f"x: expected shape (..., {K}) to match weight {tuple(weight.shape)}, got {tuple(x.shape)}")
     if tuple(dout.shape) != tuple(x.shape[:-1]) + (M,):
         raise ValueError(f"dout: expected shape {tuple(x.shape[:-1]) + (M,)}, got {tuple(dout.shape)}")
     xp = runtime.array_module(dout, x, weight, dx, dweight, dbias)
     in_dt = x.dtype
     if need_dx:
-        dx = _output("dx", dx, xp, x.shape[:-1] + (K,), in_dt, in_dt)
+        dx = _output("dx", dx, xp, x.shape, in_dt, in_dt)
     else:
         dx = None
     if need_dweight and dweight is not None:
@@ -336,7 +289,7 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
         dbias = None
 
     if xp is np:
-        rdx, rdw, rdb = matmul_backward_reference(dout, x[..., :K], weight)
+        rdx, rdw, rdb = matmul_backward_reference(dout, x, weight)
         if dx is not None:
             dx[...] = rdx.astype(dx.dtype)
         if dweight is not None:
@@ -345,9 +298,9 @@ def matmul_backward(dout, x, weight, dx=None, dweight=None, dbias=None, need_dx=
             dbias[...] = (_f64(dbias) + rdb).astype(dbias.dtype)
         return dx, dweight, dbias
 
-    N = int(np.prod(x.shape[:-1]))
+    N = x.size // K if K else int(np.prod(x.shape[:-1]))
     dout2d = dout.reshape(N, M)
-    x2d = x.reshape(N, Kx)              # padded_x: the GEMM reads its first K columns (ld = Kx)
+    x2d = x.reshape(N, K)
     if dx is not None and N and K:
         if M == 0:
             dx.fill(0)
