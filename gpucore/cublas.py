@@ -135,9 +135,8 @@ class Cublas:
             raise RuntimeError(f"cuBLAS {what} failed with status {status}")
 
     def handle(self):
-        """This device's handle, bound to the current CuPy stream (a side stream's GEMMs get a
-        handle and workspace of their own: they may run beside the main stream's)."""
-        dev = (runtime.cupy.cuda.Device().id, runtime.on_side_stream())
+        """This device's handle, bound to the current CuPy stream."""
+        dev = runtime.cupy.cuda.Device().id
         if dev not in self.handles:
             h = ctypes.c_void_p()
             self._ok(self.lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
@@ -352,16 +351,12 @@ class CublasLt:
         self._ok(fn(obj, attr, ctypes.addressof(value), ctypes.sizeof(value)), f"{fn.__name__}({attr})")
 
     def device_state(self):
-        """(device id, handle, workspace) of the current device, created on first use. A side
-        stream's GEMMs (runtime.side_stream) get a workspace of their own: two GEMMs running at
-        once on one workspace would overwrite each other's split-K partials."""
+        """(device id, handle, workspace) of the current device, created on first use."""
         dev = runtime.cupy.cuda.Device().id
         if dev not in self.handles:
             self.handles[dev] = self._create(self.lib.cublasLtCreate)
-        ws_key = (dev, runtime.on_side_stream())
-        if ws_key not in self.workspaces:
-            self.workspaces[ws_key] = runtime.cupy.empty(LT_WORKSPACE_BYTES, dtype=np.uint8)
-        return dev, self.handles[dev], self.workspaces[ws_key]
+            self.workspaces[dev] = runtime.cupy.empty(LT_WORKSPACE_BYTES, dtype=np.uint8)
+        return dev, self.handles[dev], self.workspaces[dev]
 
     def set_pointers(self, plan, bias_ptr, aux_ptr, scale_ptrs=None):
         """The per-call epilogue and scale pointers (a plan is shared by every call of its shape)."""

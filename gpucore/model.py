@@ -641,14 +641,6 @@ class GPT2:
         fuse = settings.current().fused_bias_grads
         lin_bwd = self._linear_backward
         ln1, ln2 = self._ln_out(a.ln1), self._ln_out(a.ln2)
-        # bf16 with settings.weight_grads_beside: each linear's dx GEMM here, its dW GEMM on a side
-        # stream (beside.split), and this stream waits for a dW (beside.wait) only before the op that
-        # overwrites what it reads: fcproj's and attproj's dW read dres (the layernorm backwards
-        # update it), fc's reads dfch and qkv's dqkv (one scratch: the attention backward and the
-        # next layer's fcproj dx write it).
-        beside = _WeightGradsBeside.make(self)
-        split = beside.split if beside is not None else None
-        w_fcproj = w_fc = w_att = w_qkv = None
         layernorm_backward(dsmall, a.residual3[L - 1], p.lnfw, a.lnf_mean, a.lnf_rstd,
                            dx=dres, dweight=g.lnfw, dbias=g.lnfb, dx_colsum=g.fcprojb[L - 1] if fuse else None)
         for l in reversed(range(L)):
@@ -668,111 +660,35 @@ class GPT2:
                                   x8t=self._kept_x8t(l, FC, B * T), gelu_x2d=_2d(a.fch[l]), then=later)
             else:
                 fch_gelu = a.fch_gelu if remake else a.fch_gelu[l]
-                if split is not None:
-                    _WeightGradsBeside.wait(w_qkv)      # the previous layer's qkv dW reads dqkv (= dfch's scratch)
                 if remake:              # dx now; dW once gelu_backward has remade fch_gelu
                     matmul_backward(_2d(dres), _2d(fch_gelu), p.fcprojw[l], dx=_2d(dfch),
                                     need_dweight=False, need_dbias=False)
-                elif split is not None:
-                    w_fcproj = split(_2d(dres), _2d(fch_gelu), p.fcprojw[l], _2d(dfch), g.fcprojw[l], fcproj_b)
                 else:
                     lin_bwd(l, FCPROJ, _2d(dres), _2d(fch_gelu), p.fcprojw[l], _2d(dfch), g.fcprojw[l], fcproj_b)
                 gelu_backward(dfch, a.fch[l], dx=dfch, dbias=g.fcb[l] if fuse else None,
                               gelu_out=fch_gelu if remake else None)
-                if remake and split is not None:
-                    w_fcproj = split(_2d(dres), _2d(fch_gelu), p.fcprojw[l], None, g.fcprojw[l], fcproj_b)
-                elif remake:
+                if remake:
                     matmul_backward(_2d(dres), _2d(fch_gelu), p.fcprojw[l], dweight=g.fcprojw[l], dbias=fcproj_b,
                                     need_dx=False, need_dbias=fcproj_b is not None)
-                fc_b = None if fuse else g.fcb[l]
-                if split is not None:
-                    w_fc = split(_2d(dfch), _2d(ln2(l)), p.fcw[l], _2d(dsmall), g.fcw[l], fc_b)
-                    _WeightGradsBeside.wait(w_fcproj)   # fcproj's dW reads dres
-                else:
-                    lin_bwd(l, FC, _2d(dfch), _2d(ln2(l)), p.fcw[l], _2d(dsmall), g.fcw[l], fc_b)
+                lin_bwd(l, FC, _2d(dfch), _2d(ln2(l)), p.fcw[l], _2d(dsmall), g.fcw[l], None if fuse else g.fcb[l])
             layernorm_backward(dsmall, a.residual2[l], p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l],
                                dx=dres, dweight=g.ln2w[l], dbias=g.ln2b[l],
                                dx_colsum=g.attprojb[l] if fuse else None)
             # attention branch: residual2 = residual + attproj(attention(qkv(ln1(residual))))
-            att_b = None if fuse else g.attprojb[l]
-            if split is not None:
-                w_att = split(_2d(dres), _2d(a.atty[l]), p.attprojw[l], _2d(dsmall), g.attprojw[l], att_b)
-                _WeightGradsBeside.wait(w_fc)           # fc's dW reads dfch, which dqkv overwrites
-            else:
-                lin_bwd(l, ATTPROJ, _2d(dres), _2d(a.atty[l]), p.attprojw[l], _2d(dsmall), g.attprojw[l], att_b)
+            lin_bwd(l, ATTPROJ, _2d(dres), _2d(a.atty[l]), p.attprojw[l], _2d(dsmall), g.attprojw[l],
+                    None if fuse else g.attprojb[l])
             # fused: qkv's bias gradient summed by the attention backward as it writes dqkv
             attention_backward(dsmall, a.qkv[l], a.atty[l], a.att_lse[l], NH, dqkv=dqkv,
                                dbias=g.qkvb[l] if fuse else None)
-            qkv_b = None if fuse else g.qkvb[l]
-            if split is not None:
-                w_qkv = split(_2d(dqkv), _2d(ln1(l)), p.qkvw[l], _2d(dsmall), g.qkvw[l], qkv_b)
-                _WeightGradsBeside.wait(w_att)          # attproj's dW reads dres
-            else:
-                lin_bwd(l, QKV, _2d(dqkv), _2d(ln1(l)), p.qkvw[l], _2d(dsmall), g.qkvw[l], qkv_b)
+            lin_bwd(l, QKV, _2d(dqkv), _2d(ln1(l)), p.qkvw[l], _2d(dsmall), g.qkvw[l], None if fuse else g.qkvb[l])
             layernorm_backward(dsmall, residual, p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l],
                                dx=dres, dweight=g.ln1w[l], dbias=g.ln1b[l],
                                dx_colsum=g.fcprojb[l - 1] if fuse and l > 0 else None)
             if on_layer_done is not None:       # fcprojb[l] was written by layer l+1 (or lnf) above
-                _WeightGradsBeside.wait(w_qkv)          # all of layer l's weight gradients
                 on_layer_done(l)
         plan, self._encoder_plan = self._encoder_plan, None
         encoder_backward(dres, tokens, g.wte, g.wpe, check_tokens=False, plan=plan)   # checked in forward
-        _WeightGradsBeside.wait(w_qkv)                  # the last one queued: every dW is in g
         return g
-
-
-class _WeightGradsBeside:
-    """The bf16 backward's weight-gradient GEMMs on a side stream (settings.weight_grads_beside).
-
-    Why: a linear's dW = dout^T x is needed by nothing in the rest of the backward, so it can run
-    beside the memory-bound passes and the attention backward that follow its dx GEMM; at the
-    power cap those leave headroom a GEMM can use (tools/notes/profile.md, eighteenth session).
-    split() queues dx on the current stream and dW on the side stream after it (a fork event)
-    and returns the event after that dW; wait() makes the current stream wait for one. The
-    side stream runs its GEMMs in order, so waiting for a later dW waits for the earlier ones.
-    Same kernels and inputs: the gradients are bit for bit the one-stream backward's.
-    """
-    EVENTS = 4          # dWs in flight at most (a layer's four linears): their events are reused in turn
-
-    @classmethod
-    def make(cls, model):
-        """One for this backward, or None (NumPy, FP8 linears, or the setting off)."""
-        if model.xp is np or model.fp8 is not None or not settings.current().weight_grads_beside:
-            return None
-        return cls(settings.current().weight_grads_beside == 2)
-
-    def __init__(self, tight):
-        self.side, self.fork, _ = runtime.side_stream("weight grads")
-        cp = runtime.cupy
-        self.events = [cp.cuda.Event(disable_timing=True) for _ in range(self.EVENTS)]
-        self.k = 0
-        self.tight = tight          # the previous dW done before this dx GEMM: no two GEMMs at once
-        self.last = None
-
-    def split(self, dout2d, x2d, weight, dx2d, dweight, dbias):
-        """dx2d = dout2d @ weight here (when dx2d is given); dweight += dout2d^T x2d (and dbias)
-        on the side stream. Returns the event that marks the dW done."""
-        if self.tight:
-            self.wait(self.last)
-        if dx2d is not None:
-            matmul_backward(dout2d, x2d, weight, dx=dx2d, need_dweight=False, need_dbias=False)
-        main = runtime.cupy.cuda.get_current_stream()
-        self.fork.record(main)
-        self.side.wait_event(self.fork)
-        with self.side:
-            matmul_backward(dout2d, x2d, weight, dweight=dweight, dbias=dbias, need_dx=False,
-                            need_dbias=dbias is not None)
-        done = self.events[self.k % self.EVENTS]
-        self.k += 1
-        done.record(self.side)
-        self.last = done
-        return done
-
-    @staticmethod
-    def wait(done):
-        """The current stream waits for the dW that `done` marks (None: nothing to wait for)."""
-        if done is not None:
-            runtime.cupy.cuda.get_current_stream().wait_event(done)
 
 
 def _encoder_plan_beside(tokens, V):

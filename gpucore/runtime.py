@@ -265,14 +265,6 @@ def side_stream(name: str):
     return _SIDE_STREAMS[key]
 
 
-def on_side_stream() -> int | None:
-    """The current stream's pointer when it is one of side_stream's, else None. cuBLAS and
-    cuBLASLt give such a stream a workspace of its own: GEMMs on two streams at once must not
-    share one (gpucore/cublas.py)."""
-    ptr = cupy.cuda.get_current_stream().ptr
-    return ptr if any(s.ptr == ptr for s, _, _ in _SIDE_STREAMS.values()) else None
-
-
 def launch(kernel, grid, block, args, shared_mem: int = 0, stream=None):
     """Launch on the current CuPy stream (or `stream`), raising CUDA errors at once."""
     grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))

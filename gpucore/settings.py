@@ -52,9 +52,6 @@ class Settings:
     encoder_dwpe_beside: bool = True      # backward v3/v4: dwpe on a side stream beside the sort and dwte
     # ---- model (gpucore/model.py)
     fused_bias_grads: bool = True         # bias grads from the kernels writing dout: gelu / layernorm / attention backward
-    weight_grads_beside: int = 0          # bf16 backward: the linears' weight-gradient GEMMs on a side stream,
-                                          # beside what follows them (1), or beside the memory passes and the
-                                          # attention only, waited for before the next GEMM (2); 0: in line
     lm_head_chunk_bytes: int = 1 << 30    # LM-head logits scratch: rows per chunk = largest power of 2 within
     # ---- FP8 linears (gpucore/fp8_linear.py, --dtype fp8): the scaling recipes' knobs
     fp8_history: int = 16                 # steps of amax history behind each scale
