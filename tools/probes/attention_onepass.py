@@ -7,7 +7,9 @@ Each further argument adds a one-pass variant, timed in the same rounds and its 
 for bit with this tree's: a tree (e.g. `.old` from `git archive`: its
 kernels_cu/attention/flash_v3_bwd1.cu, compiled with this tree's headers) or an NVRTC option
 (`-DNAME=VALUE`, or several in one quoted argument: this tree's kernel compiled with them).
-Run:  PYTHONPATH=. python3 tools/probes/attention_onepass.py [OLD_TREE | -DNAME=VALUE ...]
+Run:  PYTHONPATH=. python3 tools/probes/attention_onepass.py [--once] [OLD_TREE | -DNAME=VALUE ...]
+--once: one launch of this tree's one-pass kernel, then one of each variant's, at the d12 shape, and
+nothing timed: for a profiler (ncu -k regex:onepass ...; the launches come in that order).
 """
 import math
 import sys
@@ -35,8 +37,9 @@ def variant_onepass(kernel, dout, qkv, out, lse, NH, dqkv):
                                          np.float32(1.0 / math.sqrt(hd))), shared_mem=attn.v3_onepass_smem(hd, 2))
 
 
+once = "--once" in sys.argv
 variants = []
-for arg in sys.argv[1:]:
+for arg in (a for a in sys.argv[1:] if a != "--once"):
     tree, opts = (HERE, tuple(arg.split())) if arg.startswith("-D") else (Path(arg).resolve(), ())
     mod = runtime.load_module(tree / "kernels_cu/attention/flash_v3_bwd1.cu", attn.v3_compile_options() + opts,
                               attn.V3_ARCH)
@@ -47,6 +50,13 @@ for B, NH in ((64, 12), (16, 25)):
     dout = cp.asarray(rng.standard_normal((B, T, NH * hd)).astype(np.float32).astype(gpucore.bfloat16))
     out, lse = gpucore.attention_forward(qkv, NH)
     dqkv = cp.empty_like(qkv)
+    if once:
+        attn.backward_v3_onepass(dout, qkv, out, lse, NH, dqkv)
+        for name, kernel in variants:
+            variant_onepass(kernel, dout, qkv, out, lse, NH, dqkv)
+        cp.cuda.get_current_stream().synchronize()
+        print(f"B={B} NH={NH}: the one-pass backward once, then {len(variants)} variant(s) once")
+        break
     rows = [("two-pass (default)", lambda: attn.backward_v3(dout, qkv, out, lse, NH, dqkv))]
     rows += [(f"one-pass, {g} warpgroup(s)", lambda g=g: attn.backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=g))
              for g in attn.ONEPASS_WGS]
