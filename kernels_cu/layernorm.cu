@@ -278,9 +278,12 @@ __device__ void layernorm_forward_v2(T* residual, T* out, float* mean, float* rs
 // and the bf16 output itself is never written. amax: the output's max |x| (bf16 bit max, atomicMax).
 // Block = ROWS rows (8 warps x ROWS/8 rows, one row at a time per warp); the row's bytes also go to
 // a shared tile (ROWS rows of C / 4 + 1 words, dynamic: the odd pitch keeps the transposed gathers
-// off each other's banks) from which out8_t is written in 4 x 4 blocks (store_block4_t). The launcher takes ROWS = 64 for C <= 1024 and 32 above: on an H100, d12 (C = 768) ran
-// 5.2 ms per step with 64-row blocks against 6.1 with 32, d48 (C = 1600, where 64 rows mean 103 KB
-// of tile and 2 blocks per SM) 17.2 ms with 32 against 19.4-27.2 with 64.
+// off each other's banks) from which out8_t is written in 4 x 4 blocks (store_block4_t). The launcher
+// (ops/layernorm.py fp8_block_rows) takes ROWS = 64 for the plain kernel while two 64-row tiles fit an
+// SM (C <= 1796: d12 8%, d48 11% faster than 32 on an H100, eighteenth session) and, for the residual
+// kernel, 64 for C <= 1024 and 32 above: on an H100, d12 (C = 768) ran 5.2 ms per step with 64-row
+// blocks against 6.1 with 32, d48 (C = 1600, where 64 rows mean 103 KB of tile and 2 blocks per SM)
+// 17.2 ms with 32 against 19.4-27.2 with 64 (fifth session, when the model ran the residual kernel).
 // gate: the kernel runs only when *gate != 0 (adaptive scaling's re-run; the Python side re-runs
 // the plain variant over the residual the first run wrote). rows % 16 == 0 (the FP8 GEMM's rule).
 template <int N, int ROWS, bool FUSED>

@@ -624,8 +624,9 @@ def test_fp8_forward_reference_is_layernorm_then_cast(rng, fused_residual):
 @pytest.mark.parametrize("R,C", [(64, 768), (80, 64), (1040, 1600), (4096, 768), (128, 2048), (80, 1024), (48, 1040)])
 def test_gpu_fp8_forward_bitwise(rng, fused_residual, R, C):
     """GPU: the FP8 forward's bytes (both orientations), amax, mean, rstd and residual equal the v2
-    layernorm followed by fp8_quantize bit for bit (the same row math; blocks of 64 rows up to C = 1024
-    and of 32 above, partial at 80 and 1040 rows); the gated re-run writes only on a nonzero gate."""
+    layernorm followed by fp8_quantize bit for bit (the same row math; blocks of 64 rows up to C = 1796
+    plain and C = 1024 residual, of 32 above (fp8_block_rows), partial at 80 and 1040 rows); the gated
+    re-run writes only on a nonzero gate."""
     from gpucore.ops.fp8 import fp8_supported
     ok, why = fp8_supported()
     assert ok, why                  # the cuda marker says there is a GPU; our test GPUs are Hopper

@@ -26,7 +26,7 @@ for name, N, C in (("d12", 65536, 768), ("d48", 16384, 1600)):
     bf = lambda *s: cp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(gpucore.bfloat16)  # noqa: E731
     x, b, w, bias = bf(N, C), bf(N, C), bf(C), bf(C)
     scale, amax = cp.full(1, 16.0, np.float32), cp.zeros(1, np.float32)
-    R = fp8_block_rows(C)
+    R = fp8_block_rows(C)                        # the plain kernel's default (the residual one's may differ)
 
     def bufs():
         return (cp.empty((N, C), np.uint8), cp.empty((C, N), np.uint8), cp.empty(N, np.float32),
@@ -45,7 +45,7 @@ for name, N, C in (("d12", 65536, 768), ("d48", 16384, 1600)):
         o = bufs()
         variants[f"plain, rows {rows}"] = (plain(runtime.get_kernel("layernorm", name_of(rows)), rows, o), *o, 4)
     o, res = bufs(), cp.empty((N, C), gpucore.bfloat16)
-    variants[f"residual, rows {R} (checked)"] = (lambda o=o: layernorm_forward_fp8(
+    variants[f"residual, rows {fp8_block_rows(C, residual=True)} (checked)"] = (lambda o=o: layernorm_forward_fp8(
         x, w, bias, scale, b=b, residual=res, out8=o[0], out8_t=o[1], amax=amax, mean=o[2], rstd=o[3]), *o, 8)
     for tree, mod in trees:
         o = bufs()
