@@ -139,6 +139,8 @@ def backward_split(dtype, C: int, warps_per_row: int | None = None) -> tuple[int
 
 
 _RESIDENT: dict[int, int] = {}
+SM_SHARED_BYTES = 227 * 1024    # shared memory one sm_90 SM gives its blocks
+BLOCK_RESERVED_BYTES = 1024     # and the 1 KB it reserves per block
 
 
 def _resident_blocks(kernel, block: int) -> int:
@@ -148,7 +150,7 @@ def _resident_blocks(kernel, block: int) -> int:
         a = runtime.kernel_attributes(kernel)
         regs_per_warp = -(-max(a["registers"], 1) * 32 // 256) * 256      # allocated per warp, in 256s
         by_regs = (65536 // regs_per_warp) // (block // 32)
-        by_smem = (227 * 1024) // (a["shared_bytes"] + 1024)                # + the 1 KB reserved per block
+        by_smem = SM_SHARED_BYTES // (a["shared_bytes"] + BLOCK_RESERVED_BYTES)
         _RESIDENT[key] = max(1, min(by_regs, 2048 // block, by_smem, 32))
     return _RESIDENT[key]
 
@@ -235,7 +237,7 @@ def fp8_block_rows(C: int, residual: bool = False) -> int:
     tools/probes/layernorm_fp8_rows.py times both)."""
     if residual:
         return 64 if C <= 1024 else 32
-    return 64 if 2 * 64 * (C + 4) + 2048 <= 227 * 1024 else 32
+    return 64 if 2 * (64 * (C + 4) + BLOCK_RESERVED_BYTES) <= SM_SHARED_BYTES else 32
 
 
 class LayerNormCall(NamedTuple):
