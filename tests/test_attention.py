@@ -530,6 +530,21 @@ def test_gpu_backward_v3_onepass(rng, shape):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[3] == 64] + [(3, 4, 1000, 64), (2, 2, 384, 64)],
+                         ids=lambda s: "B{}-NH{}-T{}-hd{}".format(*s))
+def test_gpu_backward_v3_wide(rng, shape):
+    """The wide one-pass backward (attention/flash_v3_bwd1w.cu, 128 x 128 visits) against the float64
+    reference: dq, dk, dv within bf16 tolerance at T from 1 to 1024, NaN-poisoned output; same bits
+    on a second run."""
+    need_sm90()
+    B, NH, T, hd = shape
+    check_v3_backward(rng, B, NH, T, hd, lambda do, qkv, o, l, dqkv: attn.backward_v3_wide(do, qkv, o, l, NH, dqkv))
+    NH, qkv, dout, out, lse = v3_backward_case(rng, hd, B=B, NH=NH, T=T)
+    one = v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_wide)
+    assert v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_wide) == one
+
+
+@pytest.mark.cuda
 def test_gpu_backward_v3_onepass_deterministic_and_default(rng):
     """Same bits run after run, also with every SM busy (dQ's parts are added into the scratch by
     bulk reductions in the L2, whose order only the kernel's waits fix); settings.attention_v3_onepass
