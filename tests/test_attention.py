@@ -455,6 +455,12 @@ def test_v3_onepass_kernel_compiles_for_sm90a_without_spills():
 
 
 @pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
+def test_v3_wide_kernel_compiles_for_sm90a_without_spills():
+    assert "attention_backward_wide_kernel_v3_hd64_bf16" in _sm90a_kernels_compiled("flash_v3_bwd1w.cu")
+    assert attn.v3_wide_smem(64) <= 227 * 1024
+
+
+@pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
 def test_v3_backward_kernels_compile_for_sm90a_without_spills():
     names = _sm90a_kernels_compiled("flash_v3_bwd.cu")
     assert v3_bwd_names(DEFAULT_V3_DKDV, DEFAULT_V3_DQ, attn.V3_VARIANT_SUFFIX) <= names

@@ -552,8 +552,9 @@ def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None, D=None, sums=No
 def v3_wide_smem(hd):
     """Dynamic shared memory of a wide one-pass backward block (attention/flash_v3_bwd1w.cu): two
     K/V buffers and two Q/dO stages (128 x hd bf16 each), P and dS (128 x 128 bf16), one staged dQ
-    part (128 x hd f32); + 1024 for the swizzle alignment."""
-    return 1024 + 8 * 128 * hd * 2 + 2 * 128 * 128 * 2 + 128 * hd * 4
+    part (128 x hd f32), two stages of 128 lse and D; + 1024 for the swizzle alignment: at hd 64
+    the whole 227 KB a block may have."""
+    return 1024 + 8 * 128 * hd * 2 + 2 * 128 * 128 * 2 + 128 * hd * 4 + 2 * 2 * 128 * 4
 
 
 def backward_v3_wide(dout, qkv, out, lse, NH, dqkv, D=None):

@@ -95,6 +95,7 @@ __device__ __forceinline__ void flash_bwd_wide_v3(bf16* dqkv, float* dqacc, cons
     const u32 sP = sO + 2 * TILE;
     const u32 sS = sP + PT;
     const u32 sA = sS + PT;                       // the staged dQ part
+    float* sL = reinterpret_cast<float*>(smem_w + (sA + A_BYTES - raw));   // 2 stages x (BM lse, BM D)
     float* sA_gen = reinterpret_cast<float*>(smem_w + (sA - raw));
     unsigned char* sP_gen = smem_w + (sP - raw);
 
@@ -115,24 +116,39 @@ __device__ __forceinline__ void flash_bwd_wide_v3(bf16* dqkv, float* dqacc, cons
     auto load_q = [&](int st, int r) {
         v3_load_tile<BM, HD, NT>(sQ + st * TILE, q_g, r, T, stride);
         v3_load_tile<BM, HD, NT>(sO + st * TILE, do_g, r, T, C);
+        load_vec_async<BM, NT>(sL + st * 2 * BM, l_g, r, T);
+        load_vec_async<BM, NT>(sL + st * 2 * BM + BM, d_g, r, T);
     };
     auto load_kv = [&](int jj) {
         const u32 k_s = sK + (jj & 1) * 2 * TILE;
         v3_load_tile<BN, HD, NT>(k_s, q_g + C, jj * BN, T, stride);
         v3_load_tile<BN, HD, NT>(k_s + TILE, q_g + 2 * C, jj * BN, T, stride);
     };
+    auto product_dq = [&](float* d, u32 k_s) {
+        const u64 da = smem_desc(sS + wg * 8192, 16, 1024), db = smem_desc(k_s, BN * 128, 1024);
+        #pragma unroll
+        for (int ks = 0; ks < BN / 16; ks++)
+            wgmma_m64n64k16_ss_kmn(d, desc_add(da, (ks >> 2) * (128 * 128) + (ks & 3) * 32), desc_add(db, ks * 2048),
+                                   ks > 0);
+    };
+    float sacc[BN / 2], dpacc[BN / 2];
+    float dk[HD / 2], dv[HD / 2];
+    for (int e = 0; e < HD / 2; e++) dk[e] = dv[e] = 0.f;
     load_kv(0);
     load_q(0, 0);
     cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    wgmma_fence();
+    v3_product_kk<BN, HD>(sacc, sQ + wg * 8192, BM, sK);
+    wgmma_commit();
 
-    float dk[HD / 2], dv[HD / 2];
     int tc = 0;                                   // visits done: Q/dO stage tc & 1
     int pend_i = -1;                              // the Q tile whose part is staged, to flush
     for (int j = 0; j < nt; j++) {
         const int n0 = j * BN;
         const u32 cK = sK + (j & 1) * 2 * TILE, cV = cK + TILE;
-        #pragma unroll
-        for (int e = 0; e < HD / 2; e++) dk[e] = dv[e] = 0.f;
         for (int i = j; i < nt; i++, tc++) {
             const int s = tc & 1, m0 = i * BM;
             const bool diag = i == j;
@@ -160,17 +176,15 @@ __device__ __forceinline__ void flash_bwd_wide_v3(bf16* dqkv, float* dqacc, cons
                 cp_async_commit();
             }
             const int qa = m0 + rloc, qb = qa + 8;
-            const float nla = qa < T ? -l_g[qa] * FA_LOG2E : 0.f, nlb = qb < T ? -l_g[qb] * FA_LOG2E : 0.f;
-            const float da = qa < T ? d_g[qa] : 0.f, db = qb < T ? d_g[qb] : 0.f;
+            const float* l_s = sL + s * 2 * BM;   // (rows >= T: zeros)
+            const float nla = -l_s[rloc] * FA_LOG2E, nlb = -l_s[rloc + 8] * FA_LOG2E;
+            const float da = l_s[BM + rloc], db = l_s[BM + rloc + 8];
             const u32 q_s = sQ + s * TILE, o_s = sO + s * TILE;
-            float sacc[BN / 2], dpacc[BN / 2];
+            wgmma_wait<0>();
+            wg_fence_regs<BN / 2>(sacc);
             wgmma_fence();
-            v3_product_kk<BN, HD>(sacc, q_s + wg * 8192, BM, cK);   // S = Q_w K^T
-            wgmma_commit();
             v3_product_kk<BN, HD>(dpacc, o_s + wg * 8192, BM, cV);  // dP = dO_w V^T
             wgmma_commit();
-            wgmma_wait<1>();
-            wg_fence_regs<BN / 2>(sacc);
             const bool masked = diag || m0 + BM > T;
             #pragma unroll
             for (int jn = 0; jn < BN / 8; jn++)
@@ -190,25 +204,28 @@ __device__ __forceinline__ void flash_bwd_wide_v3(bf16* dqkv, float* dqacc, cons
                 v3_to_frags<BN>(pf, sacc);
                 w_store_frags(sP, pf, 64 * wg + 16 * w4, lane);
             }
+            {
             u32 sf[BN / 16][4];
             v3_to_frags<BN>(sf, dpacc);
             w_store_frags(sS, sf, 64 * wg + 16 * w4, lane);
+            }
             float dq[HD / 2];
-            #pragma unroll
-            for (int e = 0; e < HD / 2; e++) dq[e] = 0.f;
-            wg_fence_regs<HD / 2>(dq);
-            v3_product_rs<BN, HD>(dq, sf, cK);    // dQ part = dS_w K
-            wgmma_commit();
+            cp_async_wait<0>();
             fence_proxy_async();                  // P, dS stores visible to the async proxy ...
             if (threadIdx.x == 0) bulk_wait_read<0>();   // (the flush issued at the top has read sA)
             __syncthreads();                      // ... from both warpgroups
             wg_fence_regs<HD / 2>(dk);
             wg_fence_regs<HD / 2>(dv);
             wgmma_fence();
+            product_dq(dq, cK); wgmma_commit();
             w_product_mnmn<BM>(dv, sP + wg * (128 * 128), o_s);   // dV_w += P^T dO
             w_product_mnmn<BM>(dk, sS + wg * (128 * 128), q_s);   // dK_w += dS^T Q
             wgmma_commit();
-            wgmma_wait<1>();                      // the dQ part
+            { int nj = j, ni = i + 1; if (ni == nt) nj = ni = j + 1;
+              wgmma_fence();
+              v3_product_kk<BN, HD>(sacc, sQ + (s ^ 1) * TILE + wg * 8192, BM, sK + (nj & 1) * 2 * TILE);
+              wgmma_commit(); }
+            wgmma_wait<1>();                      // the dQ part, dV, dK
             wg_fence_regs<HD / 2>(dq);
             if (diag) {                           // Q tile i's last KV tile: sums + part -> dqkv
                 cp_async_wait<0>();
@@ -238,10 +255,10 @@ __device__ __forceinline__ void flash_bwd_wide_v3(bf16* dqkv, float* dqacc, cons
                             make_float2(dq[4 * jn + 2 * rr], dq[4 * jn + 2 * rr + 1]);
                 pend_i = i;
             }
-            wgmma_wait<0>();                      // dV, dK: the next visit overwrites P, dS and this Q stage
             wg_fence_regs<HD / 2>(dk);
             wg_fence_regs<HD / 2>(dv);
         }
+        wgmma_wait<0>();
         if (pend_i >= 0) {                        // the KV tile's last part
             fence_proxy_async();
             __syncthreads();
@@ -256,6 +273,8 @@ __device__ __forceinline__ void flash_bwd_wide_v3(bf16* dqkv, float* dqacc, cons
         unsigned char* stage_gen = sP_gen + wg * (64 * HD * 2);
         v3_store_acc_staged<HD>(dk_g, dk, scale, n0 + 64 * wg, T, stride, stage, stage_gen, w4, lane);
         v3_store_acc_staged<HD>(dk_g + C, dv, 1.f, n0 + 64 * wg, T, stride, stage, stage_gen, w4, lane);
+        #pragma unroll
+        for (int e = 0; e < HD / 2; e++) dk[e] = dv[e] = 0.f;
     }
     cp_async_wait<0>();
 }
