@@ -39,6 +39,10 @@
 #include "attention/flash_v3.cuh"
 #include "attention/flash_v3_bwd.cuh"   // v3_product_kk / rs, v3_store_acc_staged
 
+#ifndef WIDE_S_FIRST
+#define WIDE_S_FIRST 1
+#endif
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // Element (r, c) (c even; c + 1 follows) of a dQ part (128 query rows x 64 f32): float2 pairs of a
@@ -143,6 +147,10 @@ __device__ __forceinline__ void flash_bwd_wide_v3(bf16* dqkv, float* dqacc, cons
     wgmma_fence();
     v3_product_kk<BN, HD>(sacc, sQ + wg * 8192, BM, sK);
     wgmma_commit();
+#if WIDE_S_FIRST == 2
+    v3_product_kk<BN, HD>(dpacc, sO + wg * 8192, BM, sK + TILE);
+    wgmma_commit();
+#endif
 
     int tc = 0;                                   // visits done: Q/dO stage tc & 1
     int pend_i = -1;                              // the Q tile whose part is staged, to flush
@@ -182,9 +190,11 @@ __device__ __forceinline__ void flash_bwd_wide_v3(bf16* dqkv, float* dqacc, cons
             const u32 q_s = sQ + s * TILE, o_s = sO + s * TILE;
             wgmma_wait<0>();
             wg_fence_regs<BN / 2>(sacc);
+#if WIDE_S_FIRST != 2
             wgmma_fence();
             v3_product_kk<BN, HD>(dpacc, o_s + wg * 8192, BM, cV);  // dP = dO_w V^T
             wgmma_commit();
+#endif
             const bool masked = diag || m0 + BM > T;
             #pragma unroll
             for (int jn = 0; jn < BN / 8; jn++)
@@ -217,15 +227,33 @@ __device__ __forceinline__ void flash_bwd_wide_v3(bf16* dqkv, float* dqacc, cons
             wg_fence_regs<HD / 2>(dk);
             wg_fence_regs<HD / 2>(dv);
             wgmma_fence();
-            product_dq(dq, cK); wgmma_commit();
+            const int nj = i + 1 == nt ? j + 1 : j;   // the next visit's KV tile
+#if WIDE_S_FIRST
+            // the next visit's S first (its exps need it soonest; after the head's last visit a
+            // product nobody reads, on stale tiles: issued on every path), then this visit's dQ part,
+            // dV and dK
+            v3_product_kk<BN, HD>(sacc, sQ + (s ^ 1) * TILE + wg * 8192, BM, sK + (nj & 1) * 2 * TILE);
+            wgmma_commit();
+#if WIDE_S_FIRST == 2
+            v3_product_kk<BN, HD>(dpacc, sO + (s ^ 1) * TILE + wg * 8192, BM, sK + (nj & 1) * 2 * TILE + TILE);
+            wgmma_commit();
+#endif
+            product_dq(dq, cK);                   // dQ part = dS_w K
+            wgmma_commit();
             w_product_mnmn<BM>(dv, sP + wg * (128 * 128), o_s);   // dV_w += P^T dO
             w_product_mnmn<BM>(dk, sS + wg * (128 * 128), q_s);   // dK_w += dS^T Q
             wgmma_commit();
-            { int nj = j, ni = i + 1; if (ni == nt) nj = ni = j + 1;
-              wgmma_fence();
-              v3_product_kk<BN, HD>(sacc, sQ + (s ^ 1) * TILE + wg * 8192, BM, sK + (nj & 1) * 2 * TILE);
-              wgmma_commit(); }
-            wgmma_wait<1>();                      // the dQ part, dV, dK
+            wgmma_wait<1>();                      // S (dP) and the dQ part (dV, dK run on)
+#else
+            product_dq(dq, cK);
+            wgmma_commit();
+            w_product_mnmn<BM>(dv, sP + wg * (128 * 128), o_s);
+            w_product_mnmn<BM>(dk, sS + wg * (128 * 128), q_s);
+            wgmma_commit();
+            v3_product_kk<BN, HD>(sacc, sQ + (s ^ 1) * TILE + wg * 8192, BM, sK + (nj & 1) * 2 * TILE);
+            wgmma_commit();
+            wgmma_wait<1>();                      // the dQ part, dV, dK (S runs on)
+#endif
             wg_fence_regs<HD / 2>(dq);
             if (diag) {                           // Q tile i's last KV tile: sums + part -> dqkv
                 cp_async_wait<0>();
@@ -255,6 +283,9 @@ __device__ __forceinline__ void flash_bwd_wide_v3(bf16* dqkv, float* dqacc, cons
                             make_float2(dq[4 * jn + 2 * rr], dq[4 * jn + 2 * rr + 1]);
                 pend_i = i;
             }
+#if WIDE_S_FIRST
+            wgmma_wait<0>();                      // dV, dK (the next top's barrier frees P, dS)
+#endif
             wg_fence_regs<HD / 2>(dk);
             wg_fence_regs<HD / 2>(dv);
         }
