@@ -42,6 +42,9 @@
 #ifndef WIDE_S_FIRST
 #define WIDE_S_FIRST 1
 #endif
+#ifndef WIDE_SPLIT_LOADS
+#define WIDE_SPLIT_LOADS 0
+#endif
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -117,11 +120,15 @@ __device__ __forceinline__ void flash_bwd_wide_v3(bf16* dqkv, float* dqacc, cons
     const float sl2 = scale * FA_LOG2E;
     const int rloc = 64 * wg + 16 * w4 + g;       // this thread's rows of a Q tile: rloc, rloc + 8
 
-    auto load_q = [&](int st, int r) {
+    auto load_q_only = [&](int st, int r) {
         v3_load_tile<BM, HD, NT>(sQ + st * TILE, q_g, r, T, stride);
-        v3_load_tile<BM, HD, NT>(sO + st * TILE, do_g, r, T, C);
         load_vec_async<BM, NT>(sL + st * 2 * BM, l_g, r, T);
         load_vec_async<BM, NT>(sL + st * 2 * BM + BM, d_g, r, T);
+    };
+    auto load_do = [&](int st, int r) { v3_load_tile<BM, HD, NT>(sO + st * TILE, do_g, r, T, C); };
+    auto load_q = [&](int st, int r) {
+        load_q_only(st, r);
+        load_do(st, r);
     };
     auto load_kv = [&](int jj) {
         const u32 k_s = sK + (jj & 1) * 2 * TILE;
@@ -169,7 +176,12 @@ __device__ __forceinline__ void flash_bwd_wide_v3(bf16* dqkv, float* dqacc, cons
             {   // copies: the next visit's Q/dO, the next KV tile's K/V, this diagonal's sums so far
                 int ni = i + 1;
                 if (ni == nt) ni = j + 1;
+#if WIDE_SPLIT_LOADS
+                if (ni < nt) load_q_only(s ^ 1, ni * BM);   // needed by the next S (after the middle
+                                                            // barrier); dO only by the next top's dP
+#else
                 if (ni < nt) load_q(s ^ 1, ni * BM);
+#endif
                 if (diag && j + 1 < nt) load_kv(j + 1);
                 if (diag && j > 0) {
                     const float* qt = qacc + i * BM * HD;
@@ -182,6 +194,10 @@ __device__ __forceinline__ void flash_bwd_wide_v3(bf16* dqkv, float* dqacc, cons
                         }
                 }
                 cp_async_commit();
+#if WIDE_SPLIT_LOADS
+                if (ni < nt) load_do(s ^ 1, ni * BM);
+                cp_async_commit();
+#endif
             }
             const int qa = m0 + rloc, qb = qa + 8;
             const float* l_s = sL + s * 2 * BM;   // (rows >= T: zeros)
@@ -220,7 +236,7 @@ __device__ __forceinline__ void flash_bwd_wide_v3(bf16* dqkv, float* dqacc, cons
             w_store_frags(sS, sf, 64 * wg + 16 * w4, lane);
             }
             float dq[HD / 2];
-            cp_async_wait<0>();
+            cp_async_wait<WIDE_SPLIT_LOADS>();    // the next visit's Q, K/V, lse/D; this diagonal's sums
             fence_proxy_async();                  // P, dS stores visible to the async proxy ...
             if (threadIdx.x == 0) bulk_wait_read<0>();   // (the flush issued at the top has read sA)
             __syncthreads();                      // ... from both warpgroups
