@@ -221,33 +221,4 @@ __device__ __forceinline__ void wgmma_m64n32k16_ss_mnmn(float* d, u64 desc_a, u6
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
-// _ss_mnmn at N = 64: D (64 x 64) (+)= A (64 x 16) @ B (16 x 64), A stored (16, 64) row-major (M
-// contiguous: a (K, 64) tile read as its transpose) and B stored (16, 64) row-major, e.g. one
-// warpgroup's 64 keys of dV = P^T dO from a (queries, keys) P tile and a (queries, hd) dO tile.
-// Descriptors as _ss_mnmn above (k-step + 2048 B).
-__device__ __forceinline__ void wgmma_m64n64k16_ss_mnmn(float* d, u64 desc_a, u64 desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, 1, 1;\n}\n"
-        : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-// _ss_kmn at N = 64: D (64 x 64) (+)= A (64 x 16, K-major) @ B (16 x 64) with B stored (16, 64)
-// row-major (N contiguous; imm-trans-a = 0, imm-trans-b = 1), e.g. one warpgroup's 64 queries of
-// dQ = dS K from a (queries, keys) dS tile and a (keys, hd) K tile.
-__device__ __forceinline__ void wgmma_m64n64k16_ss_kmn(float* d, u64 desc_a, u64 desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, 0, 1;\n}\n"
-        : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

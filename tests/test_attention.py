@@ -455,12 +455,6 @@ def test_v3_onepass_kernel_compiles_for_sm90a_without_spills():
 
 
 @pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
-def test_v3_wide_kernel_compiles_for_sm90a_without_spills():
-    assert "attention_backward_wide_kernel_v3_hd64_bf16" in _sm90a_kernels_compiled("flash_v3_bwd1w.cu")
-    assert attn.v3_wide_smem(64) <= 227 * 1024
-
-
-@pytest.mark.skipif(runtime.cupy is None, reason="needs CuPy + NVRTC")
 def test_v3_backward_kernels_compile_for_sm90a_without_spills():
     names = _sm90a_kernels_compiled("flash_v3_bwd.cu")
     assert v3_bwd_names(DEFAULT_V3_DKDV, DEFAULT_V3_DQ, attn.V3_VARIANT_SUFFIX) <= names
@@ -533,21 +527,6 @@ def test_gpu_backward_v3_onepass(rng, shape):
     for wgs in attn.ONEPASS_WGS:
         check_v3_backward(rng, B, NH, T, hd,
                           lambda do, qkv, o, l, dqkv: attn.backward_v3_onepass(do, qkv, o, l, NH, dqkv, wgs=wgs))
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("shape", [s for s in SHAPES if s[3] == 64] + [(3, 4, 1000, 64), (2, 2, 384, 64)],
-                         ids=lambda s: "B{}-NH{}-T{}-hd{}".format(*s))
-def test_gpu_backward_v3_wide(rng, shape):
-    """The wide one-pass backward (attention/flash_v3_bwd1w.cu, 128 x 128 visits) against the float64
-    reference: dq, dk, dv within bf16 tolerance at T from 1 to 1024, NaN-poisoned output; same bits
-    on a second run."""
-    need_sm90()
-    B, NH, T, hd = shape
-    check_v3_backward(rng, B, NH, T, hd, lambda do, qkv, o, l, dqkv: attn.backward_v3_wide(do, qkv, o, l, NH, dqkv))
-    NH, qkv, dout, out, lse = v3_backward_case(rng, hd, B=B, NH=NH, T=T)
-    one = v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_wide)
-    assert v3_backward_bits(qkv, dout, out, lse, NH, backward=attn.backward_v3_wide) == one
 
 
 @pytest.mark.cuda

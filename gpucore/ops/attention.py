@@ -549,31 +549,6 @@ def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None, D=None, sums=No
     runtime.launch(k, B * NH, 128 * wgs, args + ((sums,) if sums is not None else ()), shared_mem=smem)
 
 
-def v3_wide_smem(hd):
-    """Dynamic shared memory of a wide one-pass backward block (attention/flash_v3_bwd1w.cu): two
-    K/V buffers and two Q/dO stages (128 x hd bf16 each), P and dS (128 x 128 bf16), one staged dQ
-    part (128 x hd f32), two stages of 128 lse and D; + 1024 for the swizzle alignment: at hd 64
-    the whole 227 KB a block may have."""
-    return 1024 + 8 * 128 * hd * 2 + 2 * 128 * 128 * 2 + 128 * hd * 4 + 2 * 2 * 128 * 4
-
-
-def backward_v3_wide(dout, qkv, out, lse, NH, dqkv, D=None):
-    """v3 one-pass backward in 128-query x 128-key visits (attention/flash_v3_bwd1w.cu, hd 64):
-    backward_v3_onepass's contract (D by v2's preprocess or given; dQ summed over the KV tiles in
-    order in an f32 scratch (B*NH, ceil(T/128)*128, hd); deterministic)."""
-    cp = runtime.cupy
-    B, T, C3 = qkv.shape
-    hd = C3 // 3 // NH
-    if hd not in ONEPASS_HD:
-        raise ValueError(f"qkv: the one-pass backward needs head dim in {ONEPASS_HD}, got {hd}")
-    D = _preprocess(dout, out, NH) if D is None else D
-    dqacc = cp.empty((B * NH, -(-T // 128) * 128, hd), dtype=F32)
-    k = runtime.get_kernel("attention/flash_v3_bwd1w", f"attention_backward_wide_kernel_v3_hd{hd}_bf16",
-                           options=v3_compile_options(), arch=V3_ARCH)
-    args = (dqkv, dqacc, qkv, dout, lse, D, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd)))
-    runtime.launch(k, B * NH, 256, args, shared_mem=v3_wide_smem(hd))
-
-
 def backward_v3_split(dout, qkv, out, lse, NH, dqkv, b1):
     """The one-pass backward for batch elements [0, b1) on the caller's stream and the two-pass
     backward for [b1, B) beside it on a side stream (onepass_batches says why); D for all heads by
