@@ -27,6 +27,15 @@
  *   cp_async4           cp.async.ca (L1 and L2: .cg does not exist for 4 bytes), cp-size 4,
  *                       src-size src_bytes (0 writes zero). Kept apart from cp_async16 because
  *                       of .ca and the size.
+ *   cp_async16_hint     cp_async16 with .L2::cache_hint and a cache-policy operand (sm_80+).
+ *   l2_evict_first / l2_evict_last  "Data Movement and Conversion Instructions: createpolicy":
+ *                       createpolicy.fractional.L2::evict_{first,last}.b64 with fraction 1.0 -- a
+ *                       64-bit policy for the .L2::cache_hint forms: lines it touches go first /
+ *                       last when the L2 evicts (a priority; no persisting carve-out is needed).
+ *   discard_l2_line     "discard": discard.global.L2 [a], 128 -- the 128-byte line at a (128-byte
+ *                       aligned) is dropped from the L2 without being written back: its contents
+ *                       become undefined. For dead scratch, so it neither occupies the L2 nor
+ *                       costs a write to DRAM.
  *   cp_async_commit     "cp.async.commit_group": closes this thread's open group of cp.async.
  *   cp_async_wait<N>    "cp.async.wait_group": waits until at most N of this thread's committed
  *                       groups are pending. Only this thread's copies: other threads' need a
@@ -92,6 +101,13 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_byt
                  : "memory");
 }
 
+// The same with an L2 cache policy (l2_evict_first / l2_evict_last) for the lines it reads.
+__device__ __forceinline__ void cp_async16_hint(u32 dst, const void* src, int src_bytes, u64 policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes), "l"(policy)
+                 : "memory");
+}
+
 // 16 bytes when valid, else 16 zero bytes (src is not read); dst is a generic pointer to smem.
 __device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool valid) {
     cp_async16(smem_u32(dst), src, valid ? 16 : 0);
@@ -123,6 +139,23 @@ __device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
     (void)p;
     (void)bytes;
 #endif
+}
+
+// ---- L2 cache policies ---------------------------------------------------------------------
+
+__device__ __forceinline__ u64 l2_evict_first() {
+    u64 p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+    return p;
+}
+__device__ __forceinline__ u64 l2_evict_last() {
+    u64 p;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
+    return p;
+}
+// Drop the 128-byte line at p (128-byte aligned) from the L2 unwritten; its contents become undefined.
+__device__ __forceinline__ void discard_l2_line(const void* p) {
+    asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(p) : "memory");
 }
 
 // ---- ldmatrix -----------------------------------------------------------------------------

@@ -192,6 +192,17 @@ __device__ __forceinline__ void bulk_reduce_add_s2g(float* dst, u32 src, u32 byt
                  "r"(bytes)
                  : "memory");
 }
+// The two above with an L2 cache policy (ptx.cuh's l2_evict_last / l2_evict_first) for the lines they write.
+__device__ __forceinline__ void bulk_store_s2g_hint(void* dst, u32 src, u32 bytes, u64 policy) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;\n" ::"l"(dst),
+                 "r"(src), "r"(bytes), "l"(policy)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_reduce_add_s2g_hint(float* dst, u32 src, u32 bytes, u64 policy) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [%0], [%1], %2, %3;\n"
+                 ::"l"(dst), "r"(src), "r"(bytes), "l"(policy)
+                 : "memory");
+}
 // stmatrix .x4 (PTX ISA "stmatrix", sm_90): four 8 x 8 b16 matrices from registers to shared
 // memory, each register in the mma-fragment layout (lane 4g+t: row g, columns 2t, 2t+1; the lower
 // half the even column); lanes 8m..8m+7 give the (16-byte aligned) row addresses of matrix m.

@@ -45,9 +45,10 @@ __device__ __forceinline__ u32 v3_off(int r, int c) { return (u32)((c >> 3) * (R
 
 // Rows [r0, r0 + ROWS) of a (T, HD) slice (rows `stride` elements apart) -> swizzled tile at
 // shared address s. Rows >= T become zeros (src-size 0; src stays a valid address: row 0).
-// Used by the forward (v3, v3p) and the backward.
-template <int ROWS, int HD, int NT>
-__device__ __forceinline__ void v3_load_tile(u32 s, const bf16* g, int r0, int T, int stride) {
+// Used by the forward (v3, v3p) and the backward. HINT: the copies carry L2 cache policy `policy`
+// (e.g. l2_evict_first for tiles read once, so they leave the L2 before what is read again).
+template <int ROWS, int HD, int NT, bool HINT = false>
+__device__ __forceinline__ void v3_load_tile(u32 s, const bf16* g, int r0, int T, int stride, u64 policy = 0) {
     constexpr int CPR = HD / 8;
     static_assert((ROWS * CPR) % NT == 0, "tile chunks must divide evenly among threads");
     #pragma unroll
@@ -56,7 +57,8 @@ __device__ __forceinline__ void v3_load_tile(u32 s, const bf16* g, int r0, int T
         const int row = i / CPR, c = i % CPR;
         const bool valid = r0 + row < T;
         const bf16* src = g + (size_t)(valid ? r0 + row : 0) * stride + c * 8;
-        cp_async16(s + v3_off<ROWS>(row, c), src, valid ? 16 : 0);
+        if constexpr (HINT) cp_async16_hint(s + v3_off<ROWS>(row, c), src, valid ? 16 : 0, policy);
+        else cp_async16(s + v3_off<ROWS>(row, c), src, valid ? 16 : 0);
     }
 }
 

@@ -37,6 +37,9 @@
  * prefetched), prefetched two tiles ahead, across KV tiles too; K and V of the next KV tile are
  * copied into the second K/V buffer at its predecessor's first Q tile. At a KV tile's end dK and dV
  * go out through the free dS^T tile (stmatrix, then 16-byte stores of whole rows).
+ * L2 policies: the dQ^T scratch is written evict_last and each tile dropped (discard) once its
+ * diagonal has copied it in; K and V (read once) are copied evict_first. The scratch's adds had
+ * cost ~0.19 ms of 1.08 at d12, half of it in sums evicted between two adds (x1.04, bitwise equal).
  * Measured: tools/notes/attention.md (H200, d12 B=64: 1.03 vs the two-pass 1.25 ms); a block is a
  * whole head, so gpucore/ops/attention.py takes this kernel only where B*NH fills the SMs' waves.
  * (The 1-warpgroup instantiation, 2 blocks per SM, lost and spills at 255 registers: not built.)
@@ -161,10 +164,22 @@ __device__ __forceinline__ void v3_warp_colsum(float2* csum, const unsigned char
 // added to the sum from the second on. One thread issues it; thread 0 issues every bulk operation of
 // the block, and waits for them all to complete at the end of each KV tile, so the additions into a
 // scratch tile land in KV-tile order: the same sum, bit for bit, every run.
+// The scratch's lines go to the L2 as evict_last: ~34 MB of live sums at d12 (132 heads x 256 KB)
+// share the 50 MB L2 with K/V (read once: evict_first), Q/dO (re-read per KV tile) and dqkv, and
+// a sum evicted between two adds costs a DRAM read and write (twentieth session: the adds' cost
+// halved, the kernel x1.04; tools/notes/attention.md). v3_dq_discard drops each tile once its
+// diagonal has copied it in, so no dead evict_last line outlives its use.
 __device__ __forceinline__ void v3_dq_flush(float* qtile, u32 s, int j, u32 bytes) {
-    if (j == 0) bulk_store_s2g(qtile, s, bytes);
-    else bulk_reduce_add_s2g(qtile, s, bytes);
+    const u64 keep = l2_evict_last();
+    if (j == 0) bulk_store_s2g_hint(qtile, s, bytes, keep);
+    else bulk_reduce_add_s2g_hint(qtile, s, bytes, keep);
     bulk_commit();
+}
+
+// Q tile's scratch tile (16 KB = 128 lines of 128 bytes), dead once its diagonal copied it into
+// shared memory: one line per thread of threads 0..127, dropped from the L2 unwritten.
+__device__ __forceinline__ void v3_dq_discard(const float* qtile) {
+    if (threadIdx.x < 128) discard_l2_line(qtile + 32 * threadIdx.x);
 }
 
 // NWG = 2 warpgroups: 128 keys per KV tile, warpgroup w owning keys 64w.. for S^T .. dK, 1 block
@@ -238,13 +253,16 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     // KV tile pj's part of Q tile pi's dQ^T (in the accumulator, retired) into the staging tile at
     // `old` (holding the sums so far at pi's diagonal); this warpgroup's query columns QN * wg...
     auto dq_rmw = [&](const float* dq, int pi, int pj, float* old) {
+        if (pj == pi * BM / BN && pj > 0)        // the diagonal: the sums copied in (waited for at the
+            v3_dq_discard(qacc + pi * HD * 64);  // loop top / before this call) are dead in the scratch
         v3_dq_store<QN / 8, SUMS>(dq_g, old, dq, pi, QN * wg, pj == 0, pj == pi * BM / BN, scale, T, stride,
                                   w4, lane, qsum);
     };
     auto load_kv_tile = [&](int jj) {
         const u32 k_s = sK + (jj & 1) * 2 * KV_BYTES;
-        v3_load_tile<BN, HD, NT>(k_s, q_g + C, jj * BN, T, stride);
-        v3_load_tile<BN, HD, NT>(k_s + KV_BYTES, q_g + 2 * C, jj * BN, T, stride);
+        const u64 once = l2_evict_first();      // K and V are read once per head
+        v3_load_tile<BN, HD, NT, true>(k_s, q_g + C, jj * BN, T, stride, once);
+        v3_load_tile<BN, HD, NT, true>(k_s + KV_BYTES, q_g + 2 * C, jj * BN, T, stride, once);
     };
     // (jj, ii) -> the tile after it, in the order the loops below walk them (jj >= nkv past the last)
     auto next_tile = [&](int& jj, int& ii) {
