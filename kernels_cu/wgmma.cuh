@@ -177,28 +177,19 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs_kk(float* d, const u32 (&a)[4
 
 // Bulk copy shared -> global through the async proxy (PTX ISA "cp.async.bulk"): `bytes` (a multiple
 // of 16, both addresses 16-byte aligned) from shared address src to dst, in the thread's current
-// bulk group; commit closes the group; wait_read<N> waits until at most N groups still READ shared
-// memory (the source may then be overwritten), wait_done<N> until their writes are complete.
+// bulk group, the lines it writes under L2 cache policy `policy` (ptx.cuh's l2_evict_last /
+// l2_evict_first); commit closes the group; wait_read<N> waits until at most N groups still READ
+// shared memory (the source may then be overwritten), wait_done<N> until their writes are complete.
 // Shared-memory writes the copy reads need fence_proxy_async() and a barrier before it.
-__device__ __forceinline__ void bulk_store_s2g(void* dst, u32 src, u32 bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+__device__ __forceinline__ void bulk_store_s2g(void* dst, u32 src, u32 bytes, u64 policy) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;\n" ::"l"(dst),
+                 "r"(src), "r"(bytes), "l"(policy)
                  : "memory");
 }
 // The same, but the source's f32 values are added to what dst holds, in the L2 (cp.reduce.async.bulk
 // .add.f32, the f32 add of red.add.f32); completion as above. Two reductions into one address land in
 // issue order only if the first has completed (wait_done) before the second is issued.
-__device__ __forceinline__ void bulk_reduce_add_s2g(float* dst, u32 src, u32 bytes) {
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
-                 "r"(bytes)
-                 : "memory");
-}
-// The two above with an L2 cache policy (ptx.cuh's l2_evict_last / l2_evict_first) for the lines they write.
-__device__ __forceinline__ void bulk_store_s2g_hint(void* dst, u32 src, u32 bytes, u64 policy) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;\n" ::"l"(dst),
-                 "r"(src), "r"(bytes), "l"(policy)
-                 : "memory");
-}
-__device__ __forceinline__ void bulk_reduce_add_s2g_hint(float* dst, u32 src, u32 bytes, u64 policy) {
+__device__ __forceinline__ void bulk_reduce_add_s2g(float* dst, u32 src, u32 bytes, u64 policy) {
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [%0], [%1], %2, %3;\n"
                  ::"l"(dst), "r"(src), "r"(bytes), "l"(policy)
                  : "memory");

@@ -171,8 +171,8 @@ __device__ __forceinline__ void v3_warp_colsum(float2* csum, const unsigned char
 // diagonal has copied it in, so no dead evict_last line outlives its use.
 __device__ __forceinline__ void v3_dq_flush(float* qtile, u32 s, int j, u32 bytes) {
     const u64 keep = l2_evict_last();
-    if (j == 0) bulk_store_s2g_hint(qtile, s, bytes, keep);
-    else bulk_reduce_add_s2g_hint(qtile, s, bytes, keep);
+    if (j == 0) bulk_store_s2g(qtile, s, bytes, keep);
+    else bulk_reduce_add_s2g(qtile, s, bytes, keep);
     bulk_commit();
 }
 
