@@ -170,6 +170,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 
+// One 8x8 b16 matrix in the mma-fragment layout (lane 4g+t: row g, columns 2t, 2t+1) -> its transpose
+// in the same layout (lane 4g+t: row g of the transpose = column g, rows 2t, 2t+1), in registers.
+__device__ __forceinline__ u32 movmatrix_trans(u32 a) {
+    u32 d;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(a));
+    return d;
+}
+
 // ---- mma.sync -----------------------------------------------------------------------------
 
 // d += a . b for one 16x8x16 tile: bf16 inputs, f32 accumulators (fragments in the header).
