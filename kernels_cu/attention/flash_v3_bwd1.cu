@@ -22,7 +22,8 @@
  *   sum in the L2 (cp.reduce.async.bulk .add.f32) while the block goes on; every bulk operation of
  *   a KV tile completes before the next KV tile issues its own, so the additions land in KV-tile
  *   order. At Q tile i's last (diagonal) KV tile its sums so far are copied into shared memory a
- *   tile ahead (cp.async) and the sum plus this part goes to dqkv as bf16 (times scale) instead.
+ *   tile ahead (cp.async) and the sum plus this part goes to dqkv as bf16 (times scale) instead,
+ *   each 8 x 8 block turned by movmatrix so that every lane stores 8 contiguous bytes of a dQ row.
  *   Only ordered bulk adds, no atomics; same bits run after run. dK, dV of KV tile j are stored
  *   when its Q loop ends.
  * Pipelining (per warpgroup): per tile, after the loop-top barrier: wait<0> (S^T, issued by the
@@ -109,7 +110,8 @@ __device__ __forceinline__ void v3_dq_store(bf16* dq_g, float* s_old, const floa
     // holds query row c0 + 8 jj + g's head dims 16 w4 + 8 r + 2 t4 (+1), and one swap inside each pair
     // of lanes gives every lane 4 contiguous head dims: one 8-byte store per query row, a whole 32-byte
     // sector per row and warp, instead of 16 scattered 2-byte stores a thread (twentieth session: the
-    // diagonal's finish was ~0.12 ms of the d12 kernel).
+    // diagonal's finish was ~0.12 ms of the d12 kernel; this made the kernel x1.034). 16-byte stores
+    // (a second swap between lanes t4 and t4 ^ 2) measured the same (1.012 vs 1.013 ms): not kept.
     float rs[2] = {0.f, 0.f};                     // SUMS: rows 16 w4 + g (+8)
     static_assert(NJ == 4, "the diagonal's finish holds one Q tile's 4 n8 blocks a thread");
     u32 pk[8];
