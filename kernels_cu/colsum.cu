@@ -8,8 +8,9 @@
  *     sums ITS rows of ITS columns in a fixed order into one float partial per column:
  *     partials (chunks, M). The chunk count depends only on N (the Python side picks it),
  *     so the same input gives the same bits.
- *   colsum_stage2_kernel_<dbias>: one thread per column adds the chunks in order
- *     0..chunks-1 and does dbias += sum.
+ *   colsum_stage2_kernel_<dbias>: STAGE2_WARPS warps per 32 columns add the chunks in
+ *     common.cuh's stage-2 order (warp w: chunks w, w + 32, ...; then the warps in order)
+ *     and do dbias += sum.
  * Stage 2 is shared: the gelu and layernorm backward kernels that write a matmul's dout
  * also write per-chunk partials of its column sums (fused bias gradients), then call it.
  */
@@ -59,11 +60,10 @@ __device__ void bias_backward_stage1(float* partials, const T* dout,   // (chunk
 
 template <typename Tout>
 __device__ void bias_backward_stage2(Tout* dbias, const float* partials, int M, int chunks) {   // (M,) (chunks, M)
-    const int col = blockIdx.x * blockDim.x + threadIdx.x;
-    if (col >= M) return;
-    float s = 0.0f;
-    for (int k = 0; k < chunks; k++) s += partials[(size_t)k * M + col];
-    dbias[col] = from_float<Tout>(to_float(dbias[col]) + s);
+    float s[1];
+    stage2_column_sums<1>(s, partials, chunks, (size_t)M, M);
+    const int col = blockIdx.x * 32 + threadIdx.x;
+    if (threadIdx.x < 32 && col < M) dbias[col] = from_float<Tout>(to_float(dbias[col]) + s[0]);
 }
 
 // _vec: 16-byte packs (needs M % pack == 0 and an aligned dout); _scalar: any layout.
@@ -80,7 +80,7 @@ BIAS_BWD1(float, f32)
 BIAS_BWD1(bf16, bf16)
 
 #define BIAS_BWD2(Tout, SUF)                                                                      \
-    extern "C" __global__ void colsum_stage2_kernel_##SUF(                          \
+    extern "C" __global__ void __launch_bounds__(STAGE2_WARPS * 32) colsum_stage2_kernel_##SUF(   \
             Tout* dbias, const float* partials, int M, int chunks) {                              \
         bias_backward_stage2<Tout>(dbias, partials, M, chunks);                                   \
     }

@@ -64,7 +64,6 @@
 #include "ptx.cuh"          // prefetch_l2
 
 #define WARPS 4             // rows (forward) / warps (backward) per block: blockDim.x == 128
-#define REDUCE_WARPS 8      // stage 2: blockDim.x == 256, 32 columns per block
 
 // ------------------------------------------------------------------ v1 -------
 
@@ -521,41 +520,21 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
 
 // ------------------------------------------------------------- stage 2 -------
 
-// dweight[c] += sum_p scratch[p][0][c], dbias[c] += sum_p scratch[p][1][c], p in
-// order: warp w sums p = w, w + 8, ..., then warp 0 adds the 8 warp sums in order.
-// COLSUM: scratch is (np, 3, C) and dx_colsum[c] += sum_p scratch[p][2][c] the
-// same way (its type TC may differ from the parameter gradients' TW).
+// dweight[c] += sum_p scratch[p][0][c], dbias[c] += sum_p scratch[p][1][c] over the np partials, in
+// common.cuh's stage-2 order (STAGE2_WARPS warps a column). COLSUM: scratch is (np, 3, C) and
+// dx_colsum[c] += sum_p scratch[p][2][c] the same way (its type TC may differ from the parameter
+// gradients' TW).
 template <typename TW, typename TC, bool COLSUM>
 __device__ void layernorm_backward_reduce(TW* dweight, TW* dbias, TC* dx_colsum,   // (C,) (C,) (C,)
                                           const float* scratch, int num_partials, int C) {   // (np,2|3,C)
     constexpr int NQ = COLSUM ? 3 : 2;
-    __shared__ float part[NQ][REDUCE_WARPS][32];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int c = blockIdx.x * 32 + lane;
-    float sw = 0.0f, sb = 0.0f, sc = 0.0f;
-    if (c < C)
-        for (int p = warp; p < num_partials; p += REDUCE_WARPS) {
-            sw += scratch[(size_t)p * NQ * C + c];
-            sb += scratch[((size_t)p * NQ + 1) * C + c];
-            if constexpr (COLSUM) sc += scratch[((size_t)p * NQ + 2) * C + c];
-        }
-    part[0][warp][lane] = sw;
-    part[1][warp][lane] = sb;
-    if constexpr (COLSUM) part[2][warp][lane] = sc;
-    __syncthreads();
-    if (warp == 0 && c < C) {
-        sw = 0.0f;
-        sb = 0.0f;
-        sc = 0.0f;
-        #pragma unroll
-        for (int w = 0; w < REDUCE_WARPS; w++) {
-            sw += part[0][w][lane];
-            sb += part[1][w][lane];
-            if constexpr (COLSUM) sc += part[2][w][lane];
-        }
-        dweight[c] = from_float<TW>(to_float(dweight[c]) + sw);
-        dbias[c] = from_float<TW>(to_float(dbias[c]) + sb);
-        if constexpr (COLSUM) dx_colsum[c] = from_float<TC>(to_float(dx_colsum[c]) + sc);
+    float s[NQ];
+    stage2_column_sums<NQ>(s, scratch, num_partials, (size_t)NQ * C, C);
+    const int c = blockIdx.x * 32 + threadIdx.x % 32;
+    if (threadIdx.x < 32 && c < C) {
+        dweight[c] = from_float<TW>(to_float(dweight[c]) + s[0]);
+        dbias[c] = from_float<TW>(to_float(dbias[c]) + s[1]);
+        if constexpr (COLSUM) dx_colsum[c] = from_float<TC>(to_float(dx_colsum[c]) + s[2]);
     }
 }
 
@@ -589,7 +568,7 @@ __host__ __device__ constexpr int colsum_min_blocks(int N, int P) { return N == 
         int rows_per_chunk) {                                                                               \
         layernorm_backward_dwdb_v1<T>(scratch, dout, x, mean, rstd, rows, C, rows_per_chunk);              \
     }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(REDUCE_WARPS * 32) layernorm_backward_reduce_kernel_##SUF( \
+    extern "C" __global__ void __launch_bounds__(STAGE2_WARPS * 32) layernorm_backward_reduce_kernel_##SUF( \
         T* dweight, T* dbias, const float* scratch, int num_partials, int C) {                              \
         layernorm_backward_reduce<T, float, false>(dweight, dbias, nullptr, scratch, num_partials, C);     \
     }
@@ -623,7 +602,7 @@ __host__ __device__ constexpr int colsum_min_blocks(int N, int P) { return N == 
 
 // Stage 2 with the dx column sum: layernorm_backward_reduce_colsum_kernel_<dweight>_<dx_colsum>.
 #define LN_REDUCE_COLSUM(TW, TC, SUF)                                                                       \
-    extern "C" __global__ void __launch_bounds__(REDUCE_WARPS * 32) layernorm_backward_reduce_colsum_kernel_##SUF( \
+    extern "C" __global__ void __launch_bounds__(STAGE2_WARPS * 32) layernorm_backward_reduce_colsum_kernel_##SUF( \
         TW* dweight, TW* dbias, TC* dx_colsum, const float* scratch, int num_partials, int C) {             \
         layernorm_backward_reduce<TW, TC, true>(dweight, dbias, dx_colsum, scratch, num_partials, C);      \
     }

@@ -4,12 +4,15 @@ two-stage reduction, and its stage 2 that the fused gelu / layernorm bias gradie
 GPU only (the ops have no NumPy path: the reference is dout.sum(0)); the fused callers are
 tested in tests/test_gelu.py and tests/test_layernorm.py.
 """
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import gpucore
 from gpucore import runtime
-from gpucore.ops.colsum import COLSUM_ROWS_PER_CHUNK, colsum, reduce_partials
+from gpucore.ops.colsum import COLSUM_ROWS_PER_CHUNK, STAGE2_WARPS, colsum, reduce_partials, stage2_order_sum
 from conftest import to_cpu
 from matmul_checks import check_close, rand
 
@@ -44,20 +47,38 @@ def test_gpu_colsum_accumulates_into_bf16(rng):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
-def test_gpu_reduce_partials_adds_chunks_in_order(rng, dtype):
-    """Stage 2 adds the float32 partials in chunk order 0..chunks-1, then dbias += sum, rounded once:
-    exactly the float32 loop below, bit for bit."""
+@pytest.mark.parametrize("chunks", [1, 37, 512])
+def test_gpu_reduce_partials_adds_chunks_in_order(rng, dtype, chunks):
+    """Stage 2 adds the float32 partials in its fixed order (warp w: chunks w, w + 32, ...; then the
+    32 warps' sums in order), then dbias += sum, rounded once: exactly stage2_order_sum, bit for bit.
+    M = 300 leaves the last block's columns part empty."""
     cp = runtime.cupy
-    chunks, M = 37, 300
+    M = 300
     partials = (rng.standard_normal((chunks, M)) * np.exp(rng.uniform(-8, 8, (chunks, 1)))).astype(np.float32)
     db0 = rand(rng, (M,), dtype)
-    s = np.zeros(M, np.float32)
-    for k in range(chunks):
-        s = s + partials[k]
-    want = (db0.astype(np.float32) + s).astype(dtype)
+    want = (db0.astype(np.float32) + stage2_order_sum(partials)).astype(dtype)
     db = cp.asarray(db0)
     reduce_partials(db, cp.asarray(partials))
     assert to_cpu(db).tobytes() == want.tobytes()
+
+
+def test_stage2_order_sum_adds_each_warps_chunks_first():
+    """stage2_order_sum's order, checked where it shows: with 33 partials, warp 0 holds partials 0 and
+    32 (1e8 and -1e8: they cancel exactly) before the 31 ones are added, so the sum is 31; in chunk
+    order 0, 1, ..., 32 the ones would vanish in 1e8's rounding and the sum would be 0."""
+    p = np.ones((STAGE2_WARPS + 1, 1), np.float32)
+    p[0], p[STAGE2_WARPS] = 1e8, -1e8
+    assert stage2_order_sum(p)[0] == np.float32(STAGE2_WARPS - 1)
+    serial = np.float32(0)
+    for v in p[:, 0]:
+        serial = np.float32(serial + v)
+    assert serial == 0
+
+
+def test_stage2_warps_is_the_kernels():
+    """The Python constant the launches and the emulation use is common.cuh's STAGE2_WARPS."""
+    header = (Path(gpucore.__file__).parent.parent / "kernels_cu" / "common.cuh").read_text()
+    assert int(re.search(r"#define STAGE2_WARPS (\d+)", header).group(1)) == STAGE2_WARPS
 
 
 def test_chunking_depends_on_the_shape_only():

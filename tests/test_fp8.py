@@ -16,6 +16,7 @@ from gpucore.dtypes import bfloat16
 from gpucore.ops.fp8 import (FORMATS, Fp8Scaling, fp8_amax, fp8_dequantize, fp8_gelu_backward, fp8_matmul_reference,
                              fp8_gelu_backward_gated, fp8_gelu_quantize, fp8_matmul, fp8_quantize, fp8_quantize_reference,
                              fp8_transpose)
+from gpucore.ops.colsum import stage2_order_sum
 from gpucore.ops.gelu import gelu_backward
 from conftest import rel_err, to_cpu
 
@@ -310,12 +311,12 @@ def test_gpu_quantize_bitwise(rng, fmt, R, C):
 def _tile_colsums_emulated(x, dbias0, rows=128):
     """NumPy float32 emulation of fp8_cast_colsum's bias sums: per tile of `rows` rows, each thread
     group's rows g + 32 h summed in h order, 8 groups in order, the 4 eights in order; then colsum's
-    stage 2 (the tiles in order from 0, added to dbias)."""
+    stage 2 over the tiles (stage2_order_sum), added to dbias."""
     R, C = x.shape
     tiles = -(-R // rows)
     v = np.zeros((tiles * rows, C), F32)
     v[:R] = x.astype(F32)
-    total = np.zeros(C, F32)
+    tile_sums = np.zeros((tiles, C), F32)
     for ty in range(tiles):
         part = v[ty * rows:(ty + 1) * rows].reshape(rows // 32, 32, C)
         s = part[0].copy()
@@ -327,8 +328,8 @@ def _tile_colsums_emulated(x, dbias0, rows=128):
             for k in range(1, 8):
                 acc = acc + s[8 * q + k]
             eights.append(acc)
-        total = total + (((eights[0] + eights[1]) + eights[2]) + eights[3])
-    return dbias0.astype(F32) + total
+        tile_sums[ty] = ((eights[0] + eights[1]) + eights[2]) + eights[3]
+    return dbias0.astype(F32) + stage2_order_sum(tile_sums)
 
 
 def test_quantize_dbias_numpy_and_bad_input(rng):

@@ -14,6 +14,7 @@ import pytest
 
 import gpucore
 from gpucore import runtime
+from gpucore.ops.colsum import stage2_order_sum
 from gpucore.ops.gelu import DBIAS_WARPS, dbias_rows_per_chunk, gelu_backward_reference, gelu_reference
 from conftest import poison, rel_err, to_cpu
 from gradcheck import assert_grad_close, numerical_grad
@@ -286,7 +287,8 @@ def test_gelu_gpu_float32_tail_accuracy():
 def _dbias_emulated(dx32, start, rows, warps=DBIAS_WARPS):
     """The kernel's exact float32 order: thread (warp w) of a chunk sums rows w, w + warps, ... in
     order; the warps' sums are added in warp order into one partial per (chunk, column); stage 2
-    adds the chunks in order to dbias (float32), rounded once to dbias's dtype. NumPy float32 adds
+    adds the chunks in its order (colsum.stage2_order_sum) to dbias (float32), rounded once to
+    dbias's dtype. NumPy float32 adds
     are IEEE round-to-nearest like __fadd_rn, so this is bit-exact. Rows past N are zeros: x + 0 = x."""
     N, C = dx32.shape
     chunks = -(-N // rows)
@@ -299,10 +301,7 @@ def _dbias_emulated(dx32, start, rows, warps=DBIAS_WARPS):
     part = np.zeros((chunks, C), np.float32)
     for w in range(warps):
         part += acc[:, w]
-    total = np.zeros(C, np.float32)
-    for k in range(chunks):
-        total += part[k]
-    return (start.astype(np.float32) + total).astype(start.dtype)
+    return (start.astype(np.float32) + stage2_order_sum(part)).astype(start.dtype)
 
 
 def _check_dbias_gpu(dx_cpu, start, got, *, exact_order):

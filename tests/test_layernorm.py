@@ -8,6 +8,7 @@ import pytest
 
 import gpucore
 from gpucore import dtypes, runtime
+from gpucore.ops.colsum import stage2_order_sum
 from gpucore.ops.layernorm import layernorm_backward_reference, layernorm_forward_reference
 from conftest import poison, rel_err, to_cpu
 from gradcheck import assert_grad_close, numerical_grad
@@ -182,11 +183,11 @@ def test_bad_dx_colsum(rng):
                                    dx_colsum=np.zeros(8, np.float64))
 
 
-def _colsum_emulated(dx32, grid, c0, out_dtype, warps=4, reduce_warps=8):
+def _colsum_emulated(dx32, grid, c0, out_dtype, warps=4):
     """NumPy float32 emulation of v2's dx column sum, in the kernels' exact order: lane sums over the
     rows of warp w of block b (rows k * grid * warps + b * warps + w, in k order), the block's warps
-    summed in warp order, then stage 2: reduce warp v sums partials v, v + 8, ..., and the 8 warp
-    sums are added in order; dx_colsum = round(c0 + sum). Padding rows are +0.0, which leaves a sum
+    summed in warp order, then stage 2's order over the blocks' partials (colsum.stage2_order_sum);
+    dx_colsum = round(c0 + sum). Padding rows are +0.0, which leaves a sum
     that started at +0.0 unchanged bit for bit."""
     rows, C = dx32.shape
     K = -(-rows // (grid * warps))
@@ -199,12 +200,7 @@ def _colsum_emulated(dx32, grid, c0, out_dtype, warps=4, reduce_warps=8):
     block = np.zeros((grid, C), np.float32)
     for w in range(warps):
         block += lane[:, w]
-    part = np.zeros((reduce_warps, C), np.float32)
-    for p in range(grid):
-        part[p % reduce_warps] += block[p]
-    total = np.zeros(C, np.float32)
-    for v in range(reduce_warps):
-        total += part[v]
+    total = stage2_order_sum(block)
     return (np.asarray(c0).astype(np.float32) + total).astype(out_dtype)
 
 

@@ -1,13 +1,15 @@
 """Deterministic column sums: the bias gradient of a linear layer (kernels_cu/colsum.cu).
 
     colsum(dbias, dout2d)             dbias (M,) += dout2d (N, M).sum(0)      (parameter grad: +=)
-    reduce_partials(dbias, partials)  dbias (M,) += partials (chunks, M).sum(0), chunks in order
+    reduce_partials(dbias, partials)  dbias (M,) += partials (chunks, M).sum(0), in stage 2's order
+    stage2_order_sum(partials)        that sum in float32 on NumPy, bit for bit the kernel's (tests)
     colsum_reference(dbias, x2d)      the same on NumPy, in float64: every fused column sum's reference
 
 Two stages, no float atomics, float32 accumulation: stage 1 sums fixed row
 chunks of COLSUM_ROWS_PER_CHUNK rows into float32 partials, stage 2 adds the
-chunks in order. The chunking depends on the shape only, so the same input
-gives the same bits on every call.
+chunks in a fixed order (STAGE2_WARPS warps a column: warp w adds chunks w,
+w + 32, ..., then the warps' sums in warp order; common.cuh). The chunking
+depends on the shape only, so the same input gives the same bits on every call.
 
 Stage 2 is shared: kernels that write a matmul's dout can sum its columns on
 the way (gelu_backward(dbias=), layernorm_backward(dx_colsum=)) into
@@ -26,6 +28,7 @@ from .. import dtypes, runtime
 # Rows per stage-1 chunk: fixed, so the reduction order depends on the shape only.
 COLSUM_ROWS_PER_CHUNK = 256
 COLSUM_WARPS = 8           # BB_ROWS in colsum.cu: warps per stage-1 block
+STAGE2_WARPS = 32          # common.cuh: warps per 32 columns in every stage 2 (colsum, layernorm)
 
 
 def colsum_reference(dbias, x2d):
@@ -52,7 +55,21 @@ def colsum(dbias, dout2d):
 
 
 def reduce_partials(dbias, partials):
-    """dbias (M,) += partials (chunks, M) float32 summed over chunks in chunk order (stage 2)."""
+    """dbias (M,) += partials (chunks, M) float32 summed over chunks in stage 2's order (stage 2)."""
     chunks, M = partials.shape
     k2 = runtime.get_kernel("colsum", f"colsum_stage2_kernel_{dtypes.kernel_suffix(dbias.dtype)}")
-    runtime.launch(k2, -(-M // 256), 256, (dbias, partials, np.int32(M), np.int32(chunks)))
+    runtime.launch(k2, -(-M // 32), 32 * STAGE2_WARPS, (dbias, partials, np.int32(M), np.int32(chunks)))
+
+
+def stage2_order_sum(partials):
+    """partials (np, ...) float32 summed over axis 0 in float32, in stage 2's order: warp w adds
+    partials w, w + STAGE2_WARPS, ... from zero, then the warps' sums are added in warp order from
+    zero. NumPy's float32 adds round to nearest like the kernel's, so the bits are the kernel's."""
+    partials = np.asarray(partials, dtype=np.float32)
+    warps = np.zeros((STAGE2_WARPS,) + partials.shape[1:], np.float32)
+    for p in range(partials.shape[0]):
+        warps[p % STAGE2_WARPS] += partials[p]
+    total = np.zeros(partials.shape[1:], np.float32)
+    for w in range(STAGE2_WARPS):
+        total += warps[w]
+    return total

@@ -38,11 +38,11 @@ import numpy as np
 from .. import dtypes, runtime
 from .. import profiler
 from ._common import check_array, check_same_dtype, output
-from .colsum import colsum, colsum_reference
+from .colsum import STAGE2_WARPS, colsum, colsum_reference
 
 WARPS = 4                 # rows (forward) / warps (backward) per block, as WARPS in layernorm.cu
 BLOCK = 32 * WARPS
-REDUCE_BLOCK = 256        # stage 2: 8 warps, 32 columns per block
+REDUCE_BLOCK = 32 * STAGE2_WARPS   # stage 2: 32 columns per block (common.cuh's stage-2 order)
 V1_DWDB_BLOCK = 256       # v1 dweight/dbias stage 1: one thread per column
 V2_N = range(1, 9)        # packs per lane instantiated in layernorm.cu
 SPLIT_MIN_N = 4           # v2 backward: rows whose one-warp N would be >= this go to 2 warps a row (_s2
