@@ -521,20 +521,22 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
 // ------------------------------------------------------------- stage 2 -------
 
 // dweight[c] += sum_p scratch[p][0][c], dbias[c] += sum_p scratch[p][1][c] over the np partials, in
-// common.cuh's stage-2 order (STAGE2_WARPS warps a column). COLSUM: scratch is (np, 3, C) and
+// common.cuh's stage-2 order (STAGE2_WARPS warps a column); grid (C / 32, 2 | 3): blockIdx.y picks
+// the slice, so the three sums run on three times the SMs. COLSUM: scratch is (np, 3, C) and
 // dx_colsum[c] += sum_p scratch[p][2][c] the same way (its type TC may differ from the parameter
 // gradients' TW).
 template <typename TW, typename TC, bool COLSUM>
 __device__ void layernorm_backward_reduce(TW* dweight, TW* dbias, TC* dx_colsum,   // (C,) (C,) (C,)
                                           const float* scratch, int num_partials, int C) {   // (np,2|3,C)
     constexpr int NQ = COLSUM ? 3 : 2;
-    float s[NQ];
-    stage2_column_sums<NQ>(s, scratch, num_partials, (size_t)NQ * C, C);
+    const int q = blockIdx.y;
+    float s[1];
+    stage2_column_sums<1>(s, scratch + (size_t)q * C, num_partials, (size_t)NQ * C, C);
     const int c = blockIdx.x * 32 + threadIdx.x % 32;
     if (threadIdx.x < 32 && c < C) {
-        dweight[c] = from_float<TW>(to_float(dweight[c]) + s[0]);
-        dbias[c] = from_float<TW>(to_float(dbias[c]) + s[1]);
-        if constexpr (COLSUM) dx_colsum[c] = from_float<TC>(to_float(dx_colsum[c]) + s[2]);
+        if (q == 0) dweight[c] = from_float<TW>(to_float(dweight[c]) + s[0]);
+        else if (q == 1) dbias[c] = from_float<TW>(to_float(dbias[c]) + s[0]);
+        else if constexpr (COLSUM) dx_colsum[c] = from_float<TC>(to_float(dx_colsum[c]) + s[0]);
     }
 }
 

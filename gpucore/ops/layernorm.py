@@ -418,11 +418,11 @@ def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias
     if version == 2 and dx_colsum is not None:
         k_red = runtime.get_kernel("layernorm", f"layernorm_backward_reduce_colsum_kernel_{wsuf}_"
                                                 f"{dtypes.kernel_suffix(dx_colsum.dtype)}")
-        runtime.launch(k_red, -(-C // 32), REDUCE_BLOCK,
+        runtime.launch(k_red, (-(-C // 32), 3), REDUCE_BLOCK,
                        (dweight, dbias, dx_colsum, scratch, i32(scratch.shape[0]), i32(C)))
         return dx, dweight, dbias
     k_red = runtime.get_kernel("layernorm", f"layernorm_backward_reduce_kernel_{wsuf}")
-    runtime.launch(k_red, -(-C // 32), REDUCE_BLOCK, (dweight, dbias, scratch, i32(scratch.shape[0]), i32(C)))
+    runtime.launch(k_red, (-(-C // 32), 2), REDUCE_BLOCK, (dweight, dbias, scratch, i32(scratch.shape[0]), i32(C)))
     if dx_colsum is not None:      # v1: a second pass over the finished dx
         colsum(dx_colsum, dx.reshape(rows, C))
     return dx, dweight, dbias
