@@ -60,10 +60,9 @@ __device__ void bias_backward_stage1(float* partials, const T* dout,   // (chunk
 
 template <typename Tout>
 __device__ void bias_backward_stage2(Tout* dbias, const float* partials, int M, int chunks) {   // (M,) (chunks, M)
-    float s[1];
-    stage2_column_sums<1>(s, partials, chunks, (size_t)M, M);
+    const float s = stage2_column_sum(partials, chunks, (size_t)M, M);
     const int col = blockIdx.x * 32 + threadIdx.x;
-    if (threadIdx.x < 32 && col < M) dbias[col] = from_float<Tout>(to_float(dbias[col]) + s[0]);
+    if (threadIdx.x < 32 && col < M) dbias[col] = from_float<Tout>(to_float(dbias[col]) + s);
 }
 
 // _vec: 16-byte packs (needs M % pack == 0 and an aligned dout); _scalar: any layout.

@@ -119,37 +119,28 @@ __device__ float block_reduce(float x, float* scratch) {
 
 // ---- stage 2 of the two-stage column sums ------------------------------------
 // The deterministic column sums (colsum.cu; layernorm.cu's dweight / dbias / dx column sum) write
-// float32 partials (np rows) in stage 1; stage 2 adds them in an order fixed by np alone. A block of
-// STAGE2_WARPS warps owns 32 columns, lane l column c = 32 * blockIdx.x + l; for each slice q < NQ
-// the sum over p < np of partials[p * stride + q * C + c] is taken as: warp w adds p = w, w + W,
-// w + 2W, ... from 0.0f; then warp 0 adds the W warp sums in warp order from 0.0f. The result is in
-// warp 0's s (the other warps' s: their own partial sums). Many warps a column because each warp's
-// loads form a chain bounded by the L2's latency: one thread a column took 10-14 us a call at the
-// model's shapes (tools/notes/profile.md, twenty-second session). blockDim.x == 32 * STAGE2_WARPS.
+// float32 partials (np rows, `stride` floats apart) in stage 1; stage 2 adds them in an order fixed
+// by np alone. A block of STAGE2_WARPS warps owns 32 columns, lane l column c = 32 * blockIdx.x + l,
+// and sums partials[p * stride + c] over p < np: warp w adds p = w, w + W, w + 2W, ... from 0.0f,
+// then warp 0 adds the W warp sums in warp order from 0.0f and returns the total (the other warps
+// return their own part). Many warps a column because each warp's loads form a chain bounded by the
+// L2's latency: one thread a column took 10-14 us a call at the model's shapes, 32 warps 4-5
+// (tools/notes/profile.md, twenty-second session). blockDim.x == 32 * STAGE2_WARPS.
 #define STAGE2_WARPS 32
 
-template <int NQ>
-__device__ __forceinline__ void stage2_column_sums(float (&s)[NQ], const float* __restrict__ partials, int np,
-                                                   size_t stride, int C) {
-    __shared__ float part[NQ][STAGE2_WARPS][32];
+__device__ __forceinline__ float stage2_column_sum(const float* __restrict__ partials, int np, size_t stride,
+                                                   int C) {
+    __shared__ float part[STAGE2_WARPS][32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, c = blockIdx.x * 32 + lane;
-    #pragma unroll
-    for (int q = 0; q < NQ; q++) s[q] = 0.0f;
+    float s = 0.0f;
     if (c < C)
-        for (int p = warp; p < np; p += STAGE2_WARPS) {
-            #pragma unroll
-            for (int q = 0; q < NQ; q++) s[q] += partials[(size_t)p * stride + (size_t)q * C + c];
-        }
-    #pragma unroll
-    for (int q = 0; q < NQ; q++) part[q][warp][lane] = s[q];
+        for (int p = warp; p < np; p += STAGE2_WARPS) s += partials[(size_t)p * stride + c];
+    part[warp][lane] = s;
     __syncthreads();
     if (warp == 0) {
+        s = 0.0f;
         #pragma unroll
-        for (int q = 0; q < NQ; q++) s[q] = 0.0f;
-        #pragma unroll
-        for (int w = 0; w < STAGE2_WARPS; w++) {
-            #pragma unroll
-            for (int q = 0; q < NQ; q++) s[q] += part[q][w][lane];
-        }
+        for (int w = 0; w < STAGE2_WARPS; w++) s += part[w][lane];
     }
+    return s;
 }

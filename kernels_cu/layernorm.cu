@@ -530,13 +530,12 @@ __device__ void layernorm_backward_reduce(TW* dweight, TW* dbias, TC* dx_colsum,
                                           const float* scratch, int num_partials, int C) {   // (np,2|3,C)
     constexpr int NQ = COLSUM ? 3 : 2;
     const int q = blockIdx.y;
-    float s[1];
-    stage2_column_sums<1>(s, scratch + (size_t)q * C, num_partials, (size_t)NQ * C, C);
+    const float s = stage2_column_sum(scratch + (size_t)q * C, num_partials, (size_t)NQ * C, C);
     const int c = blockIdx.x * 32 + threadIdx.x % 32;
     if (threadIdx.x < 32 && c < C) {
-        if (q == 0) dweight[c] = from_float<TW>(to_float(dweight[c]) + s[0]);
-        else if (q == 1) dbias[c] = from_float<TW>(to_float(dbias[c]) + s[0]);
-        else if constexpr (COLSUM) dx_colsum[c] = from_float<TC>(to_float(dx_colsum[c]) + s[0]);
+        if (q == 0) dweight[c] = from_float<TW>(to_float(dweight[c]) + s);
+        else if (q == 1) dbias[c] = from_float<TW>(to_float(dbias[c]) + s);
+        else if constexpr (COLSUM) dx_colsum[c] = from_float<TC>(to_float(dx_colsum[c]) + s);
     }
 }
 

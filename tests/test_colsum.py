@@ -48,7 +48,7 @@ def test_gpu_colsum_accumulates_into_bf16(rng):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
 @pytest.mark.parametrize("chunks", [1, 37, 512])
-def test_gpu_reduce_partials_adds_chunks_in_order(rng, dtype, chunks):
+def test_gpu_reduce_partials_adds_chunks_in_stage2_order(rng, dtype, chunks):
     """Stage 2 adds the float32 partials in its fixed order (warp w: chunks w, w + 32, ...; then the
     32 warps' sums in order), then dbias += sum, rounded once: exactly stage2_order_sum, bit for bit.
     M = 300 leaves the last block's columns part empty."""
