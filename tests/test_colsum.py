@@ -77,7 +77,7 @@ def test_stage2_order_sum_adds_each_warps_chunks_first():
 
 def test_stage2_warps_is_the_kernels():
     """The Python constant the launches and the emulation use is common.cuh's STAGE2_WARPS."""
-    header = (Path(gpucore.__file__).parent.parent / "kernels_cu" / "common.cuh").read_text()
+    header = (Path(runtime.KERNEL_DIR) / "common.cuh").read_text()
     assert int(re.search(r"#define STAGE2_WARPS (\d+)", header).group(1)) == STAGE2_WARPS
 
 
