@@ -107,6 +107,40 @@ def sm_count() -> int:
     return _SM_COUNT[dev]
 
 
+_DEVICE_ATTRS: dict[tuple, int] = {}
+
+
+def device_attribute(name: str) -> int:
+    """A cudaDevAttr* of the current device (name without the prefix), read once per device."""
+    dev = cupy.cuda.Device().id
+    key = (dev, name)
+    if key not in _DEVICE_ATTRS:
+        _DEVICE_ATTRS[key] = cupy.cuda.runtime.deviceGetAttribute(getattr(cupy.cuda.runtime, "cudaDevAttr" + name),
+                                                                  dev)
+    return _DEVICE_ATTRS[key]
+
+
+BLOCK_RESERVED_BYTES = 1024     # shared memory the driver reserves per block (sm_80+)
+_RESIDENT: dict[tuple, int] = {}
+
+
+def resident_blocks(kernel, block: int, dynamic_smem: int = 0, sm_shared_bytes: int | None = None) -> int:
+    """Blocks of `block` threads one SM holds at once: the least of what its registers, threads and
+    shared memory allow (static + `dynamic_smem` + the reserved 1 KB per block). sm_shared_bytes:
+    the SM's shared memory, by default the device's (cudaDevAttrMaxSharedMemoryPerMultiprocessor).
+    For persistent grids: sm_count() * resident_blocks(...) blocks all run in one wave."""
+    smem_sm = device_attribute("MaxSharedMemoryPerMultiprocessor") if sm_shared_bytes is None else sm_shared_bytes
+    key = (id(kernel), block, dynamic_smem, smem_sm)
+    if key not in _RESIDENT:
+        a = kernel_attributes(kernel)
+        regs_per_warp = -(-max(a["registers"], 1) * 32 // 256) * 256      # allocated per warp, in 256s
+        by_regs = (65536 // regs_per_warp) // (block // 32)
+        by_threads = device_attribute("MaxThreadsPerMultiProcessor") // block
+        by_smem = smem_sm // (a["shared_bytes"] + dynamic_smem + BLOCK_RESERVED_BYTES)
+        _RESIDENT[key] = max(1, min(by_regs, by_threads, by_smem, 32))
+    return _RESIDENT[key]
+
+
 # -------------------------------------------------------------- compiling ----
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)

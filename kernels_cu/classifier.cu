@@ -16,7 +16,7 @@
  * the logits buffer: every element is read before the block barrier that
  * precedes any write of its row.
  *
- * One block per row. Versions of the fused kernel:
+ * v1 and v2: one block per row; v3: persistent blocks, one row at a time. Versions of the fused kernel:
  *   v1 (any Vp, any alignment): pass 1 an online max/sum over the row
  *      (default caching, so the row stays in L2), pass 2 reads it again --
  *      from L2: 132 SMs x 2 rows x 100 KB << 50 MB -- and writes dlogits
@@ -33,9 +33,11 @@
  *      and writes dlogits with the hardware bf16x2 rounding; the target and
  *      padding columns are patched only in the 1-2 packs that hold them: ~10
  *      instructions + 2 MUFU per element. 512 threads; a bf16 row of 50304
- *      columns is 98 KiB, so two rows (blocks) share an SM: one loads while
- *      the other computes and writes. Rows with NaN/inf take the exact
- *      conversion (NaN bits as float_to_bf16 writes them).
+ *      columns is 98 KiB, so two blocks share an SM. The grid is what fits
+ *      the GPU at once; each block walks rows and copies its next row into
+ *      the slots its pass 2 has just consumed (see classifier_backward_v3).
+ *      Rows with NaN/inf take the exact conversion (NaN bits as
+ *      float_to_bf16 writes them).
  * FP8 variant (v3, bf16 only; --dtype fp8 with settings.fp8_lm_head): the same kernel also writes
  *   dlogits8[r, c] = e5m2(bf16(dlogits[r, c]) * fp8_scale)   (N, Vp) bytes, saturating, RNE
  *   -- bit for bit the bf16 kernel followed by fp8_quantize -- for the LM head's FP8 dx GEMM. The
@@ -256,6 +258,7 @@ __device__ void classifier_backward_v2(float* losses, T* logits, const int* targ
 // ------------------------------------------------------ fused, v3 ----------
 
 #define CLS3_BLOCK 512
+#define V3_WALK_K 13   // the largest K whose blocks walk rows (= V3_WALK_K in ops/classifier.py)
 
 // Merge (m2, s2) into (m, s), where s = sum exp(x - shift(m)), shift(-inf) = 0
 // (so an all -inf stretch holds s = 0 and a NaN stays NaN). Commutative bit
@@ -301,6 +304,31 @@ __device__ __forceinline__ void online_pack(float& m, float& s, const uint4& r, 
 // the loss only, the logits are left as they are. FP8 (bf16 only): dlogits8 gets the E5M2
 // copy of each written pack, scaled by fp8_scale; write_bf16 = 0 leaves the logits as they are (the
 // FP8 LM head that also takes dwte from dlogits8 never reads the bf16 dlogits).
+//
+// Persistent blocks: the launcher starts as many blocks as fit on the GPU at once (two a
+// bf16 row's SM), and each walks rows blockIdx.x, + gridDim.x, ... Why: with one block a
+// row, a block loaded its row, then computed, then wrote, and an SM's two blocks spent
+// much of their time both computing, with nothing in flight from DRAM (H200: 78% of copy
+// for bf16 dlogits, 57% for the FP8 kernel's E5M2-only writes, whose rows have 1.5x less
+// traffic for the same exps). Here each thread, right after the pass-2 store of one of its
+// packs, copies the same pack of the block's next row into that slot (its own slot: the
+// ld.shared that fed the store has returned, since the store used its value), so the
+// next row streams in while this one computes and writes. Slots are per thread until the
+// barrier after pass 1, so no barrier guards the refill; the one read of another
+// thread's slot (the target's logit, by thread 0) sits between pass 1's two barriers.
+// The arithmetic per row is unchanged (bit for bit the one-row-a-block kernel).
+template <typename T, int K>
+__device__ __forceinline__ void v3_copy_row(uint4* s_row, const uint4* xr, int n_packs, int tid) {
+    constexpr int KH = (K + 1) / 2;   // two commit groups: the first half is summed while the rest arrives
+    #pragma unroll
+    for (int k = 0; k < K; k++) {
+        const int i = tid + k * CLS3_BLOCK;
+        if (i < n_packs) cp_async16(smem_u32(s_row + i), xr + i, 16);
+        if (k == KH - 1) cp_async_commit();
+    }
+    cp_async_commit();
+}
+
 template <typename T, int K, bool FUSED, bool FP8 = false>
 __device__ void classifier_backward_v3(float* losses, T* logits, const int* targets,   // (N,) (N, Vp) in/out; (N,)
                                        float grad_scale, int N, int V, int Vp,
@@ -310,104 +338,109 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
     __shared__ float s_m[CLS3_BLOCK / 32], s_s[CLS3_BLOCK / 32], s_res[2];
     using R = Raw<T>;
     constexpr int P = R::P;
-    const int row = blockIdx.x;
-    if (row >= N) return;
+    constexpr int KH = (K + 1) / 2;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int n_packs = Vp / P;
-    const int t = targets[row];
-    uint4* xr = reinterpret_cast<uint4*>(logits + (size_t)row * Vp);
-    if (t == -1) {                                  // uniform over the block
-        if (tid == 0) losses[row] = 0.0f;
-        if (FUSED)
-            for (int i = tid; i < n_packs; i += CLS3_BLOCK) {
-                if (!FP8 || write_bf16) __stcs(xr + i, make_uint4(0u, 0u, 0u, 0u));
-                if (FP8) __stcs(reinterpret_cast<uint2*>(dlogits8 + (size_t)row * Vp) + i, make_uint2(0u, 0u));
-            }
-        return;
-    }
-    const bool valid = t >= 0 && t < V;
-    // Two commit groups: the first half of each thread's packs is summed while the second arrives.
-    constexpr int KH = (K + 1) / 2;
-    #pragma unroll
-    for (int k = 0; k < KH; k++) {
-        const int i = tid + k * CLS3_BLOCK;
-        if (i < n_packs) cp_async16(smem_u32(s_row + i), xr + i, 16);
-    }
-    cp_async_commit();
-    #pragma unroll
-    for (int k = KH; k < K; k++) {
-        const int i = tid + k * CLS3_BLOCK;
-        if (i < n_packs) cp_async16(smem_u32(s_row + i), xr + i, 16);
-    }
-    cp_async_commit();
-    // Each thread reads back only the packs it copied until the barriers below.
-    float m = neg_inf(), s = 0.0f;
-    cp_async_wait<1>();
-    #pragma unroll
-    for (int k = 0; k < KH; k++) {
-        const int i = tid + k * CLS3_BLOCK;
-        if (i < n_packs && i * P < V) online_pack<T>(m, s, s_row[i], V - i * P);
-    }
-    cp_async_wait<0>();
-    #pragma unroll
-    for (int k = KH; k < K; k++) {
-        const int i = tid + k * CLS3_BLOCK;
-        if (i < n_packs && i * P < V) online_pack<T>(m, s, s_row[i], V - i * P);
-    }
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        combine_ms(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
-    if (lane == 0) { s_m[warp] = m; s_s[warp] = s; }
-    __syncthreads();                                // also publishes every thread's cp.async data
-    if (warp == 0) {
-        m = lane < CLS3_BLOCK / 32 ? s_m[lane] : neg_inf();
-        s = lane < CLS3_BLOCK / 32 ? s_s[lane] : 0.0f;
+    if ((int)blockIdx.x >= N) return;
+    v3_copy_row<T, K>(s_row, reinterpret_cast<const uint4*>(logits + (size_t)blockIdx.x * Vp), n_packs, tid);
+    // K = 25 (rows past 13 x 512 packs: fp32 GPT-2 logits) walks no rows: its refills spilled at the
+    // 64 registers of two blocks an SM; its launcher starts one block a row (v3_walks in ops/classifier.py).
+    constexpr bool WALK = K <= V3_WALK_K;
+    for (int row = blockIdx.x; row < N; row += gridDim.x) {
+        // Few registers live across the passes: the target is read here, the next row's address
+        // made where it is used.
+        const int t = targets[row];
+        const bool has_next = WALK && row + (int)gridDim.x < N;
+        uint4* xr = reinterpret_cast<uint4*>(logits + (size_t)row * Vp);
+        if (t == -1) {                                  // uniform over the block
+            if (tid == 0) losses[row] = 0.0f;
+            if (FUSED)
+                for (int i = tid; i < n_packs; i += CLS3_BLOCK) {
+                    if (!FP8 || write_bf16) __stcs(xr + i, make_uint4(0u, 0u, 0u, 0u));
+                    if (FP8) __stcs(reinterpret_cast<uint2*>(dlogits8 + (size_t)row * Vp) + i, make_uint2(0u, 0u));
+                }
+            cp_async_wait<0>();                         // this row's copies land before the slots are refilled
+            if (has_next) v3_copy_row<T, K>(s_row, xr + (size_t)gridDim.x * n_packs, n_packs, tid);
+            continue;
+        }
+        const bool valid = t >= 0 && t < V;
+        // Each thread reads back only the packs it copied until the barriers below.
+        float m = neg_inf(), s = 0.0f;
+        cp_async_wait<1>();
+        #pragma unroll
+        for (int k = 0; k < KH; k++) {
+            const int i = tid + k * CLS3_BLOCK;
+            if (i < n_packs && i * P < V) online_pack<T>(m, s, s_row[i], V - i * P);
+        }
+        cp_async_wait<0>();
+        #pragma unroll
+        for (int k = KH; k < K; k++) {
+            const int i = tid + k * CLS3_BLOCK;
+            if (i < n_packs && i * P < V) online_pack<T>(m, s, s_row[i], V - i * P);
+        }
         #pragma unroll
         for (int o = 16; o > 0; o >>= 1)
             combine_ms(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
-        if (lane == 0) {
-            s_res[0] = m;
-            s_res[1] = s;
-            const float xt = valid ? to_float(reinterpret_cast<const T*>(s_row)[t]) : 0.0f;
-            losses[row] = row_loss(m, s, xt, valid);
-        }
-    }
-    if (!FUSED) return;
-    __syncthreads();
-    const float M = s_res[0], S = s_res[1];
-    const float sh = (M == neg_inf()) ? 0.0f : M;
-    const float scale = grad_scale / S;
-    const bool exact = !(isfinite(scale) && isfinite(grad_scale));   // NaN/inf rows: canonical NaN bits
-    const int tpack = valid ? t / P : -1;
-    #pragma unroll
-    for (int k = 0; k < K; k++) {
-        const int i = tid + k * CLS3_BLOCK;
-        if (i < n_packs) {
-            float f[P];
-            R::unpack(s_row[i], f);
+        if (lane == 0) { s_m[warp] = m; s_s[warp] = s; }
+        __syncthreads();                                // also publishes every thread's cp.async data
+        if (warp == 0) {
+            m = lane < CLS3_BLOCK / 32 ? s_m[lane] : neg_inf();
+            s = lane < CLS3_BLOCK / 32 ? s_s[lane] : 0.0f;
             #pragma unroll
-            for (int e = 0; e < P; e++) f[e] = ex2_ftz((f[e] - sh) * LOG2E) * scale;
-            if (i == tpack) {                       // the one pack holding the target
-                // a bit mask, not f[t - i * P]: a dynamic index would put f in local memory
-                const u32 hit = 1u << (t - i * P);
-                #pragma unroll
-                for (int e = 0; e < P; e++)
-                    if (hit & (1u << e)) f[e] -= grad_scale;
-            }
-            if ((i + 1) * P > V) {                  // padding columns [V, Vp)
-                #pragma unroll
-                for (int e = 0; e < P; e++)
-                    if (i * P + e >= V) f[e] = 0.0f;
-            }
-            const uint4 packed = exact ? R::pack_exact(f) : R::pack_fast(f);
-            if (!FP8 || write_bf16) __stcs(xr + i, packed);
-            if (FP8) {                              // the E5M2 copy of the bf16 values just rounded
-                u32 unused = 0;
-                __stcs(reinterpret_cast<uint2*>(dlogits8 + (size_t)row * Vp) + i,
-                       quantize8<E5M2>(packed, fp8_scale, unused));
+            for (int o = 16; o > 0; o >>= 1)
+                combine_ms(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+            if (lane == 0) {
+                s_res[0] = m;
+                s_res[1] = s;
+                const float xt = valid ? to_float(reinterpret_cast<const T*>(s_row)[t]) : 0.0f;
+                losses[row] = row_loss(m, s, xt, valid);
             }
         }
+        __syncthreads();                                // s_res, and thread 0 is done with the target's slot
+        if (!FUSED) {                                   // cross_entropy: the slots are free now
+            if (has_next) v3_copy_row<T, K>(s_row, xr + (size_t)gridDim.x * n_packs, n_packs, tid);
+            continue;
+        }
+        const float M = s_res[0], S = s_res[1];
+        const float sh = (M == neg_inf()) ? 0.0f : M;
+        const float scale = grad_scale / S;
+        const bool exact = !(isfinite(scale) && isfinite(grad_scale));   // NaN/inf rows: canonical NaN bits
+        const int tpack = valid ? t / P : -1;
+        #pragma unroll
+        for (int k = 0; k < K; k++) {
+            const int i = tid + k * CLS3_BLOCK;
+            if (i < n_packs) {
+                float f[P];
+                R::unpack(s_row[i], f);
+                #pragma unroll
+                for (int e = 0; e < P; e++) f[e] = ex2_ftz((f[e] - sh) * LOG2E) * scale;
+                if (i == tpack) {                       // the one pack holding the target
+                    // a bit mask, not f[t - i * P]: a dynamic index would put f in local memory
+                    const u32 hit = 1u << (t - i * P);
+                    #pragma unroll
+                    for (int e = 0; e < P; e++)
+                        if (hit & (1u << e)) f[e] -= grad_scale;
+                }
+                if ((i + 1) * P > V) {                  // padding columns [V, Vp)
+                    #pragma unroll
+                    for (int e = 0; e < P; e++)
+                        if (i * P + e >= V) f[e] = 0.0f;
+                }
+                const uint4 packed = exact ? R::pack_exact(f) : R::pack_fast(f);
+                if (!FP8 || write_bf16) __stcs(xr + i, packed);
+                if (FP8) {                              // the E5M2 copy of the bf16 values just rounded
+                    u32 unused = 0;
+                    __stcs(reinterpret_cast<uint2*>(dlogits8 + (size_t)row * Vp) + i,
+                           quantize8<E5M2>(packed, fp8_scale, unused));
+                }
+                // the slot's value is in `packed` (the stores above used it): refill it with the next row
+                if (has_next) cp_async16(smem_u32(s_row + i), xr + (size_t)gridDim.x * n_packs + i, 16);
+            }
+            if (k == KH - 1) cp_async_commit();
+        }
+        cp_async_commit();
     }
+    cp_async_wait<0>();                                 // nothing left in flight at exit
 }
 
 // ------------------------------------------------------ target check -------

@@ -79,6 +79,17 @@ def bench_classifier(n: int = 8192, dtype: str = "bfloat16", version=None, V: in
             ms = time_ms(lambda: cls.launch_fused(logits, targets, losses, V, 1.0 / N, ver))
             results.append(Result(f"fused_classifier kernel v{ver} {tag}", ms, bytes=2 * logits.nbytes + io,
                                   ref_gbps=bw, target=0.7))
+        if logits.dtype == dtypes.bfloat16 and cls.pick_version(None, logits, Vp) == 3:
+            from ..ops.fp8 import fp8_supported
+            if fp8_supported()[0]:
+                # as the FP8 model calls it (settings.fp8_lm_head_dwte): the E5M2 dlogits only
+                d8 = cupy.empty((N, Vp), np.uint8)
+                s8 = cls.dlogits_fp8_scale(1.0 / N)
+                ms = time_ms(lambda: cls._launch_fused_fp8(logits, targets, losses, V, 1.0 / N, d8, s8,
+                                                           write_dlogits=False))
+                results.append(Result(f"fused_classifier FP8 kernel, E5M2 dlogits only {tag}", ms,
+                                      bytes=logits.nbytes + d8.nbytes + io, ref_gbps=bw, target=0.7))
+                del d8
         ms = time_ms(lambda: gpucore.cross_entropy(logits, targets, vocab_size=V, losses=losses,
                                                    check_targets=False))
         results.append(Result(f"cross_entropy (API, unchecked) {tag}", ms, bytes=logits.nbytes + io, ref_gbps=bw))

@@ -25,7 +25,8 @@ float32 (exp via ex2.approx / __expf, log via logf).
 
 Kernel versions of the fused classifier (classifier.cu): v1 online pass + L2
 re-read (any Vp, any alignment), v2 row in registers (one block per SM), v3
-row in shared memory via cp.async with lean per-element code (Vp a multiple of
+row in shared memory via cp.async with lean per-element code, persistent blocks
+that stream the next row in while they finish one (Vp a multiple of
 16 bytes' worth of elements, 16-byte aligned, the row within the device's
 shared memory per block: bf16 up to ~116k columns, fp32 up to ~58k on an
 H100/H200). `version=None` picks v3 where it applies, else v1. cross_entropy
@@ -54,6 +55,7 @@ CLS_BLOCK = 1024          # threads per row (one block per row), as CLS_BLOCK in
 V2_CACHE = 7              # packs per thread held in registers by v2, = CLS_CACHE in classifier.cu
 V3_BLOCK = 512            # v3 threads per row, = CLS3_BLOCK in classifier.cu
 V3_K = (1, 4, 13, 25)     # v3 packs per thread instantiated in classifier.cu
+V3_WALK_K = 13            # the largest K whose blocks walk several rows, = V3_WALK_K in classifier.cu
 V3_STATIC_SMEM = 1024     # margin for v3's static shared memory (136 B) below the per-block limit
 FORWARD_BLOCK_SHORT = 256  # cross_entropy on short rows (< 8192 columns)
 VERSIONS = (1, 2, 3)
@@ -182,6 +184,20 @@ def _set_carveout(kernel):
         _CARVEOUT_SET.add(id(kernel))
 
 
+def v3_grid(kernel, N: int, n_packs: int) -> int:
+    """v3's persistent grid: the blocks that run at once (two a bf16 row's SM), at most one a row.
+    Each block walks rows blockIdx.x, + grid, ... and streams its next row in while it finishes one.
+    Kernels with K > V3_WALK_K packs a thread do not walk (their refills spilled): one block a row."""
+    if _v3_k(n_packs) > V3_WALK_K:
+        return N
+    return min(N, runtime.sm_count() * runtime.resident_blocks(kernel, V3_BLOCK, n_packs * 16))
+
+
+def _launch_v3(kernel, N: int, n_packs: int, args):
+    _set_carveout(kernel)
+    runtime.launch(kernel, v3_grid(kernel, N, n_packs), V3_BLOCK, args, shared_mem=n_packs * 16)
+
+
 def launch_fused(logits, targets, losses, V: int, grad_scale: float, version=None):
     """The fused kernel alone, on checked CuPy arrays (no target check): for the benchmark."""
     Vp = logits.shape[-1]
@@ -194,8 +210,7 @@ def launch_fused(logits, targets, losses, V: int, grad_scale: float, version=Non
     if version == 3:
         n_packs = Vp // (16 // logits.dtype.itemsize)
         kernel = runtime.get_kernel("classifier", f"classifier_backward_kernel_v3_k{_v3_k(n_packs)}_{suf}")
-        _set_carveout(kernel)
-        runtime.launch(kernel, N, V3_BLOCK, args, shared_mem=n_packs * 16)
+        _launch_v3(kernel, N, n_packs, args)
         return losses
     runtime.launch(runtime.get_kernel("classifier", f"classifier_backward_kernel_v{version}_{suf}"), N, CLS_BLOCK,
                    args)
@@ -278,11 +293,8 @@ def _launch_fused_fp8(logits, targets, losses, V, grad_scale, dlogits8, scale, w
         return losses
     n_packs = Vp // 8
     kernel = runtime.get_kernel("classifier", f"classifier_backward_fp8_kernel_v3_k{_v3_k(n_packs)}_bf16")
-    _set_carveout(kernel)
-    runtime.launch(kernel, N, V3_BLOCK, (losses, logits, dlogits8, targets, np.float32(grad_scale),
-                                         np.float32(scale), np.int32(N), np.int32(V), np.int32(Vp),
-                                         np.int32(bool(write_dlogits))),
-                   shared_mem=n_packs * 16)
+    _launch_v3(kernel, N, n_packs, (losses, logits, dlogits8, targets, np.float32(grad_scale), np.float32(scale),
+                                    np.int32(N), np.int32(V), np.int32(Vp), np.int32(bool(write_dlogits))))
     return losses
 
 
@@ -304,9 +316,7 @@ def cross_entropy(logits, targets, vocab_size=None, losses=None, *, check_target
         n_packs = Vp // (16 // logits.dtype.itemsize)
         kernel = runtime.get_kernel(
             "classifier", f"classifier_forward_kernel_v3_k{_v3_k(n_packs)}_{dtypes.kernel_suffix(logits.dtype)}")
-        _set_carveout(kernel)
-        runtime.launch(kernel, N, V3_BLOCK, (losses, logits, targets, np.int32(N), np.int32(V), np.int32(Vp)),
-                       shared_mem=n_packs * 16)
+        _launch_v3(kernel, N, n_packs, (losses, logits, targets, np.int32(N), np.int32(V), np.int32(Vp)))
         return losses
     block = CLS_BLOCK if Vp >= 8192 else FORWARD_BLOCK_SHORT
     kernel = runtime.get_kernel("classifier", f"classifier_forward_kernel_{dtypes.kernel_suffix(logits.dtype)}")

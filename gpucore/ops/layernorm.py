@@ -138,21 +138,14 @@ def backward_split(dtype, C: int, warps_per_row: int | None = None) -> tuple[int
     return S, (n1 if S == 1 else -(-half // 32))
 
 
-_RESIDENT: dict[int, int] = {}
-SM_SHARED_BYTES = 227 * 1024    # shared memory one sm_90 SM gives its blocks
-BLOCK_RESERVED_BYTES = 1024     # and the 1 KB it reserves per block
+SM_SHARED_BYTES = 227 * 1024    # shared memory one sm_90 SM gives its blocks (the grids below were
+                                # measured and their colsum orders pinned with this figure)
+BLOCK_RESERVED_BYTES = runtime.BLOCK_RESERVED_BYTES
 
 
 def _resident_blocks(kernel, block: int) -> int:
     """Blocks of `block` threads one SM holds at once, from the kernel's registers and shared memory."""
-    key = id(kernel)
-    if key not in _RESIDENT:
-        a = runtime.kernel_attributes(kernel)
-        regs_per_warp = -(-max(a["registers"], 1) * 32 // 256) * 256      # allocated per warp, in 256s
-        by_regs = (65536 // regs_per_warp) // (block // 32)
-        by_smem = SM_SHARED_BYTES // (a["shared_bytes"] + BLOCK_RESERVED_BYTES)
-        _RESIDENT[key] = max(1, min(by_regs, 2048 // block, by_smem, 32))
-    return _RESIDENT[key]
+    return runtime.resident_blocks(kernel, block, sm_shared_bytes=SM_SHARED_BYTES)
 
 
 # ----------------------------------------------------------------- forward ---
