@@ -305,18 +305,18 @@ __device__ __forceinline__ void online_pack(float& m, float& s, const uint4& r, 
 // copy of each written pack, scaled by fp8_scale; write_bf16 = 0 leaves the logits as they are (the
 // FP8 LM head that also takes dwte from dlogits8 never reads the bf16 dlogits).
 //
-// Persistent blocks: the launcher starts as many blocks as fit on the GPU at once (two a
-// bf16 row's SM), and each walks rows blockIdx.x, + gridDim.x, ... Why: with one block a
-// row, a block loaded its row, then computed, then wrote, and an SM's two blocks spent
-// much of their time both computing, with nothing in flight from DRAM (H200: 78% of copy
-// for bf16 dlogits, 57% for the FP8 kernel's E5M2-only writes, whose rows have 1.5x less
-// traffic for the same exps). Here each thread, right after the pass-2 store of one of its
-// packs, copies the same pack of the block's next row into that slot (its own slot: the
-// ld.shared that fed the store has returned, since the store used its value), so the
-// next row streams in while this one computes and writes. Slots are per thread until the
-// barrier after pass 1, so no barrier guards the refill; the one read of another
-// thread's slot (the target's logit, by thread 0) sits between pass 1's two barriers.
-// The arithmetic per row is unchanged (bit for bit the one-row-a-block kernel).
+// Persistent blocks (the FP8 kernel; WALK below): the launcher starts as many blocks as fit on
+// the GPU at once (two a bf16 row's SM), and each walks rows blockIdx.x, + gridDim.x, ... Why:
+// with one block a row, a block loads its row, then computes, then writes, and an SM's two blocks
+// can both be computing with nothing in flight from DRAM. The FP8 kernel (E5M2-only writes,
+// 1.5x less traffic a row for more conversions) is the one that lost most to that (ncu, H200:
+// 55% of DRAM peak against the bf16 kernel's 76%). Walking, each thread, right after the pass-2
+// store of one of its packs, copies the same pack of the block's next row into that slot (its
+// own slot: the ld.shared that fed the store has returned, since the store used its value), so
+// the next row streams in while this one computes and writes. Slots are per thread until the
+// barrier after pass 1, so no barrier guards the refill; the one read of another thread's slot
+// (the target's logit, by thread 0) sits between pass 1's two barriers. The arithmetic per row
+// is unchanged: bit for bit the one-row-a-block kernel.
 template <typename T, int K>
 __device__ __forceinline__ void v3_copy_row(uint4* s_row, const uint4* xr, int n_packs, int tid) {
     constexpr int KH = (K + 1) / 2;   // two commit groups: the first half is summed while the rest arrives
@@ -343,10 +343,13 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
     const int n_packs = Vp / P;
     if ((int)blockIdx.x >= N) return;
     v3_copy_row<T, K>(s_row, reinterpret_cast<const uint4*>(logits + (size_t)blockIdx.x * Vp), n_packs, tid);
-    // K = 25 (rows past 13 x 512 packs: fp32 GPT-2 logits) walks no rows: its refills spilled at the
-    // 64 registers of two blocks an SM; its launcher starts one block a row (v3_walks in ops/classifier.py).
-    constexpr bool WALK = K <= V3_WALK_K;
-    for (int row = blockIdx.x; row < N; row += gridDim.x) {
+    // Only the FP8 kernel walks rows (measured, H200, 8192 x 50304, one block a row -> walking: FP8
+    // E5M2-only 469 -> 426 us; bf16 dlogits 445 -> 470 and the loss alone 235 -> 245 us, slower).
+    // K = 25 walks no rows either: its refills spilled at the 64 registers of two blocks an SM. The
+    // launcher starts one block a row where WALK is false (v3_fp8_grid in ops/classifier.py).
+    constexpr bool WALK = FP8 && K <= V3_WALK_K;
+    int row = blockIdx.x;
+    do {   // one pass where !WALK (the condition is then constant false); `continue` goes to it
         // Few registers live across the passes: the target is read here, the next row's address
         // made where it is used.
         const int t = targets[row];
@@ -439,7 +442,7 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
             if (k == KH - 1) cp_async_commit();
         }
         cp_async_commit();
-    }
+    } while (WALK && (row += gridDim.x) < N);
     cp_async_wait<0>();                                 // nothing left in flight at exit
 }
 

@@ -372,62 +372,43 @@ def test_gpu_fp8_dlogits_are_bitwise_the_bf16_kernel_then_the_cast(rng, N, V, Vp
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("V,Vp,dtype", [(50257, 50304, gpucore.bfloat16), (1000, 1024, gpucore.bfloat16),
-                                        (3000, 3000, np.float32)])
-def test_gpu_v3_persistent_blocks_match_one_row_a_block(rng, V, Vp, dtype):
-    """v3's blocks walk several rows each (N > the grid) and copy the next row in while they finish
-    one: every output is bit for bit what slices of <= 64 rows give (then each block has one row).
-    Ignored rows (-1) sit first, last, in runs and alone; the FP8 and loss-only kernels too."""
+@pytest.mark.parametrize("V,Vp", [(50257, 50304), (1000, 1024), (3000, 3008)])
+@pytest.mark.parametrize("write_dlogits", [False, True])
+def test_gpu_fp8_persistent_blocks_match_one_row_a_block(rng, V, Vp, write_dlogits):
+    """v3's FP8 kernel walks several rows a block (N > its grid) and copies the next row in while it
+    finishes one: losses, E5M2 bytes and bf16 dlogits are bit for bit what slices of <= 64 rows give
+    (one row a block there). Ignored rows (-1) sit first, last, in runs and alone."""
     from gpucore.ops import classifier as cls
+    from gpucore.ops.fp8 import fp8_supported
+    ok, why = fp8_supported()
+    if not ok:
+        pytest.fail(why)
     cp = runtime.cupy
-    P = 16 // np.dtype(dtype).itemsize
-    kernel = runtime.get_kernel("classifier",
-                                f"classifier_backward_kernel_v3_k{cls._v3_k(Vp // P)}_{gpucore.dtypes.kernel_suffix(dtype)}")
-    grid = cls.v3_grid(kernel, 10**9, Vp // P)
+    kernel = runtime.get_kernel("classifier", f"classifier_backward_fp8_kernel_v3_k{cls._v3_k(Vp // 8)}_bf16")
+    grid = cls.v3_fp8_grid(kernel, 10**9, Vp // 8)
     N = 2 * grid + 37                                 # two full walks and a partial third
-    assert grid < N
-    logits = (rng.standard_normal((N, Vp)) * 3).astype(dtype)
+    assert 64 < grid < N
+    logits = (rng.standard_normal((N, Vp)) * 3).astype(gpucore.bfloat16)
     t = _targets(rng, (N,), V, ignore_every=11)
     t[[0, 1, 2, grid, grid + 1, N - 1]] = -1
     tg = cp.asarray(t)
     gs = 1.0 / N
+    s8 = dlogits_fp8_scale(gs)
 
-    def run(fn):
-        """fn(rows slice) on the whole batch, then on 64-row slices: (whole, sliced) outputs."""
-        whole = fn(slice(0, N))
-        parts = [fn(slice(a, min(a + 64, N))) for a in range(0, N, 64)]
-        return whole, [np.concatenate(p) for p in zip(*parts)]
-
-    def fused(sl):
+    def run(sl):
+        n = sl.stop - sl.start
+        d8 = cp.full((n, Vp), 0x7f, np.uint8)
+        losses = cp.full(n, np.nan, np.float32)
         work = cp.asarray(logits[sl])
-        losses = cp.full(work.shape[0], np.nan, np.float32)
-        cls.launch_fused(work, tg[sl], losses, V, gs, version=3)
-        return to_cpu(losses), to_cpu(work)
+        cls._launch_fused_fp8(work, tg[sl], losses, V, gs, d8, s8, write_dlogits=write_dlogits)
+        return to_cpu(losses), to_cpu(d8), to_cpu(work)
 
-    def entropy(sl):
-        losses = cp.full(sl.stop - sl.start, np.nan, np.float32)
-        gpucore.cross_entropy(cp.asarray(logits[sl]), tg[sl], vocab_size=V, losses=losses, check_targets=False)
-        return (to_cpu(losses),)
-
-    checks = [("fused", fused), ("cross_entropy", entropy)]
-    if dtype == gpucore.bfloat16 and Vp % 16 == 0:
-        from gpucore.ops.fp8 import fp8_supported
-        if fp8_supported()[0]:
-            s8 = dlogits_fp8_scale(gs)
-
-            def fp8_only(sl):
-                d8 = cp.full((sl.stop - sl.start, Vp), 0x7f, np.uint8)
-                losses = cp.full(sl.stop - sl.start, np.nan, np.float32)
-                work = cp.asarray(logits[sl])
-                cls._launch_fused_fp8(work, tg[sl], losses, V, gs, d8, s8, write_dlogits=False)
-                return to_cpu(losses), to_cpu(d8), to_cpu(work)
-            checks.append(("fp8", fp8_only))
-    for name, fn in checks:
-        whole, sliced = run(fn)
-        for i, (a, b) in enumerate(zip(whole, sliced)):
-            assert a.tobytes() == b.tobytes(), f"{name} output {i}: the persistent walk differs from one row a block"
-    losses, dlogits = fused(slice(0, N))
-    assert not np.isnan(losses).any() and np.all(losses[t == -1] == 0)
-    assert np.all(dlogits[t == -1].astype(np.float32) == 0)
-    ref_losses, ref_d = classifier_reference(logits[:8], t[:8], V, grad_scale=gs)
+    whole = run(slice(0, N))
+    sliced = [np.concatenate(p) for p in zip(*[run(slice(a, min(a + 64, N))) for a in range(0, N, 64)])]
+    for name, a, b in zip(("losses", "dlogits8", "logits/dlogits"), whole, sliced):
+        assert a.tobytes() == b.tobytes(), f"{name}: the persistent walk differs from one row a block"
+    losses, d8, work = whole
+    assert not np.isnan(losses).any() and np.all(losses[t == -1] == 0) and np.all(d8[t == -1] == 0)
+    assert (work.tobytes() == logits.tobytes()) != write_dlogits
+    ref_losses, _ = classifier_reference(logits[:8], t[:8], V, grad_scale=gs)
     assert rel_err(losses[:8], ref_losses) < 1e-5

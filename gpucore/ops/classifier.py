@@ -25,8 +25,7 @@ float32 (exp via ex2.approx / __expf, log via logf).
 
 Kernel versions of the fused classifier (classifier.cu): v1 online pass + L2
 re-read (any Vp, any alignment), v2 row in registers (one block per SM), v3
-row in shared memory via cp.async with lean per-element code, persistent blocks
-that stream the next row in while they finish one (Vp a multiple of
+row in shared memory via cp.async with lean per-element code (Vp a multiple of
 16 bytes' worth of elements, 16-byte aligned, the row within the device's
 shared memory per block: bf16 up to ~116k columns, fp32 up to ~58k on an
 H100/H200). `version=None` picks v3 where it applies, else v1. cross_entropy
@@ -38,7 +37,8 @@ of two (`dlogits_fp8_scale(grad_scale)`: |dlogits| <= grad_scale, so no amax is
 needed). v3's FP8 kernel writes them beside the bf16 dlogits in the same pass, bit
 for bit fp8_quantize of the bf16 values; elsewhere (NumPy, v1/v2) the cast runs after.
 With `write_dlogits=False` it writes only those bytes (the FP8 LM head that takes dwte from them
-too, settings.fp8_lm_head_dwte): a third of the kernel's writes.
+too, settings.fp8_lm_head_dwte): a third of the kernel's writes. The FP8 kernel runs on persistent
+blocks that stream their next row in while they finish one (v3_fp8_grid).
 """
 from __future__ import annotations
 
@@ -184,18 +184,19 @@ def _set_carveout(kernel):
         _CARVEOUT_SET.add(id(kernel))
 
 
-def v3_grid(kernel, N: int, n_packs: int) -> int:
-    """v3's persistent grid: the blocks that run at once (two a bf16 row's SM), at most one a row.
-    Each block walks rows blockIdx.x, + grid, ... and streams its next row in while it finishes one.
-    Kernels with K > V3_WALK_K packs a thread do not walk (their refills spilled): one block a row."""
+def v3_fp8_grid(kernel, N: int, n_packs: int) -> int:
+    """The v3 FP8 kernel's persistent grid: the blocks that run at once (two a bf16 row's SM), at
+    most one a row; each walks rows blockIdx.x, + grid, ... and streams its next row in while it
+    finishes one. With K > V3_WALK_K packs a thread it does not walk (its refills spilled): N.
+    The bf16/fp32 kernels always run one block a row (walking measured slower for them)."""
     if _v3_k(n_packs) > V3_WALK_K:
         return N
     return min(N, runtime.sm_count() * runtime.resident_blocks(kernel, V3_BLOCK, n_packs * 16))
 
 
-def _launch_v3(kernel, N: int, n_packs: int, args):
+def _launch_v3(kernel, grid: int, n_packs: int, args):
     _set_carveout(kernel)
-    runtime.launch(kernel, v3_grid(kernel, N, n_packs), V3_BLOCK, args, shared_mem=n_packs * 16)
+    runtime.launch(kernel, grid, V3_BLOCK, args, shared_mem=n_packs * 16)
 
 
 def launch_fused(logits, targets, losses, V: int, grad_scale: float, version=None):
@@ -293,8 +294,9 @@ def _launch_fused_fp8(logits, targets, losses, V, grad_scale, dlogits8, scale, w
         return losses
     n_packs = Vp // 8
     kernel = runtime.get_kernel("classifier", f"classifier_backward_fp8_kernel_v3_k{_v3_k(n_packs)}_bf16")
-    _launch_v3(kernel, N, n_packs, (losses, logits, dlogits8, targets, np.float32(grad_scale), np.float32(scale),
-                                    np.int32(N), np.int32(V), np.int32(Vp), np.int32(bool(write_dlogits))))
+    _launch_v3(kernel, v3_fp8_grid(kernel, N, n_packs), n_packs,
+               (losses, logits, dlogits8, targets, np.float32(grad_scale), np.float32(scale), np.int32(N),
+                np.int32(V), np.int32(Vp), np.int32(bool(write_dlogits))))
     return losses
 
 
