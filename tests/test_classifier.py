@@ -400,7 +400,7 @@ def test_gpu_fp8_persistent_blocks_match_one_row_a_block(rng, V, Vp, write_dlogi
         d8 = cp.full((n, Vp), 0x7f, np.uint8)
         losses = cp.full(n, np.nan, np.float32)
         work = cp.asarray(logits[sl])
-        cls._launch_fused_fp8(work, tg[sl], losses, V, gs, d8, s8, write_dlogits=write_dlogits)
+        cls.launch_fused_fp8(work, tg[sl], losses, V, gs, d8, s8, write_dlogits=write_dlogits)
         return to_cpu(losses), to_cpu(d8), to_cpu(work)
 
     whole = run(slice(0, N))
