@@ -16,7 +16,7 @@
  * the logits buffer: every element is read before the block barrier that
  * precedes any write of its row.
  *
- * v1 and v2: one block per row; v3: persistent blocks, one row at a time. Versions of the fused kernel:
+ * One block per row, but v3's FP8 kernel: persistent blocks, one row at a time. Versions of the fused kernel:
  *   v1 (any Vp, any alignment): pass 1 an online max/sum over the row
  *      (default caching, so the row stays in L2), pass 2 reads it again --
  *      from L2: 132 SMs x 2 rows x 100 KB << 50 MB -- and writes dlogits
@@ -33,9 +33,10 @@
  *      and writes dlogits with the hardware bf16x2 rounding; the target and
  *      padding columns are patched only in the 1-2 packs that hold them: ~10
  *      instructions + 2 MUFU per element. 512 threads; a bf16 row of 50304
- *      columns is 98 KiB, so two blocks share an SM. The grid is what fits
- *      the GPU at once; each block walks rows and copies its next row into
- *      the slots its pass 2 has just consumed (see classifier_backward_v3).
+ *      columns is 98 KiB, so two blocks share an SM. The FP8 kernel's grid
+ *      is what fits the GPU at once; each block walks rows and copies its
+ *      next row into the slots its pass 2 has just consumed (see
+ *      classifier_backward_v3; the bf16/fp32 kernels measured slower so).
  *      Rows with NaN/inf take the exact conversion (NaN bits as
  *      float_to_bf16 writes them).
  * FP8 variant (v3, bf16 only; --dtype fp8 with settings.fp8_lm_head): the same kernel also writes
