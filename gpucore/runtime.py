@@ -96,17 +96,6 @@ def device_properties() -> dict:
     return props
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def sm_count() -> int:
-    dev = cupy.cuda.Device().id
-    if dev not in _SM_COUNT:
-        _SM_COUNT[dev] = cupy.cuda.runtime.deviceGetAttribute(
-            cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, dev)
-    return _SM_COUNT[dev]
-
-
 _DEVICE_ATTRS: dict[tuple, int] = {}
 
 
@@ -118,6 +107,11 @@ def device_attribute(name: str) -> int:
         _DEVICE_ATTRS[key] = cupy.cuda.runtime.deviceGetAttribute(getattr(cupy.cuda.runtime, "cudaDevAttr" + name),
                                                                   dev)
     return _DEVICE_ATTRS[key]
+
+
+def sm_count() -> int:
+    """The current device's SM count."""
+    return device_attribute("MultiProcessorCount")
 
 
 BLOCK_RESERVED_BYTES = 1024     # shared memory the driver reserves per block (sm_80+)

@@ -133,17 +133,9 @@ def _check_targets(targets, xp, V):
     return cnt
 
 
-_SMEM_OPTIN: dict[int, int] = {}
-
-
 def _smem_per_block() -> int:
     """The device's largest shared memory per block (opt-in), in bytes."""
-    cp = runtime.cupy
-    dev = cp.cuda.Device().id
-    if dev not in _SMEM_OPTIN:
-        _SMEM_OPTIN[dev] = cp.cuda.runtime.deviceGetAttribute(
-            cp.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)
-    return _SMEM_OPTIN[dev]
+    return runtime.device_attribute("MaxSharedMemoryPerBlockOptin")
 
 
 def _v3_k(n_packs: int):
