@@ -29,10 +29,15 @@
  *      instructions per element: __expf's denormal fix-up twice,
  *      float_to_bf16, per-element column tests). v3 copies the row into shared
  *      memory with cp.async (all of it in flight, no registers held; read from
- *      DRAM once), runs the online max/sum over it in fp32 with ex2.approx,
- *      and writes dlogits with the hardware bf16x2 rounding; the target and
- *      padding columns are patched only in the 1-2 packs that hold them: ~10
- *      instructions + 2 MUFU per element. 512 threads; a bf16 row of 50304
+ *      DRAM once); each thread takes its packs' max (max.bf16x2 on the raw
+ *      pairs), then their sum of exp(x - max) in fp32 with ex2.approx, the
+ *      exponent of a bf16 logit in one FFMA (x log2e - max log2e); the block
+ *      merges the (max, sum) pairs. Pass 2 writes dlogits with the hardware
+ *      bf16x2 rounding; the target and padding columns are patched only in
+ *      the 1-2 packs that hold them; every choice (exact or lean, FP8 scale
+ *      folded or not) is made once a row, so each row's pass 2 is one
+ *      straight-line loop: ~9 instructions + 2 MUFU per element (tools/notes/
+ *      profile.md, twenty-fourth session). 512 threads; a bf16 row of 50304
  *      columns is 98 KiB, so two blocks share an SM. The FP8 kernel's grid
  *      is what fits the GPU at once; each block walks rows and copies its
  *      next row into the slots its pass 2 has just consumed (see
@@ -44,7 +49,9 @@
  *   -- bit for bit the bf16 kernel followed by fp8_quantize -- for the LM head's FP8 dx GEMM. The
  *   scale is fixed by the caller: |dlogits| <= grad_scale, so 2^floor(log2(57344 / grad_scale))
  *   never saturates and needs no amax. write_bf16 = 0: dlogits8 only, the logits left unchanged
- *   (the FP8 LM head with its dwte GEMM in FP8 too reads nothing else).
+ *   (the FP8 LM head with its dwte GEMM in FP8 too reads nothing else); with a power-of-two scale
+ *   the kernel then multiplies it into the softmax's scale before the bf16 rounding (exact: the
+ *   same bytes, one multiply a logit fewer).
  * Determinism: fixed element-to-thread mapping and reduction trees.
  */
 #include "common.cuh"
@@ -273,31 +280,71 @@ __device__ __forceinline__ void combine_ms(float& m, float& s, float m2, float s
     s = a + b;
 }
 
-// Online max/sum over one pack of nv (<= P) valid columns. fmaxf skips NaN,
-// but a NaN still poisons s through its exp term.
-template <typename T, bool FULL>
-__device__ __forceinline__ void online_pack_n(float& m, float& s, const float (&f)[Raw<T>::P], int nv) {
+// exp(f - sh) as ex2(f log2e - sh log2e): one FFMA a logit where the subtraction and the
+// multiply were two (bf16 rows only: the float32 kernels keep the two-rounding form, whose error the
+// fp32-vs-float64 tests budget). c = -sh log2e is made once per pack or row; it overflows for
+// |sh| > FLT_MAX / log2e, so shifts beyond EXP_FMA_MAX (absurd logits) take the two-op form.
+#define EXP_FMA_MAX 2.0e38f
+__device__ __forceinline__ bool exp_fma_ok(float sh) { return fabsf(sh) <= EXP_FMA_MAX; }
+
+// The max of a full bf16 pack from its raw words: max.bf16x2 on the pairs (one instruction for
+// two columns), then the last pair's halves. Like fmaxf it skips a NaN unless both sides are NaN,
+// so it gives the fmaxf chain's value (a +-0 tie may pick the other zero: the same shift).
+__device__ __forceinline__ float pack_max_bf16(const uint4& r) {
+    u32 a, b;
+    asm("max.bf16x2 %0, %1, %2;" : "=r"(a) : "r"(r.x), "r"(r.y));
+    asm("max.bf16x2 %0, %1, %2;" : "=r"(b) : "r"(r.z), "r"(r.w));
+    asm("max.bf16x2 %0, %1, %2;" : "=r"(a) : "r"(a), "r"(b));
+    return fmaxf(__uint_as_float(a << 16), __uint_as_float(a & 0xffff0000u));
+}
+
+// The max of one pack's nv (<= P) valid columns (fmaxf: a NaN is skipped unless all are NaN).
+template <typename T>
+__device__ __forceinline__ float pack_max(const uint4& r, int nv) {
     constexpr int P = Raw<T>::P;
+    if (sizeof(T) == 2 && nv >= P) return pack_max_bf16(r);
+    float f[P];
+    Raw<T>::unpack(r, f);
     float pm = neg_inf();
     #pragma unroll
     for (int e = 0; e < P; e++)
-        if (FULL || e < nv) pm = fmaxf(pm, f[e]);
-    if (pm > m) {                                   // rare after the first packs
-        if (m != neg_inf()) s *= ex2_ftz((m - pm) * LOG2E);
-        m = pm;
-    }
-    const float sh = (m == neg_inf()) ? 0.0f : m;
-    #pragma unroll
-    for (int e = 0; e < P; e++)
-        if (FULL || e < nv) s += ex2_ftz((f[e] - sh) * LOG2E);
+        if (e < nv) pm = fmaxf(pm, f[e]);
+    return pm;
 }
 
-template <typename T>
-__device__ __forceinline__ void online_pack(float& m, float& s, const uint4& r, int nv) {
-    float f[Raw<T>::P];
+// sum over one pack's nv valid columns of exp(x - sh), pairwise; LEAN: the exponent as
+// fmaf(x, log2e, c) with c = -sh log2e (exp_fma_ok), else (x - sh) log2e. A NaN poisons the sum.
+template <typename T, bool LEAN>
+__device__ __forceinline__ float pack_expsum(const uint4& r, int nv, float sh, float c) {
+    constexpr int P = Raw<T>::P;
+    float f[P];
     Raw<T>::unpack(r, f);
-    if (nv >= Raw<T>::P) online_pack_n<T, true>(m, s, f, nv);   // all but the pack holding column V
-    else online_pack_n<T, false>(m, s, f, nv);
+    #pragma unroll
+    for (int e = 0; e < P; e++)
+        f[e] = e < nv ? ex2_ftz(LEAN ? fmaf(f[e], LOG2E, c) : (f[e] - sh) * LOG2E) : 0.0f;
+    #pragma unroll
+    for (int w = 1; w < P; w *= 2)
+        #pragma unroll
+        for (int e = 0; e < P; e += 2 * w) f[e] += f[e + w];
+    return f[0];
+}
+
+// A normal positive power of two: sign and mantissa bits clear, exponent neither 0 nor 255.
+__device__ __forceinline__ bool is_pow2(float x) {
+    const u32 b = __float_as_uint(x);
+    return (b & 0x807fffffu) == 0 && (b >> 23) - 1u < 254u;
+}
+
+// Two bf16 -> two E5M2 bytes, unscaled (the FP8 kernel's E5M2-only rows fold the scale into the
+// softmax's, before the bf16 rounding: see classifier_backward_v3).
+__device__ __forceinline__ uint2 e5m2_of_bf16_pack(const uint4& p) {
+    const u32 w[4] = {p.x, p.y, p.z, p.w};
+    u32 o[2];
+    #pragma unroll
+    for (int i = 0; i < 4; i += 2)
+        o[i / 2] = (u32)cvt_fp8x2<E5M2>(__uint_as_float(w[i] << 16), __uint_as_float(w[i] & 0xffff0000u))
+                 | ((u32)cvt_fp8x2<E5M2>(__uint_as_float(w[i + 1] << 16), __uint_as_float(w[i + 1] & 0xffff0000u)) << 16);
+    return make_uint2(o[0], o[1]);
 }
 
 // K packs per thread at most (the launcher picks K >= ceil(Vp / P / 512)); the row
@@ -328,6 +375,57 @@ __device__ __forceinline__ void v3_copy_row(uint4* s_row, const uint4* xr, int n
         if (k == KH - 1) cp_async_commit();
     }
     cp_async_commit();
+}
+
+// Pass 2 of classifier_backward_v3 over a row's packs: dlogits = exp(x - sh) * fscale, minus tsub at
+// the target, 0 in the padding; written as bf16 (STORE_BF16) and/or E5M2 (FP8; FOLD: fscale and
+// tsub already carry fp8_scale, so the bytes are the bf16 values' plain E5M2 conversion). LEAN: the
+// exponent in one FFMA and the hardware bf16 rounding (finite rows of bf16); otherwise the two-op
+// exponent and the exact rounding (NaN bits, float32 rows). bf16_runtime: the non-lean loop's bf16
+// store, decided by the caller (the FP8 kernel's write_bf16). next: the block's next row (WALK),
+// copied into each slot right after its pack is stored, or null.
+template <typename T, int K, bool FP8, bool LEAN, bool STORE_BF16, bool FOLD>
+__device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const uint4* next, int n_packs,
+                                         int V, int t, int tpack, float sh, float fscale, float tsub,
+                                         float fp8_scale, bool bf16_runtime = true) {
+    using R = Raw<T>;
+    constexpr int P = R::P;
+    constexpr int KH = (K + 1) / 2;
+    const int tid = threadIdx.x;
+    const float c = -sh * LOG2E;
+    #pragma unroll
+    for (int k = 0; k < K; k++) {
+        const int i = tid + k * CLS3_BLOCK;
+        if (i < n_packs) {
+            float f[P];
+            R::unpack(s_row[i], f);
+            #pragma unroll
+            for (int e = 0; e < P; e++)
+                f[e] = ex2_ftz(LEAN ? fmaf(f[e], LOG2E, c) : (f[e] - sh) * LOG2E) * fscale;
+            if (i == tpack) {                           // the one pack holding the target
+                // a bit mask, not f[t - i * P]: a dynamic index would put f in local memory
+                const u32 hit = 1u << (t - i * P);
+                #pragma unroll
+                for (int e = 0; e < P; e++)
+                    if (hit & (1u << e)) f[e] -= tsub;
+            }
+            if ((i + 1) * P > V) {                      // padding columns [V, Vp)
+                #pragma unroll
+                for (int e = 0; e < P; e++)
+                    if (i * P + e >= V) f[e] = 0.0f;
+            }
+            const uint4 packed = LEAN ? R::pack_fast(f) : R::pack_exact(f);
+            if (STORE_BF16 && (LEAN || bf16_runtime)) __stcs(xr + i, packed);
+            if (FP8) {                                  // the E5M2 copy of the bf16 values just rounded
+                u32 unused = 0;
+                __stcs(reinterpret_cast<uint2*>(d8) + i,
+                       FOLD ? e5m2_of_bf16_pack(packed) : quantize8<E5M2>(packed, fp8_scale, unused));
+            }
+            // the slot's value is in `packed` (the stores above used it): refill it with the next row
+            if (next) cp_async16(smem_u32(s_row + i), next + i, 16);
+        }
+        if (k == KH - 1) cp_async_commit();
+    }
 }
 
 template <typename T, int K, bool FUSED, bool FP8 = false>
@@ -368,19 +466,38 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
             continue;
         }
         const bool valid = t >= 0 && t < V;
-        // Each thread reads back only the packs it copied until the barriers below.
-        float m = neg_inf(), s = 0.0f;
+        // Each thread reads back only the packs it copied until the barriers below: first their
+        // max, then their sum of exp(x - max) (no running rescale: a max sweep of packed bf16
+        // maxima costs less than the online form's per-pack test and its two-op exponents).
+        float m = neg_inf();
         cp_async_wait<1>();
         #pragma unroll
         for (int k = 0; k < KH; k++) {
             const int i = tid + k * CLS3_BLOCK;
-            if (i < n_packs && i * P < V) online_pack<T>(m, s, s_row[i], V - i * P);
+            if (i < n_packs && i * P < V) m = fmaxf(m, pack_max<T>(s_row[i], V - i * P));
         }
         cp_async_wait<0>();
         #pragma unroll
         for (int k = KH; k < K; k++) {
             const int i = tid + k * CLS3_BLOCK;
-            if (i < n_packs && i * P < V) online_pack<T>(m, s, s_row[i], V - i * P);
+            if (i < n_packs && i * P < V) m = fmaxf(m, pack_max<T>(s_row[i], V - i * P));
+        }
+        float s = 0.0f;
+        {
+            const float sh = (m == neg_inf()) ? 0.0f : m, c = -sh * LOG2E;
+            if (sizeof(T) == 2 && exp_fma_ok(sh)) {
+                #pragma unroll
+                for (int k = 0; k < K; k++) {
+                    const int i = tid + k * CLS3_BLOCK;
+                    if (i < n_packs && i * P < V) s += pack_expsum<T, true>(s_row[i], V - i * P, sh, c);
+                }
+            } else {
+                #pragma unroll
+                for (int k = 0; k < K; k++) {
+                    const int i = tid + k * CLS3_BLOCK;
+                    if (i < n_packs && i * P < V) s += pack_expsum<T, false>(s_row[i], V - i * P, sh, c);
+                }
+            }
         }
         #pragma unroll
         for (int o = 16; o > 0; o >>= 1)
@@ -410,37 +527,26 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
         const float scale = grad_scale / S;
         const bool exact = !(isfinite(scale) && isfinite(grad_scale));   // NaN/inf rows: canonical NaN bits
         const int tpack = valid ? t / P : -1;
-        #pragma unroll
-        for (int k = 0; k < K; k++) {
-            const int i = tid + k * CLS3_BLOCK;
-            if (i < n_packs) {
-                float f[P];
-                R::unpack(s_row[i], f);
-                #pragma unroll
-                for (int e = 0; e < P; e++) f[e] = ex2_ftz((f[e] - sh) * LOG2E) * scale;
-                if (i == tpack) {                       // the one pack holding the target
-                    // a bit mask, not f[t - i * P]: a dynamic index would put f in local memory
-                    const u32 hit = 1u << (t - i * P);
-                    #pragma unroll
-                    for (int e = 0; e < P; e++)
-                        if (hit & (1u << e)) f[e] -= grad_scale;
-                }
-                if ((i + 1) * P > V) {                  // padding columns [V, Vp)
-                    #pragma unroll
-                    for (int e = 0; e < P; e++)
-                        if (i * P + e >= V) f[e] = 0.0f;
-                }
-                const uint4 packed = exact ? R::pack_exact(f) : R::pack_fast(f);
-                if (!FP8 || write_bf16) __stcs(xr + i, packed);
-                if (FP8) {                              // the E5M2 copy of the bf16 values just rounded
-                    u32 unused = 0;
-                    __stcs(reinterpret_cast<uint2*>(dlogits8 + (size_t)row * Vp) + i,
-                           quantize8<E5M2>(packed, fp8_scale, unused));
-                }
-                // the slot's value is in `packed` (the stores above used it): refill it with the next row
-                if (has_next) cp_async16(smem_u32(s_row + i), xr + (size_t)gridDim.x * n_packs + i, 16);
-            }
-            if (k == KH - 1) cp_async_commit();
+        u8* d8 = FP8 ? dlogits8 + (size_t)row * Vp : nullptr;
+        const uint4* next = has_next ? xr + (size_t)gridDim.x * n_packs : nullptr;
+        // The row's pass 2 is one straight-line loop (the choices below are made once a row, not
+        // once a pack: per-pack branches cost the scheduler its overlap of one pack's exps with
+        // the last one's stores). Finite rows of bf16 with exp_fma_ok shifts take the lean loop;
+        // the FP8 kernel's E5M2-only rows there also fold fp8_scale into the softmax's scale
+        // before the bf16 rounding: fp8_scale is a power of two that keeps |dlogits| * fp8_scale
+        // <= 57344 (dlogits_fp8_scale), so bf16(x * fp8_scale) = bf16(x) * fp8_scale exactly and
+        // the bytes stay e5m2(bf16(dlogits) * fp8_scale), one multiply a logit fewer. (Any other
+        // scale a caller passes takes the multiply after the rounding, as before.)
+        if (sizeof(T) == 2 && !exact && exp_fma_ok(sh)) {
+            if (FP8 && !write_bf16 && is_pow2(fp8_scale))
+                v3_pass2<T, K, FP8, true, false, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,
+                                                        scale * fp8_scale, grad_scale * fp8_scale, fp8_scale);
+            else
+                v3_pass2<T, K, FP8, true, true, false>(s_row, xr, d8, next, n_packs, V, t, tpack, sh, scale,
+                                                        grad_scale, fp8_scale);
+        } else {
+            v3_pass2<T, K, FP8, false, true, false>(s_row, xr, d8, next, n_packs, V, t, tpack, sh, scale,
+                                                     grad_scale, fp8_scale, !FP8 || write_bf16);
         }
         cp_async_commit();
     } while (WALK && (row += gridDim.x) < N);

@@ -177,6 +177,31 @@ def test_gpu_grad_scale_and_large_logits(rng):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("version", [None, 3])
+def test_gpu_bf16_rows_of_huge_logits(rng, version):
+    """bf16 logits near the format's largest value: v3's one-FFMA exponent (x log2e - max log2e)
+    would overflow at max log2e, so such rows take the two-op form; the max's own term stays 1."""
+    cp = runtime.cupy
+    V = Vp = 1024
+    logits = (rng.standard_normal((4, Vp)) * 3).astype(np.float32)
+    logits[0, 17] = 3.0e38                            # a huge max among ordinary logits
+    logits[1, :] = -3.0e38                            # every logit hugely negative ...
+    logits[1, 500] = -2.9e38                          # ... one less so
+    logits[2, [100, 900]] = 2.5e38                    # a tie at a huge max: two terms of 1
+    logits = logits.astype(gpucore.bfloat16)
+    t = np.array([17, 3, 900, 5], np.int32)
+    ref_l, ref_d = classifier_reference(logits, t, V, grad_scale=0.5)
+    work = cp.asarray(logits)
+    losses = to_cpu(gpucore.fused_classifier(work, cp.asarray(t), vocab_size=V, grad_scale=0.5, version=version))
+    got = to_cpu(work).astype(np.float32)
+    np.testing.assert_allclose(losses, ref_l, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(got, ref_d, rtol=1e-2, atol=1e-6)
+    assert got[2, 100] == 0.25 and got[2, 900] == -0.25
+    ce = to_cpu(gpucore.cross_entropy(cp.asarray(logits), cp.asarray(t), vocab_size=V))
+    np.testing.assert_allclose(ce, ref_l, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.cuda
 def test_gpu_unaligned_logits_use_the_scalar_path(rng):
     cp = runtime.cupy
     V = 1000
@@ -341,9 +366,12 @@ def test_fp8_dlogits_bad_input(rng):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("N,V,Vp", [(64, 50257, 50304), (48, 1000, 1024), (16, 64, 64)])
-def test_gpu_fp8_dlogits_are_bitwise_the_bf16_kernel_then_the_cast(rng, N, V, Vp):
+@pytest.mark.parametrize("scale_mul", [1.0, 0.75])
+def test_gpu_fp8_dlogits_are_bitwise_the_bf16_kernel_then_the_cast(rng, N, V, Vp, scale_mul):
     """v3's FP8 kernel: the same losses and bf16 dlogits as the plain kernel, and E5M2 bytes equal
-    to fp8_quantize of those dlogits (ignored rows, padding, the target column included)."""
+    to fp8_quantize of those dlogits (ignored rows, padding, the target column included). With the
+    power-of-two scale the model passes, the E5M2-only kernel folds it into the softmax's scale
+    before the bf16 rounding; scale_mul 0.75 (not a power of two) takes the multiply after it."""
     from gpucore.ops.fp8 import fp8_supported
     ok, why = fp8_supported()
     if not ok:
@@ -352,7 +380,7 @@ def test_gpu_fp8_dlogits_are_bitwise_the_bf16_kernel_then_the_cast(rng, N, V, Vp
     logits = (rng.standard_normal((N, Vp)) * 3).astype(gpucore.bfloat16)
     t = cp.asarray(_targets(rng, (N,), V, ignore_every=7))
     gs = 1.0 / (N * 4)
-    s = dlogits_fp8_scale(gs)
+    s = dlogits_fp8_scale(gs) * scale_mul
     plain, fused = cp.asarray(logits), cp.asarray(logits)
     l_plain = gpucore.fused_classifier(plain, t, vocab_size=V, grad_scale=gs, version=3)
     d8 = cp.full((N, Vp), 0x7f, np.uint8)           # poison: every byte must be written
