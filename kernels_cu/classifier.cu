@@ -282,8 +282,8 @@ __device__ __forceinline__ void combine_ms(float& m, float& s, float m2, float s
 
 // exp(f - sh) as ex2(f log2e - sh log2e): one FFMA a logit where the subtraction and the
 // multiply were two (bf16 rows only: the float32 kernels keep the two-rounding form, whose error the
-// fp32-vs-float64 tests budget). c = -sh log2e is made once per pack or row; it overflows for
-// |sh| > FLT_MAX / log2e, so shifts beyond EXP_FMA_MAX (absurd logits) take the two-op form.
+// fp32-vs-float64 tests budget). c = -sh log2e is made once a thread (pass 1) or a row (pass 2); it
+// overflows for |sh| > FLT_MAX / log2e, so shifts beyond EXP_FMA_MAX (absurd logits) take the two-op form.
 #define EXP_FMA_MAX 2.0e38f
 __device__ __forceinline__ bool exp_fma_ok(float sh) { return fabsf(sh) <= EXP_FMA_MAX; }
 
