@@ -378,16 +378,16 @@ __device__ __forceinline__ void v3_copy_row(uint4* s_row, const uint4* xr, int n
 }
 
 // Pass 2 of classifier_backward_v3 over a row's packs: dlogits = exp(x - sh) * fscale, minus tsub at
-// the target, 0 in the padding; written as bf16 (STORE_BF16) and/or E5M2 (FP8; FOLD: fscale and
-// tsub already carry fp8_scale, so the bytes are the bf16 values' plain E5M2 conversion). LEAN: the
-// exponent in one FFMA and the hardware bf16 rounding (finite rows of bf16); otherwise the two-op
-// exponent and the exact rounding (NaN bits, float32 rows). bf16_runtime: whether the bf16 store
-// happens (the FP8 kernel's write_bf16; true elsewhere). next: the block's next row (WALK),
-// copied into each slot right after its pack is stored, or null.
-template <typename T, int K, bool FP8, bool LEAN, bool STORE_BF16, bool FOLD>
+// the target, 0 in the padding; written as bf16 (store_bf16: the FP8 kernel's write_bf16, true
+// elsewhere; the call is inlined, so a constant false drops the store) and/or E5M2 (FP8; FOLD:
+// fscale and tsub already carry fp8_scale, so the bytes are the bf16 values' plain E5M2
+// conversion). LEAN: the exponent in one FFMA and the hardware bf16 rounding (finite rows of bf16);
+// otherwise the two-op exponent and the exact rounding (NaN bits, float32 rows). next: the block's
+// next row (WALK), copied into each slot right after its pack is stored, or null.
+template <typename T, int K, bool FP8, bool LEAN, bool FOLD>
 __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const uint4* next, int n_packs,
                                          int V, int t, int tpack, float sh, float fscale, float tsub,
-                                         float fp8_scale, bool bf16_runtime) {
+                                         float fp8_scale, bool store_bf16) {
     using R = Raw<T>;
     constexpr int P = R::P;
     constexpr int KH = (K + 1) / 2;
@@ -415,7 +415,7 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
                     if (i * P + e >= V) f[e] = 0.0f;
             }
             const uint4 packed = LEAN ? R::pack_fast(f) : R::pack_exact(f);
-            if (STORE_BF16 && bf16_runtime) __stcs(xr + i, packed);   // a predicated store, no branch
+            if (store_bf16) __stcs(xr + i, packed);     // a predicated store, no branch
             if (FP8) {                                  // the E5M2 copy of the bf16 values just rounded
                 u32 unused = 0;
                 __stcs(reinterpret_cast<uint2*>(d8) + i,
@@ -539,13 +539,13 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
         // scale a caller passes takes the multiply after the rounding, as before.)
         if (sizeof(T) == 2 && !exact && exp_fma_ok(sh)) {
             if (FP8 && !write_bf16 && is_pow2(fp8_scale))
-                v3_pass2<T, K, FP8, true, false, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,
+                v3_pass2<T, K, FP8, true, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,
                                                         scale * fp8_scale, grad_scale * fp8_scale, fp8_scale, false);
             else
-                v3_pass2<T, K, FP8, true, true, false>(s_row, xr, d8, next, n_packs, V, t, tpack, sh, scale,
+                v3_pass2<T, K, FP8, true, false>(s_row, xr, d8, next, n_packs, V, t, tpack, sh, scale,
                                                         grad_scale, fp8_scale, !FP8 || write_bf16);
         } else {
-            v3_pass2<T, K, FP8, false, true, false>(s_row, xr, d8, next, n_packs, V, t, tpack, sh, scale,
+            v3_pass2<T, K, FP8, false, false>(s_row, xr, d8, next, n_packs, V, t, tpack, sh, scale,
                                                      grad_scale, fp8_scale, !FP8 || write_bf16);
         }
         cp_async_commit();
