@@ -466,6 +466,15 @@ class CublasLt:
 _LT: list = []                          # [CublasLt or None, status]: loaded once per process
 
 
+def workspace_ranges() -> list[tuple[int, int]]:
+    """(device pointer, bytes) of every workspace handed to cuBLAS or cuBLASLt so far: memory only
+    cuBLAS's kernels and memsets touch (gpucore/graph_nodes.py moves those memsets)."""
+    arrays = [ws for _, ws in _CUBLAS[0].handles.values()] if _CUBLAS else []
+    if _LT and _LT[0] is not None:
+        arrays += list(_LT[0].workspaces.values())
+    return [(int(a.data.ptr), int(a.nbytes)) for a in arrays]
+
+
 def lt_binding():
     """The process's CublasLt, or None when cuBLASLt is off (settings) or did not load (lt_status)."""
     if not settings.current().cublaslt:

@@ -21,6 +21,10 @@ What the graph bakes in, and so re-captures on: the batch shape, grad_scale, and
 activation buffers (a larger evaluation batch makes the model allocate new ones; the graph
 holds the old ones until it is re-captured, so it never writes freed memory).
 
+After the capture, cuBLASLt's 4-byte workspace memsets are moved off the chain of kernels
+(gpucore/graph_nodes.py, settings.graph_move_memsets): the graph is then launched as an exec of
+our own; the same kernels in the same order, so the same bits.
+
 Not graphed: the NumPy backend, data-parallel runs (the reducer's per-layer hooks are host
 code), forward-only calls. `mode="auto"` falls back to eager for good, with one line saying
 why, when a capture fails; `mode="on"` raises instead.
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import runtime
+from . import cublas, graph_nodes, runtime, settings
 
 MODES = ("auto", "on", "off")
 
@@ -68,6 +72,8 @@ class StepGraph:
         self.captures = 0
         self.failed = None            # why capturing failed (auto mode: eager from then on)
         self._keep = ()               # what the graph reads and writes: alive as long as it is
+        self._exec = None             # our exec of the edited graph (None: CuPy's of the captured one)
+        self.moved_memsets = 0        # memsets graph_nodes moved in the current graph
 
     def forward_backward(self, x, y, grad_scale: float):
         """The mean loss (0-d fp32 on the device; the graph's own array once graphed: copy it to
@@ -81,6 +87,7 @@ class StepGraph:
                 self._capture(x, y, grad_scale, key)
             except Exception as e:  # noqa: BLE001 - any capture failure: say it once, then eager
                 self.graph, self.key, self._keep = None, None, ()
+                self._drop_exec()
                 self.model._backward_ready = self.model._encoder_plan = None
                 if self.strict:
                     raise GraphCaptureError(f"--cuda-graph on: the step could not be captured: {e}") from e
@@ -90,7 +97,11 @@ class StepGraph:
         tokens, targets, loss = self._keep[:3]
         tokens[...] = x
         targets[...] = y
-        self.graph.launch(stream=runtime.cupy.cuda.get_current_stream())
+        stream = runtime.cupy.cuda.get_current_stream()
+        if self._exec is not None:
+            runtime.cupy.cuda.runtime.graphLaunch(self._exec, stream.ptr)
+        else:
+            self.graph.launch(stream=stream)
         return loss
 
     def _eager(self, x, y, grad_scale):
@@ -101,8 +112,10 @@ class StepGraph:
     def _capture(self, x, y, grad_scale, key):
         cp = runtime.cupy
         model = self.model
-        self.graph, self._keep = None, ()          # drop the old graph and what it held
         main = cp.cuda.get_current_stream()
+        main.synchronize()                         # the old graph's replays done before it is dropped
+        self.graph, self._keep = None, ()          # drop the old graph and what it held
+        self._drop_exec()
         tokens, targets = x.copy(), y.copy()       # the graph's inputs, on the caller's stream
         main.synchronize()                         # capture records only; nothing may be in flight on them
         pool = cp.cuda.MemoryPool()                # the graph's temporaries: nobody else allocates here
@@ -120,6 +133,25 @@ class StepGraph:
                     pass
                 raise
             graph = stream.end_capture()
+        if settings.current().graph_move_memsets:
+            self.moved_memsets = graph_nodes.move_memsets(graph.graph, runtime.kernel_handles(),
+                                                          cublas.workspace_ranges())
+            if self.moved_memsets:
+                self._exec = cp.cuda.runtime.graphInstantiate(graph.graph)
         self.graph, self.key = graph, key
         self._keep = (tokens, targets, loss, pool, stream) + model.step_buffers()
         self.captures += 1
+
+    def _drop_exec(self):
+        """Destroy our exec of the edited graph (its replays have finished: the callers synchronize)."""
+        if self._exec is not None:
+            runtime.cupy.cuda.runtime.graphExecDestroy(self._exec)
+            self._exec, self.moved_memsets = None, 0
+
+    def __del__(self):
+        try:
+            if self._exec is not None:
+                runtime.cupy.cuda.Device().synchronize()
+                self._drop_exec()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the driver frees it with the context
+            pass

@@ -1,0 +1,200 @@
+"""The captured step graph's nodes: cuBLASLt's workspace memsets moved off the step's critical path.
+
+Why: the graphed step's kernel timeline (tools/notes/profile.md, twenty-second session) left the GPU
+idle 0.6-0.8 ms a d12 step, ~0.5 ms of it in 111-121 gaps of 3-10 us. Each gap holds a 4-byte
+memset that cuBLASLt issues before its GEMM (its nvjet kernels keep a counter at the start of the
+workspace we give it). Stream capture records the launches as one chain,
+
+    ... -> G1 (GEMM) -> k1 -> k2 (ours) -> memset -> G2 (GEMM) -> ...
+
+so the memset waits for k2 to finish and G2 for the memset: ~1.5 us to launch the memset, 0.8 us
+of memset, 2-3 us to launch G2, where one kernel after another takes < 1 us. The memset only needs
+what came before it in cuBLASLt's own use of the workspace: the GEMMs before it. So after the
+capture, each such memset is made to depend on the nearest node before our kernels (G1 above)
+instead of k2, and G2 gets k2 as a dependency of its own:
+
+    G1 -> k1 -> k2 -> G2          (G1 -> memset -> G2 beside it)
+
+The memset then runs beside k1 and k2, and G2 starts right after k2. Every kernel keeps its
+arguments and every byte of memory the same order of writers: the step's results are bit for bit
+the same (GPU-tested).
+
+Which memsets move (plan_memset_moves, pure Python, tested on the CPU): a memset node whose bytes
+lie inside a cuBLAS(Lt) workspace (cublas.workspace_ranges()), with exactly one dependency, a
+kernel node of ours (a function our runtime loaded: runtime.kernel_handles()) over a default edge;
+it moves back over our kernels while each has exactly one dependency over a default edge, and no
+further than the first node that is not one of our kernels (a cuBLAS kernel, a CuPy kernel,
+another memset). Our kernels never touch cuBLAS's workspace, so nothing they do can race the
+moved memset, and it still runs after every cuBLAS kernel before it.
+
+The graph is edited through the driver API (libcuda's cuGraph*_v2 entry points, CUDA 12.3+, through
+ctypes as gpucore/cublas.py calls cuBLASLt), then instantiated and launched as an exec of our own
+(CuPy's Graph keeps its handle to the graph but had instantiated it before the edit). Where the
+entry points are missing (an older driver) nothing moves and the step graph runs as captured.
+settings.graph_move_memsets (default on) switches it; measured: tools/notes/step_graph.md.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+KERNEL, MEMSET = "kernel", "memset"
+DEFAULT_EDGE = 0                          # CU_GRAPH_DEPENDENCY_TYPE_DEFAULT (1: programmatic)
+
+
+@dataclass(frozen=True)
+class Node:
+    """What the planner needs of a graph node: its kind ("kernel", "memset", "other"), whether it is
+    a kernel of ours, and for a memset whether its bytes lie in a cuBLAS workspace."""
+    kind: str
+    ours: bool = False
+    in_workspace: bool = False
+
+
+@dataclass(frozen=True)
+class Move:
+    """One memset moved: drop edge (before -> memset), add (anchor -> memset) unless anchor is None
+    (the memset becomes a root), add (before -> each of after)."""
+    memset: object
+    before: object            # the kernel of ours it depended on
+    anchor: object            # the first node before our kernels, or None
+    after: tuple              # the memset's dependents (the GEMM)
+
+
+def plan_memset_moves(nodes: dict, edges: list) -> list[Move]:
+    """The memsets to move and where: `nodes` {id: Node}, `edges` [(from, to, edge type)]."""
+    preds, succs = {n: [] for n in nodes}, {n: [] for n in nodes}
+    for a, b, kind in edges:
+        preds[b].append((a, kind))
+        succs[a].append(b)
+    linked = {(a, b) for a, b, _ in edges}
+
+    def ours(n):
+        return nodes[n].kind == KERNEL and nodes[n].ours
+
+    moves = []
+    for m, node in nodes.items():
+        if node.kind != MEMSET or not node.in_workspace or len(preds[m]) != 1:
+            continue
+        before, kind = preds[m][0]
+        if kind != DEFAULT_EDGE or not ours(before):
+            continue
+        cur, anchor = before, None
+        while True:
+            p = preds[cur]
+            if not p:                             # our kernels back to the graph's start
+                anchor = None
+                break
+            if len(p) != 1 or p[0][1] != DEFAULT_EDGE:
+                anchor = cur if cur != before else False
+                break
+            q = p[0][0]
+            if ours(q):
+                cur = q
+                continue
+            anchor = q
+            break
+        if anchor is False:                      # nothing to move over
+            continue
+        moves.append(Move(m, before, anchor, tuple(s for s in succs[m] if (before, s) not in linked)))
+    return moves
+
+
+# ------------------------------------------------------------------ the driver API (ctypes)
+
+class _EdgeData(ctypes.Structure):                # CUgraphEdgeData
+    _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte), ("type", ctypes.c_ubyte),
+                ("reserved", ctypes.c_ubyte * 5)]
+
+
+class _KernelParams(ctypes.Structure):            # CUDA_KERNEL_NODE_PARAMS_v2
+    _fields_ = ([("func", ctypes.c_void_p)] +
+                [(f, ctypes.c_uint) for f in ("gx", "gy", "gz", "bx", "by", "bz", "shared")] +
+                [("params", ctypes.c_void_p), ("extra", ctypes.c_void_p), ("kern", ctypes.c_void_p),
+                 ("ctx", ctypes.c_void_p)])
+
+
+class _MemsetParams(ctypes.Structure):            # CUDA_MEMSET_NODE_PARAMS
+    _fields_ = [("dst", ctypes.c_uint64), ("pitch", ctypes.c_size_t), ("value", ctypes.c_uint),
+                ("element_size", ctypes.c_uint), ("width", ctypes.c_size_t), ("height", ctypes.c_size_t)]
+
+
+_CU_KERNEL, _CU_MEMSET = 0, 2                     # CUgraphNodeType
+_NEEDED = ("cuGraphGetNodes", "cuGraphNodeGetType", "cuGraphGetEdges_v2", "cuGraphKernelNodeGetParams_v2",
+           "cuGraphMemsetNodeGetParams", "cuGraphAddDependencies_v2", "cuGraphRemoveDependencies_v2")
+_DRIVER = []
+
+
+def driver():
+    """libcuda with the graph entry points we call, or None (no such library or an older driver)."""
+    if not _DRIVER:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            ok = all(hasattr(lib, name) for name in _NEEDED)
+        except OSError:
+            lib, ok = None, False
+        _DRIVER.append(lib if ok else None)
+    return _DRIVER[0]
+
+
+def _check(rc, what):
+    if rc != 0:
+        raise RuntimeError(f"{what} failed with CUresult {rc}")
+
+
+def read_graph(graph: int, our_handles: set, workspaces: list) -> tuple[dict, list]:
+    """(nodes, edges) of a cudaGraph_t for plan_memset_moves. our_handles: CUfunction handles of our
+    kernels; workspaces: (pointer, bytes) ranges of cuBLAS's workspaces."""
+    cu = driver()
+    g = ctypes.c_void_p(graph)
+    n = ctypes.c_size_t(0)
+    _check(cu.cuGraphGetNodes(g, None, ctypes.byref(n)), "cuGraphGetNodes")
+    handles = (ctypes.c_void_p * n.value)()
+    _check(cu.cuGraphGetNodes(g, handles, ctypes.byref(n)), "cuGraphGetNodes")
+    nodes = {}
+    for h in handles:
+        t = ctypes.c_int()
+        _check(cu.cuGraphNodeGetType(ctypes.c_void_p(h), ctypes.byref(t)), "cuGraphNodeGetType")
+        if t.value == _CU_KERNEL:
+            kp = _KernelParams()
+            rc = cu.cuGraphKernelNodeGetParams_v2(ctypes.c_void_p(h), ctypes.byref(kp))
+            nodes[h] = Node(KERNEL, ours=rc == 0 and bool(kp.func) and int(kp.func) in our_handles)
+        elif t.value == _CU_MEMSET:
+            mp = _MemsetParams()
+            _check(cu.cuGraphMemsetNodeGetParams(ctypes.c_void_p(h), ctypes.byref(mp)), "cuGraphMemsetNodeGetParams")
+            end = mp.dst + mp.element_size * mp.width * max(1, mp.height)
+            nodes[h] = Node(MEMSET, in_workspace=any(p <= mp.dst and end <= p + size for p, size in workspaces))
+        else:
+            nodes[h] = Node("other")
+    ne = ctypes.c_size_t(0)
+    _check(cu.cuGraphGetEdges_v2(g, None, None, None, ctypes.byref(ne)), "cuGraphGetEdges_v2")
+    frm, to = (ctypes.c_void_p * ne.value)(), (ctypes.c_void_p * ne.value)()
+    data = (_EdgeData * ne.value)()
+    _check(cu.cuGraphGetEdges_v2(g, frm, to, data, ctypes.byref(ne)), "cuGraphGetEdges_v2")
+    edges = [(frm[i], to[i], data[i].type) for i in range(ne.value)]
+    return nodes, edges
+
+
+def apply_moves(graph: int, moves: list[Move]) -> None:
+    """Edit the graph's edges as each Move says (default edges)."""
+    cu = driver()
+    g = ctypes.c_void_p(graph)
+
+    def edge(fn, a, b, what):
+        _check(fn(g, ctypes.byref(ctypes.c_void_p(a)), ctypes.byref(ctypes.c_void_p(b)), None, ctypes.c_size_t(1)), what)
+
+    for mv in moves:
+        edge(cu.cuGraphRemoveDependencies_v2, mv.before, mv.memset, "cuGraphRemoveDependencies_v2")
+        if mv.anchor is not None:
+            edge(cu.cuGraphAddDependencies_v2, mv.anchor, mv.memset, "cuGraphAddDependencies_v2")
+        for s in mv.after:
+            edge(cu.cuGraphAddDependencies_v2, mv.before, s, "cuGraphAddDependencies_v2")
+
+
+def move_memsets(graph: int, our_handles: set, workspaces: list) -> int:
+    """Move the memsets of a captured graph (module docstring); returns how many moved."""
+    if driver() is None:
+        return 0
+    moves = plan_memset_moves(*read_graph(graph, our_handles, workspaces))
+    apply_moves(graph, moves)
+    return len(moves)
