@@ -162,7 +162,8 @@ def read_graph(graph: int, our_handles: set, workspaces: list) -> tuple[dict, li
         elif t.value == _CU_MEMSET:
             mp = _MemsetParams()
             _check(cu.cuGraphMemsetNodeGetParams(ctypes.c_void_p(h), ctypes.byref(mp)), "cuGraphMemsetNodeGetParams")
-            end = mp.dst + mp.element_size * mp.width * max(1, mp.height)
+            rows = max(1, mp.height)                    # a 2D memset: rows of `width` elements, `pitch` apart
+            end = mp.dst + mp.pitch * (rows - 1) + mp.element_size * mp.width
             nodes[h] = Node(MEMSET, in_workspace=any(p <= mp.dst and end <= p + size for p, size in workspaces))
         else:
             nodes[h] = Node("other")
