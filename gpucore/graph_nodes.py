@@ -79,23 +79,18 @@ def plan_memset_moves(nodes: dict, edges: list) -> list[Move]:
         before, kind = preds[m][0]
         if kind != DEFAULT_EDGE or not ours(before):
             continue
-        cur, anchor = before, None
-        while True:
-            p = preds[cur]
-            if not p:                             # our kernels back to the graph's start
-                anchor = None
-                break
-            if len(p) != 1 or p[0][1] != DEFAULT_EDGE:
-                anchor = cur if cur != before else False
-                break
-            q = p[0][0]
-            if ours(q):
-                cur = q
-                continue
-            anchor = q
-            break
-        if anchor is False:                      # nothing to move over
-            continue
+        cur = before                              # back over our kernels, one default edge at a time
+        while len(preds[cur]) == 1 and preds[cur][0][1] == DEFAULT_EDGE and ours(preds[cur][0][0]):
+            cur = preds[cur][0][0]
+        p = preds[cur]
+        if not p:                                 # our kernels back to the graph's start
+            anchor = None
+        elif len(p) == 1 and p[0][1] == DEFAULT_EDGE:
+            anchor = p[0][0]                      # the first node that is not one of our kernels
+        elif cur != before:
+            anchor = cur                          # a join or a programmatic edge: wait for the kernel there
+        else:
+            continue                              # nothing to move over
         moves.append(Move(m, before, anchor, tuple(s for s in succs[m] if (before, s) not in linked)))
     return moves
 

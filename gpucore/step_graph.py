@@ -113,11 +113,10 @@ class StepGraph:
         cp = runtime.cupy
         model = self.model
         main = cp.cuda.get_current_stream()
-        main.synchronize()                         # the old graph's replays done before it is dropped
-        self.graph, self._keep = None, ()          # drop the old graph and what it held
-        self._drop_exec()
         tokens, targets = x.copy(), y.copy()       # the graph's inputs, on the caller's stream
-        main.synchronize()                         # capture records only; nothing may be in flight on them
+        main.synchronize()                         # capture records only; nothing may be in flight on them,
+        self.graph, self._keep = None, ()          # and the old graph's replays are done: drop it and what it held
+        self._drop_exec()
         pool = cp.cuda.MemoryPool()                # the graph's temporaries: nobody else allocates here
         stream = cp.cuda.Stream(non_blocking=True)
         with cp.cuda.using_allocator(pool.malloc), stream:
