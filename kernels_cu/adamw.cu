@@ -9,6 +9,15 @@
  *   v[i]  = beta2 * v[i] + omb2 * g * g
  *   p[i] -= lr * ((m[i] / bc1) / (sqrt(v[i] / bc2) + eps) + wd_i * p[i])
  *   params_lowp[i] = bf16(p[i])                   (optional bf16 working copy, same pass)
+ * With fp32 master weights the last line runs on the SFU's approximations, as llm.c's
+ * --use_fast_math build does: m[i] * (1 / bc1) and v[i] * (1 / bc2) (the reciprocals once
+ * a thread), sqrt.approx and rcp.approx (each within ~2 ulp). IEEE division and square root
+ * are ~10-instruction sequences each, three divisions and a root an element: the kernel is
+ * memory-bound in time but not in energy (alone at d48, 732 W at the top clock against a
+ * copy's ~390 W), and the step runs at the board's power cap, where joules are time
+ * (tools/notes/profile.md, twenty-seventh session). The update term moves by a few ulp of
+ * itself, an error far below p's own ulp. The bf16-parameter kernels below keep the IEEE
+ * operations: their update rounds straight to bf16, where the tests compare bits.
  * bc1 = 1 - beta1^step, bc2 = 1 - beta2^step and the coefficients
  * omb1 = 1 - beta1, omb2 = 1 - beta2 are computed by the host in float64 and
  * passed as fp32: 1.0f - float(beta2) would carry beta2's fp32 representation
@@ -48,12 +57,25 @@ struct AdamW {
     float lr, beta1, beta2, omb1, omb2, bc1, bc2, eps, weight_decay;   // omb1 = 1 - beta1, omb2 = 1 - beta2
 };
 
-__device__ __forceinline__ void adamw_step(float& p, float& m, float& v, float g, float wd, const AdamW& a) {
+__device__ __forceinline__ float sqrt_approx(float x) {   // MUFU; ftz: a v under 2^-126 is far below eps^2
+    float y;
+    asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float rcp_approx(float x) {    // MUFU; x >= eps here, so no denormal input
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The fp32-master update on the SFU (header): inv_bc1 = 1 / bc1, inv_bc2 = 1 / bc2.
+__device__ __forceinline__ void adamw_step(float& p, float& m, float& v, float g, float wd, const AdamW& a,
+                                           float inv_bc1, float inv_bc2) {
     m = a.beta1 * m + a.omb1 * g;
     v = a.beta2 * v + a.omb2 * g * g;
-    const float mhat = m / a.bc1;
-    const float vhat = v / a.bc2;
-    p -= a.lr * (mhat / (sqrtf(vhat) + a.eps) + wd * p);
+    const float mhat = m * inv_bc1;
+    const float vhat = v * inv_bc2;
+    p -= a.lr * (mhat * rcp_approx(sqrt_approx(vhat) + a.eps) + wd * p);
 }
 
 template <typename TG>
@@ -63,6 +85,7 @@ __device__ void adamw_update(float* params, float* m, float* v, bf16* params_low
     extern __shared__ int s_bounds[];                // (num_bounds,)
     load_decay_bounds(s_bounds, bounds, num_bounds);
     const float scale = clip_scale(grad_scale, norm, max_norm);
+    const float inv_bc1 = 1.0f / a.bc1, inv_bc2 = 1.0f / a.bc2;   // once a thread, IEEE
     const int stride = gridDim.x * blockDim.x;
     const int tid = blockIdx.x * blockDim.x + threadIdx.x;
     int cur = 0;
@@ -78,10 +101,14 @@ __device__ void adamw_update(float* params, float* m, float* v, bf16* params_low
             float4 m4 = *reinterpret_cast<const float4*>(m + i);
             float4 v4 = *reinterpret_cast<const float4*>(v + i);
             const float4 g4 = load_grad4(grads + i);
-            adamw_step(p4.x, m4.x, v4.x, g4.x * scale, decay_at(i, cur, s_bounds, num_bounds, a.weight_decay), a);
-            adamw_step(p4.y, m4.y, v4.y, g4.y * scale, decay_at(i + 1, cur, s_bounds, num_bounds, a.weight_decay), a);
-            adamw_step(p4.z, m4.z, v4.z, g4.z * scale, decay_at(i + 2, cur, s_bounds, num_bounds, a.weight_decay), a);
-            adamw_step(p4.w, m4.w, v4.w, g4.w * scale, decay_at(i + 3, cur, s_bounds, num_bounds, a.weight_decay), a);
+            adamw_step(p4.x, m4.x, v4.x, g4.x * scale,
+                       decay_at(i, cur, s_bounds, num_bounds, a.weight_decay), a, inv_bc1, inv_bc2);
+            adamw_step(p4.y, m4.y, v4.y, g4.y * scale,
+                       decay_at(i + 1, cur, s_bounds, num_bounds, a.weight_decay), a, inv_bc1, inv_bc2);
+            adamw_step(p4.z, m4.z, v4.z, g4.z * scale,
+                       decay_at(i + 2, cur, s_bounds, num_bounds, a.weight_decay), a, inv_bc1, inv_bc2);
+            adamw_step(p4.w, m4.w, v4.w, g4.w * scale,
+                       decay_at(i + 3, cur, s_bounds, num_bounds, a.weight_decay), a, inv_bc1, inv_bc2);
             *reinterpret_cast<float4*>(params + i) = p4;
             *reinterpret_cast<float4*>(m + i) = m4;
             *reinterpret_cast<float4*>(v + i) = v4;
@@ -94,7 +121,8 @@ __device__ void adamw_update(float* params, float* m, float* v, bf16* params_low
     // above the vector ones, so the cursor still only moves forward.
     for (int i = done + tid; i < n; i += stride) {
         float p = params[i], mi = m[i], vi = v[i];
-        adamw_step(p, mi, vi, to_float(grads[i]) * scale, decay_at(i, cur, s_bounds, num_bounds, a.weight_decay), a);
+        adamw_step(p, mi, vi, to_float(grads[i]) * scale, decay_at(i, cur, s_bounds, num_bounds, a.weight_decay), a,
+                   inv_bc1, inv_bc2);
         params[i] = p;
         m[i] = mi;
         v[i] = vi;

@@ -30,7 +30,10 @@ the same hash with uint32 arithmetic, so CPU and GPU agree bit for bit.
 The reference runs in float64 and rounds once to float32; the kernel computes
 in float32, so they agree to float32 rounding (bf16 modes: to that rounding
 before the bf16 one, so a value that lands near a bf16 rounding boundary may
-round the other way).
+round the other way). The fp32-master kernel takes the square root and the
+division on the SFU's approximations (a few ulp of the update term: an error
+far below p's own ulp): the step runs at the GPU's power cap, where the
+IEEE sequences' instructions cost step time (kernels_cu/adamw.cu's header).
 """
 from __future__ import annotations
 

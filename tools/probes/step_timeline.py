@@ -13,7 +13,9 @@ library in the process (CuPy's RawModules and cuBLAS alike). From K recorded ste
 
 Measured: tools/notes/profile.md, twenty-second session. torch is used here as a tracer only (the device machines have it; the package never imports it).
 Run (GPU):  PYTHONPATH=. python3 tools/probes/step_timeline.py [model=d12] [B=64] [dtype=bf16]
-            [warm=12] [steps=4] [top=30] [graph=1]
+            [warm=12] [steps=4] [top=30] [graph=1] [sizes=fp8_,adamw]
+  sizes=S1,S2: for kernels whose name holds one of these, calls a step by duration bucket (a tiny
+  weight cast and an activation cast share a kernel name)
 """
 import bisect
 import json
@@ -31,7 +33,7 @@ from gpucore.profile import synthetic_training
 from gpucore.step_graph import StepGraph
 from gpucore.train import train_step
 
-opts = dict(model="d12", B="64", dtype="bf16", warm="12", steps="4", top="30", graph="1")
+opts = dict(model="d12", B="64", dtype="bf16", warm="12", steps="4", top="30", graph="1", sizes="")
 opts.update(kv.split("=", 1) for kv in sys.argv[1:])
 K = int(opts["steps"])
 run = synthetic_training(opts["model"], int(opts["B"]), None, "cuda", opts["dtype"])
@@ -142,3 +144,16 @@ for s, e, name in kernels:
 print(f"\nkernels by name: ms/step, calls/step, us/call (in the step)")
 for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:int(opts["top"])]:
     print(f"  {t / 1e3 / K:8.3f} {n / K:7.1f} {t / n:8.1f}  {name}")
+if opts["sizes"]:
+    edges = [0, 3, 6, 12, 25, 50, 100, 200, 400, 1e9]
+    print(f"\ncalls a step by duration (us), ms/step: buckets {edges[1:-1]}")
+    buckets = defaultdict(lambda: [[0, 0.0] for _ in edges[:-1]])
+    for s0, e0, name in kernels:
+        if any(k in name for k in opts["sizes"].split(",")):
+            d = e0 - s0
+            b = buckets[short(name, 50)][bisect.bisect_right(edges, d) - 1]
+            b[0] += 1
+            b[1] += d
+    for name, bs in sorted(buckets.items()):
+        cells = "  ".join(f"<{edges[i + 1]:g}:{n / K:.0f}/{t / 1e3 / K:.3f}" for i, (n, t) in enumerate(bs) if n)
+        print(f"  {name}: {cells}")
