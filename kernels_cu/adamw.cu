@@ -52,6 +52,7 @@
  * takes the square root. Fixed order -> bitwise reproducible, no atomics.
  */
 #include "optim.cuh"
+#include "fast_packs.cuh"   // cvt_rn_bf16x2
 
 struct AdamW {
     float lr, beta1, beta2, omb1, omb2, bc1, bc2, eps, weight_decay;   // omb1 = 1 - beta1, omb2 = 1 - beta2
@@ -101,19 +102,28 @@ __device__ void adamw_update(float* params, float* m, float* v, bf16* params_low
             float4 m4 = *reinterpret_cast<const float4*>(m + i);
             float4 v4 = *reinterpret_cast<const float4*>(v + i);
             const float4 g4 = load_grad4(grads + i);
-            adamw_step(p4.x, m4.x, v4.x, g4.x * scale,
-                       decay_at(i, cur, s_bounds, num_bounds, a.weight_decay), a, inv_bc1, inv_bc2);
-            adamw_step(p4.y, m4.y, v4.y, g4.y * scale,
-                       decay_at(i + 1, cur, s_bounds, num_bounds, a.weight_decay), a, inv_bc1, inv_bc2);
-            adamw_step(p4.z, m4.z, v4.z, g4.z * scale,
-                       decay_at(i + 2, cur, s_bounds, num_bounds, a.weight_decay), a, inv_bc1, inv_bc2);
-            adamw_step(p4.w, m4.w, v4.w, g4.w * scale,
-                       decay_at(i + 3, cur, s_bounds, num_bounds, a.weight_decay), a, inv_bc1, inv_bc2);
+            // The decay of i; i + 1 .. i + 3 share it unless a span boundary falls among them (the
+            // boundaries are the tensors' edges: nearly every group sits inside one tensor).
+            const float wd0 = decay_at(i, cur, s_bounds, num_bounds, a.weight_decay);
+            float wd1 = wd0, wd2 = wd0, wd3 = wd0;
+            if (cur < num_bounds && s_bounds[cur] <= i + 3) {
+                wd1 = decay_at(i + 1, cur, s_bounds, num_bounds, a.weight_decay);
+                wd2 = decay_at(i + 2, cur, s_bounds, num_bounds, a.weight_decay);
+                wd3 = decay_at(i + 3, cur, s_bounds, num_bounds, a.weight_decay);
+            }
+            adamw_step(p4.x, m4.x, v4.x, g4.x * scale, wd0, a, inv_bc1, inv_bc2);
+            adamw_step(p4.y, m4.y, v4.y, g4.y * scale, wd1, a, inv_bc1, inv_bc2);
+            adamw_step(p4.z, m4.z, v4.z, g4.z * scale, wd2, a, inv_bc1, inv_bc2);
+            adamw_step(p4.w, m4.w, v4.w, g4.w * scale, wd3, a, inv_bc1, inv_bc2);
             *reinterpret_cast<float4*>(params + i) = p4;
             *reinterpret_cast<float4*>(m + i) = m4;
             *reinterpret_cast<float4*>(v + i) = v4;
-            if (write_lowp)
-                *reinterpret_cast<uint2*>(params_lowp + i) = make_uint2(pack_bf16x2(p4.x, p4.y), pack_bf16x2(p4.z, p4.w));
+            if (write_lowp) {   // the one-instruction conversion, but NaN keeps float_to_bf16's bits
+                const bool nan = isnan(p4.x) || isnan(p4.y) || isnan(p4.z) || isnan(p4.w);
+                *reinterpret_cast<uint2*>(params_lowp + i) =
+                    nan ? make_uint2(pack_bf16x2(p4.x, p4.y), pack_bf16x2(p4.z, p4.w))
+                        : make_uint2(cvt_rn_bf16x2(p4.x, p4.y), cvt_rn_bf16x2(p4.z, p4.w));
+            }
         }
         done = n4 * 4;
     }
