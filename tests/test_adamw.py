@@ -411,6 +411,28 @@ def test_gpu_nan_norm_is_not_silently_ignored(rng):
 
 
 @pytest.mark.cuda
+def test_gpu_bf16_copy_of_nan_params_keeps_the_exact_bits(rng):
+    """The bf16 working copy is cvt.rn.bf16x2's, except in a float4 group holding a NaN, which takes
+    float_to_bf16 (sign | 0x7fc0, as the CPU cast): a NaN parameter, from a NaN gradient, in some
+    groups and not in others."""
+    cp = runtime.cupy
+    n = 4096
+    params, grads, m, v = _state(rng, n)
+    grads[[5, 6, 1001, 4095]] = np.float32("nan")
+    grads[[2000]] = -np.float32("nan")
+    lowp = cp.zeros(n, gpucore.bfloat16)
+    pg = cp.asarray(params)
+    gpucore.adamw_update(pg, cp.asarray(grads), cp.asarray(m), cp.asarray(v), lr=1e-3, step=3,
+                         params_lowp=lowp)
+    p = to_cpu(pg)
+    assert np.isnan(p).sum() == 5
+    got = to_cpu(lowp).view(np.uint16)
+    nan = np.isnan(p)
+    want = np.where(nan, (p.view(np.uint32) >> 16 & 0x8000) | 0x7fc0, p.astype(gpucore.bfloat16).view(np.uint16))
+    np.testing.assert_array_equal(got, want.astype(np.uint16))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("n", [1, 5, 1000, 65536 + 7, (1 << 22) + 3, 124_475_904])
 def test_gpu_grad_norm(rng, dtype, n):
