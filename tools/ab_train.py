@@ -15,6 +15,12 @@ A variant is NAME=TREE[:ENV=VALUE,...][:EXTRA TRAIN OPTIONS]:
 
 Every run: `gpucore train --dtype bf16 --device cuda` on Tiny Shakespeare (made with `gpucore
 prepro` when missing), lr 3e-4, no validation, sampling or checkpoints. Logs under $OUT/ab_train.
+
+The cuBLASLt algorithms are raced once and cached under HOME (~/.cache/gpucore). Variants that share
+HOME share the race's picks; variants with a HOME each race their own, and at d48 the picks alone
+have moved whole steps by 1.5% (tools/notes/profile.md, twenty-seventh session). So compare trees
+whose GEMMs are the same with one HOME ("a=.old:HOME=/tmp/h" "b=.:HOME=/tmp/h"), and give a tree
+its own HOME only when its caches' format or its GEMM paths differ (tools/ratio_check.sh's 843553c).
 """
 from __future__ import annotations
 
