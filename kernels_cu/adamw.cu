@@ -52,31 +52,21 @@
  * takes the square root. Fixed order -> bitwise reproducible, no atomics.
  */
 #include "optim.cuh"
-#include "fast_packs.cuh"   // cvt_rn_bf16x2
+#include "fast_packs.cuh"   // rcp_ftz, sqrt_ftz, cvt_rn_bf16x2
 
 struct AdamW {
     float lr, beta1, beta2, omb1, omb2, bc1, bc2, eps, weight_decay;   // omb1 = 1 - beta1, omb2 = 1 - beta2
 };
 
-__device__ __forceinline__ float sqrt_approx(float x) {   // MUFU; ftz: a v under 2^-126 is far below eps^2
-    float y;
-    asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-__device__ __forceinline__ float rcp_approx(float x) {    // MUFU; x >= eps here, so no denormal input
-    float y;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// The fp32-master update on the SFU (header): inv_bc1 = 1 / bc1, inv_bc2 = 1 / bc2.
+// The fp32-master update on the SFU (header): inv_bc1 = 1 / bc1, inv_bc2 = 1 / bc2. ftz costs
+// nothing here: a vhat under 2^-126 has a root far below eps, and rcp's input is >= eps.
 __device__ __forceinline__ void adamw_step(float& p, float& m, float& v, float g, float wd, const AdamW& a,
                                            float inv_bc1, float inv_bc2) {
     m = a.beta1 * m + a.omb1 * g;
     v = a.beta2 * v + a.omb2 * g * g;
     const float mhat = m * inv_bc1;
     const float vhat = v * inv_bc2;
-    p -= a.lr * (mhat * rcp_approx(sqrt_approx(vhat) + a.eps) + wd * p);
+    p -= a.lr * (mhat * rcp_ftz(sqrt_ftz(vhat) + a.eps) + wd * p);
 }
 
 template <typename TG>

@@ -10,7 +10,8 @@
  * issue slots before they run out of bandwidth. Here:
  *   - Raw<T>: a 16-byte pack kept as four 32-bit words (uint4); a bf16 pair
  *     unpacks with one shift or one mask per element;
- *   - ex2_ftz: the bare MUFU.EX2 (results under 2^-126 flush to 0);
+ *   - ex2_ftz, rcp_ftz, sqrt_ftz: the bare MUFU instructions (results under
+ *     2^-126 flush to 0);
  *   - cvt_rn_bf16x2: the hardware round-to-nearest-even conversion of two
  *     floats, equal to float_to_bf16 for every non-NaN input; NaN becomes
  *     0x7fff instead of sign|0x7fc0, so callers use pack_exact for rows that
@@ -27,6 +28,19 @@
 __device__ __forceinline__ float ex2_ftz(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// 1 / x and sqrt(x) as the bare MUFU instructions (rel. error ~2^-23; inputs and results below
+// 2^-126 flush to 0): where no IEEE-exact quotient or root is owed (GELU's sigmoid, AdamW's update).
+__device__ __forceinline__ float rcp_ftz(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float sqrt_ftz(float x) {
+    float y;
+    asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
 

@@ -5,7 +5,7 @@
  */
 #pragma once
 
-#include "fast_packs.cuh"   // ex2_ftz, cvt_rn_bf16x2, LOG2E
+#include "fast_packs.cuh"   // ex2_ftz, rcp_ftz, cvt_rn_bf16x2, LOG2E
 
 #define GELU_K 0.7978845608028654f      // sqrt(2 / pi)
 #define GELU_A 0.044715f
@@ -15,12 +15,6 @@
 #define GELU_D0 (2.0f * GELU_K)
 #define GELU_D1 (6.0f * GELU_K * GELU_A)
 #define GELU_CLAMP2 115.41560327111707f  // 80 log2(e): the same clamp (exp(80)) in log2 units
-
-__device__ __forceinline__ float rcp_ftz(float x) {   // the bare MUFU.RCP
-    float y;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 
 // s = sigmoid(2u) and e = exp(-2u), with the exponent clamped (gelu.cu's header).
 // Accurate (the float32 kernels): expf. __expf computes ex2(x * log2e), whose

@@ -145,15 +145,15 @@ print(f"\nkernels by name: ms/step, calls/step, us/call (in the step)")
 for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:int(opts["top"])]:
     print(f"  {t / 1e3 / K:8.3f} {n / K:7.1f} {t / n:8.1f}  {name}")
 if opts["sizes"]:
-    edges = [0, 3, 6, 12, 25, 50, 100, 200, 400, 1e9]
-    print(f"\ncalls a step by duration (us), ms/step: buckets {edges[1:-1]}")
-    buckets = defaultdict(lambda: [[0, 0.0] for _ in edges[:-1]])
+    dur_edges = [0, 3, 6, 12, 25, 50, 100, 200, 400, 1e9]
+    print(f"\ncalls a step by duration (us), ms/step: buckets {dur_edges[1:-1]}")
+    buckets = defaultdict(lambda: [[0, 0.0] for _ in dur_edges[:-1]])
     for s0, e0, name in kernels:
         if any(k in name for k in opts["sizes"].split(",")):
             d = e0 - s0
-            b = buckets[short(name, 50)][bisect.bisect_right(edges, d) - 1]
+            b = buckets[short(name, 50)][bisect.bisect_right(dur_edges, d) - 1]
             b[0] += 1
             b[1] += d
     for name, bs in sorted(buckets.items()):
-        cells = "  ".join(f"<{edges[i + 1]:g}:{n / K:.0f}/{t / 1e3 / K:.3f}" for i, (n, t) in enumerate(bs) if n)
+        cells = "  ".join(f"<{dur_edges[i + 1]:g}:{n / K:.0f}/{t / 1e3 / K:.3f}" for i, (n, t) in enumerate(bs) if n)
         print(f"  {name}: {cells}")
