@@ -10,7 +10,8 @@
  * whole head, so dQ can be summed in a fixed order without atomics or semaphores:
  *   block = one (batch, head), NWG = 2 warpgroups, one block per SM; for each KV tile j of 128
  *   keys (in order; warpgroup w owns keys 64w..64w+63) and each Q tile i of 64 queries at or after
- *   the tile's first key (in order):
+ *   the tile's first key (ascending for even j, descending for odd j: each pass starts on the Q/dO
+ *   tiles and dQ^T sums the one before touched last, still in the L2 -- see q_of):
  *     S^T  = K Q^T, dP^T = V dO^T            (smem x smem, K-major)
  *     P^T  = exp2(S^T * scale*log2e - lse*log2e), 0 where key > query or query >= T
  *     dV  += P^T dO, dS^T = P^T (dP^T - D), dK += dS^T Q   (as the dK/dV pass)
@@ -275,18 +276,23 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         v3_load_tile<BN, HD, NT, true>(k_s, q_g + C, jj * BN, T, stride, once);
         v3_load_tile<BN, HD, NT, true>(k_s + KV_BYTES, q_g + 2 * C, jj * BN, T, stride, once);
     };
-    // (jj, ii) -> the tile after it, in the order the loops below walk them (jj >= nkv past the last)
-    auto next_tile = [&](int& jj, int& ii) {
-        if (ii + 1 < nt) { ii++; return; }
+    // KV tile jj's kk-th visit -> its Q tile. Odd KV tiles walk their Q tiles backwards (serpentine):
+    // a KV tile's pass re-reads the Q/dO tiles (and adds into the dQ^T sums) its predecessor touched
+    // last, which are still in the L2; in one direction every pass met the tiles least recently used
+    // (the 132 resident heads' Q/dO and sums, ~68 MB, do not fit the 50 MB L2). Measured: x1.05 (d12).
+    auto q_of = [&](int jj, int kk) { return (jj & 1) ? nt - 1 - kk : jj * BN / BM + kk; };
+    // (jj, kk) -> the visit after it, in the order the loops below walk them (jj >= nkv past the last)
+    auto next_tile = [&](int& jj, int& kk) {
+        if (kk + 1 < nt - jj * BN / BM) { kk++; return; }
         jj++;
-        ii = jj < nkv ? jj * BN / BM : 0;
+        kk = 0;
     };
     load_kv_tile(0);
     load_q_tile(0, 0);
     cp_async_commit();
-    int aj = 0, ai = 0;                           // the tile two ahead of the current one
+    int aj = 0, ai = 0;                           // the visit two ahead of the current one
     next_tile(aj, ai);
-    if (aj < nkv) load_q_tile(1, ai * BM);
+    if (aj < nkv) load_q_tile(1, q_of(aj, ai) * BM);
     cp_async_commit();
     next_tile(aj, ai);
 
@@ -317,7 +323,9 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         wg_fence_regs<HD / 2>(dk);
         wg_fence_regs<HD / 2>(dv);
         const int i_first = n0 / BM;
-        for (int i = i_first; i < nt; i++, tc++) {
+        const int nvis = nt - i_first;
+        for (int k = 0; k < nvis; k++, tc++) {
+            const int i = q_of(j, k);
             const int buf = tc % ST;
             cp_async_wait<1>();                   // this thread's copies of tile i, K/V and the staged
                                                   // sums landed (only tile tc+1's copies may pend)
@@ -328,14 +336,14 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             // two commit groups per tile: first what the next tile needs, then the Q tile two ahead
             // (across KV tiles too). The next KV tile's K and V, a whole KV tile ahead, into the
             // buffer KV tile j - 1 used (its last wgmma retired before the barrier at its end):
-            if (i == i_first && j + 1 < nkv) load_kv_tile(j + 1);
+            if (k == 0 && j + 1 < nkv) load_kv_tile(j + 1);
             // this tile's dQ^T is stored at the next tile (or after the loop); at its last (diagonal)
             // KV tile, it needs the partial sums so far: into the staging buffer the previous
             // tile's part has left
             if (j > 0 && i * BM / BN == j)
                 v3_dq_prefetch<NT>(sA + (tc + 1) % SA * A_BYTES, qacc + i * HD * 64);
             cp_async_commit();
-            if (aj < nkv) load_q_tile((tc + 2) % ST, ai * BM);
+            if (aj < nkv) load_q_tile((tc + 2) % ST, q_of(aj, ai) * BM);
             cp_async_commit();
             next_tile(aj, ai);
             const int m0 = i * BM;
@@ -399,7 +407,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
                 // loop top meets (the next KV tile's first after this KV tile's last; after the
                 // head's last visit a product nobody reads, on stale tiles). Issuing its dP^T here
                 // too measured no faster: dP^T then no longer runs beside the exps.
-                const u32 kn = sK + ((i + 1 == nt ? j + 1 : j) & 1) * 2 * KV_BYTES;
+                const u32 kn = sK + ((k + 1 == nvis ? j + 1 : j) & 1) * 2 * KV_BYTES;
                 wg_fence_regs<BM / 2>(st);
                 wg_fence_regs<BM / 2>(dpt);
                 wgmma_fence();
