@@ -182,8 +182,10 @@ def test_gpu_profile_small():
     for op in ("matmul forward", "matmul backward", "attention forward", "attention backward"):
         assert rows[op]["tflops"] > 0 and rows[op]["ms"] > 0
     assert all(r["ms"] > 0 for r in rows.values())
-    # event-timed ops lie inside the step; the plain step (no recording) may differ by noise
-    assert report["host_gap_ms"] >= -0.05 * report["step_ms"], format_table(report)
+    # Event-timed ops lie inside the steps they were recorded in. (Not the plain steps: at this size
+    # the step is host-bound, and an op's events also time the launches the GPU waits for inside it,
+    # so the ops' sum has exceeded the plain step by 17% on a device machine with a slower host.)
+    assert report["ops_ms"] <= 1.02 * report["recorded_step_ms"], format_table(report)
     p = report["power"]                       # NVML comes with the driver
     assert p is not None and p["seconds"] >= 1.0 and p["calls"] >= 1
     assert 0 < p["joules_per_call"] and 20 < p["watts"] <= 1.3 * p["limit_w"]
