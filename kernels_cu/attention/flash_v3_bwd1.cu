@@ -40,7 +40,8 @@
  * copied into the second K/V buffer at its predecessor's first Q tile. At a KV tile's end dK and dV
  * go out through the free dS^T tile (stmatrix, then 16-byte stores of whole rows).
  * L2 policies: the dQ^T scratch is written evict_last and each tile dropped (discard) once its
- * diagonal has copied it in; K and V (read once) are copied evict_first. The scratch's adds had
+ * diagonal has copied it in; K and V (read once) and Q/dO (re-read each pass, in serpentine order:
+ * see q_of and load_q_tile) are copied evict_first. The scratch's adds had
  * cost ~0.19 ms of 1.08 at d12, half of it in sums evicted between two adds (x1.04, bitwise equal).
  * Measured: tools/notes/attention.md (H200, d12 B=64: 1.03 vs the two-pass 1.25 ms); a block is a
  * whole head, so gpucore/ops/attention.py takes this kernel only where B*NH fills the SMs' waves.
@@ -177,7 +178,7 @@ __device__ __forceinline__ void v3_warp_colsum(float2* csum, const unsigned char
 // the block, and waits for them all to complete at the end of each KV tile, so the additions into a
 // scratch tile land in KV-tile order: the same sum, bit for bit, every run.
 // The scratch's lines go to the L2 as evict_last: ~34 MB of live sums at d12 (132 heads x 256 KB)
-// share the 50 MB L2 with K/V (read once: evict_first), Q/dO (re-read per KV tile) and dqkv, and
+// share the 50 MB L2 with K/V (read once) and Q/dO (re-read per KV tile), both evict_first, and dqkv;
 // a sum evicted between two adds costs a DRAM read and write (twentieth session: the adds' cost
 // halved, the kernel x1.04; tools/notes/attention.md). v3_dq_discard drops each tile once its
 // diagonal has copied it in, so no dead evict_last line outlives its use.
@@ -256,9 +257,13 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         if (threadIdx.x < 128) qsums[threadIdx.x] = 0.f;   // read by other threads after the first barrier
     }
 
+    // Q/dO copied evict_first too, although each pass re-reads them: with the serpentine order
+    // (q_of) the re-reads are of lines just touched, and the hint leaves the L2 to the dQ^T sums
+    // (evict_last): x1.013-1.015 of the kernel at both shapes, measured in three rounds (H100)
     auto load_q_tile = [&](int st, int r) {
-        v3_load_tile<BM, HD, NT>(sQ + st * Q_BYTES, q_g, r, T, stride);
-        v3_load_tile<BM, HD, NT>(sO + st * Q_BYTES, do_g, r, T, C);
+        const u64 qpol = l2_evict_first();
+        v3_load_tile<BM, HD, NT, true>(sQ + st * Q_BYTES, q_g, r, T, stride, qpol);
+        v3_load_tile<BM, HD, NT, true>(sO + st * Q_BYTES, do_g, r, T, C, qpol);
         load_vec_async<BM, NT>(sL + st * BM, l_g, r, T);
         load_vec_async<BM, NT>(sD + st * BM, d_g, r, T);
     };
