@@ -136,8 +136,9 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
     const int col = (t & 7) * 8;               // 8 columns per pack
     u32 m = 0;
     // Tiles in a grid-stride loop: a full grid runs each block once; the gated re-cast is launched
-    // on a capped grid, so that when the gate says no, few blocks start only to return.
-    for (int ty = blockIdx.y; ty * TR < R; ty += gridDim.y)
+    // on a capped grid, so that when the gate says no, few blocks start only to return. Tile rows
+    // from the last (common.cuh from_last): `in` is what a GEMM or the attention backward just wrote.
+    for (int ty = from_last(blockIdx.y, (R + TR - 1) / TR); ty >= 0; ty -= gridDim.y)   // tile rows from the last
     for (int tx = blockIdx.x; tx * TILE < C; tx += gridDim.x) {
     const int r0 = ty * TR, c0 = tx * TILE;
     if (out_t || COLSUM) __syncthreads();      // the last tile's shared reads are done
@@ -224,7 +225,7 @@ __device__ void fp8_transpose(u8* __restrict__ out, const u8* __restrict__ in, i
     constexpr int TC = TILE * CT, SW = TC / 4 + 1;   // tile columns (bytes), row stride (words)
     __shared__ u32 tile[TILE * SW];
     const int t = threadIdx.x;
-    for (int ty = blockIdx.y; ty * TILE < R; ty += gridDim.y)
+    for (int ty = from_last(blockIdx.y, (R + TILE - 1) / TILE); ty >= 0; ty -= gridDim.y)   // from the last
     for (int tx = blockIdx.x; tx * TC < C; tx += gridDim.x) {
         const int r0 = ty * TILE, c0 = tx * TC;
         __syncthreads();                       // the last tile's gathers are done
@@ -291,7 +292,9 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
     const float gs = gelu_t ? *gelu_scale : 0.0f;
     const int col = (t & 7) * 8;
     u32 m = 0;
-    for (int ty = blockIdx.y; ty * TR < R; ty += gridDim.y)     // fp8_cast's tile loop
+    // fp8_cast's tile loop, in row order: tile rows from the last (as fp8_cast) spilled at this
+    // kernel's register cap (80, 16 B of stack on sm_90)
+    for (int ty = blockIdx.y; ty * TR < R; ty += gridDim.y)
     for (int tx = blockIdx.x; tx * TILE < C; tx += gridDim.x) {
     const int r0 = ty * TR, c0 = tx * TILE;
     if (out_t || partials || gelu_t) __syncthreads();   // the last tile's shared reads are done

@@ -72,7 +72,7 @@ template <typename T, bool FUSED>
 __device__ void layernorm_forward_v1(T* residual, T* out, float* mean, float* rstd,   // (rows,C) (rows,C) (rows,) (rows,)
                                      const T* a, const T* b, const T* weight, const T* bias,   // (rows,C) x2 (C,) (C,)
                                      int rows, int C, float eps) {
-    const int row = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = from_last(blockIdx.x, gridDim.x) * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= rows) return;
     const size_t off = (size_t)row * C;
     // Each lane always visits the same columns (c = lane mod 32), so it reads
@@ -250,7 +250,8 @@ __device__ void layernorm_forward_v2(T* residual, T* out, float* mean, float* rs
                                      const T* a, const T* b, const T* weight, const T* bias,   // (rows,C) x2 (C,) (C,)
                                      int rows, int C, float eps) {
     constexpr int P = Pack16<T>::size;
-    const int row = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    // the last rows first (common.cuh from_last): x is what the projection GEMM before just wrote
+    const int row = from_last(blockIdx.x, gridDim.x) * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= rows) return;
     const int nP = C / P;
     const size_t off = (size_t)row * C;
@@ -293,7 +294,7 @@ __device__ void layernorm_forward_fp8(bf16* residual, u8* out8, u8* out8_t, floa
     if (gate && *gate == 0.0f) return;         // block-uniform
     constexpr int P = Pack16<bf16>::size;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int r0 = blockIdx.x * ROWS, pw = C / 4 + 1, nP = C / P;   // tile row pitch in words: odd
+    const int r0 = from_last(blockIdx.x, gridDim.x) * ROWS, pw = C / 4 + 1, nP = C / P;   // tile row pitch in words: odd
     const float s = *scale;
     u32 mb = 0;
     for (int rr = 0; rr < ROWS / 8; rr++) {
