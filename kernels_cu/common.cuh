@@ -44,6 +44,10 @@ __device__ __forceinline__ bf16 float_to_bf16(float f) {
 // training path's GEMM, row order -> last first: 52 MB (d48 attproj's output) 0.055 -> 0.016 ms,
 // 101 MB 0.048 -> 0.025, 403 MB 0.107 -> 0.089 (NVIDIA H200, tools/probes/l2_after_gemm.py). Each
 // chunk's work is the same, and so are the bits; only the order in which the chunks start changes.
+// Kept where it measured faster in the graphed d12 step (tools/probes/step_timeline.py, H100, two
+// rounds): the layernorm forward (bf16 -3%, FP8 -1.7%), fp8_cast (e5m2 -2.1%, the GELU cast -2.0%),
+// fp8_transpose (-0.5%). Removed where it did not: the GELU backward + dbias (+0.4%), the attention's
+// D pass and the layernorm backward's rows (no change).
 __device__ __forceinline__ int from_last(int k, int n) { return n - 1 - k; }
 
 // Uniform float conversions so templates can be written once for float and bf16.

@@ -65,7 +65,7 @@ __device__ __forceinline__ Pack16<T> round_pack(const float (&f)[Pack16<T>::size
 template <typename T>
 __device__ void gelu_forward(T* out, const T* x, int n) {   // (n,) (n,); out may alias x
     constexpr int P = Pack16<T>::size;
-    const int base = from_last(blockIdx.x, gridDim.x) * blockDim.x * UNROLL + threadIdx.x;   // in packs
+    const int base = blockIdx.x * blockDim.x * UNROLL + threadIdx.x;   // in packs
     if (is_aligned16(out) && is_aligned16(x) && (base + (UNROLL - 1) * (int)blockDim.x + 1) * P <= n) {
         Pack16<T> v[UNROLL];
         #pragma unroll
@@ -99,7 +99,7 @@ __device__ __forceinline__ void store_gelu_pack(T* gout, const Pack16<T>& v) {
 template <typename T, bool GOUT>
 __device__ void gelu_backward(T* dx, T* gout, const T* dout, const T* x, int n) {   // (n,) x4 (gout: GOUT only)
     constexpr int P = Pack16<T>::size;
-    const int base = from_last(blockIdx.x, gridDim.x) * blockDim.x * UNROLL + threadIdx.x;   // in packs
+    const int base = blockIdx.x * blockDim.x * UNROLL + threadIdx.x;   // in packs
     if (is_aligned16(dx) && is_aligned16(dout) && is_aligned16(x) && (!GOUT || is_aligned16(gout)) &&
         (base + (UNROLL - 1) * (int)blockDim.x + 1) * P <= n) {
         Pack16<T> g[UNROLL], v[UNROLL];
@@ -146,8 +146,7 @@ __device__ void gelu_backward_dbias(T* dx, T* gout, float* partials,   // (N, C)
     __shared__ float smem[DB_WARPS][32 * P];
     const int lane = threadIdx.x, w = threadIdx.y;
     const int col0 = (blockIdx.x * 32 + lane) * P;
-    const int chunk = from_last(blockIdx.y, gridDim.y);   // dout: what fcproj's dx GEMM just wrote
-    const int row0 = chunk * rows_per_chunk;
+    const int row0 = blockIdx.y * rows_per_chunk;
     const int row1 = min(N, row0 + rows_per_chunk);
     float acc[P];
     #pragma unroll
@@ -190,7 +189,7 @@ __device__ void gelu_backward_dbias(T* dx, T* gout, float* partials,   // (N, C)
         float s = 0.0f;
         #pragma unroll
         for (int j = 0; j < DB_WARPS; j++) s = __fadd_rn(s, smem[j][c]);
-        partials[(size_t)chunk * C + col] = s;
+        partials[(size_t)blockIdx.y * C + col] = s;
     }
 }
 

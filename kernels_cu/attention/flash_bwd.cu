@@ -42,8 +42,7 @@ __device__ __forceinline__ void flash_bwd_preprocess(float* D,            // (B,
                                                      const bf16* out,     // (B, T, C)
                                                      int rows, int T, int NH) {
     constexpr int G = HD / 8;
-    // the last rows first (common.cuh from_last): dout is what attproj's dx GEMM just wrote
-    const int gid = from_last(blockIdx.x, gridDim.x) * blockDim.x + threadIdx.x;
+    const int gid = blockIdx.x * blockDim.x + threadIdx.x;
     const int row = gid / G, c = gid % G;                     // row = (b*T + t)*NH + h
     float acc = 0.f;
     if (row < rows) {
