@@ -741,7 +741,9 @@ def test_gpu_attention_backward_dbias_from_the_onepass_kernel(rng, case):
     """Where the one-pass kernel takes the whole batch (its _sums variant; T = 1000, not a tile
     multiple): dqkv bit for bit the plain kernel's, dbias += its column sums within float32 rounding
     of float64's (bf16 dbias within its rounding), the same bits twice. Where it does not (B=16
-    NH=25, the d48 split) the column-sum pass after the backward gives them."""
+    NH=25, the d48 split) the one-pass part's sums come from the _sums variant and the two-pass
+    part's from the column sum's stage 1 over its rows: float32 dbias bit for bit one stage 2 over
+    those partials, in that order."""
     need_sm90()
     cp = runtime.cupy
     sms = runtime.sm_count()
@@ -764,6 +766,15 @@ def test_gpu_attention_backward_dbias_from_the_onepass_kernel(rng, case):
         assert rel_err(sums, want) < (1e-5 if dt == np.float32 else 1e-2), dt
         runs.append(to_cpu(db).tobytes())
     assert runs[0] == runs[1]
+    if case == "split":
+        from gpucore.ops.colsum import colsum_chunks, colsum_partials, stage2_order_sum
+        b1 = attn.onepass_batches(B, NH, 64, sms)
+        part = cp.empty((b1 + colsum_chunks((B - b1) * T), 3 * C), np.float32)
+        attn.backward_v3_onepass(dout[:b1], qkv[:b1], out[:b1], lse[:b1], NH, cp.empty_like(qkv[:b1]),
+                                 sums=part[:b1])
+        colsum_partials(part[b1:], cp.asarray(ref[b1:]).reshape(-1, 3 * C))
+        emu = (np.float32(0.5) + stage2_order_sum(to_cpu(part))).astype(np.float32)
+        assert emu.tobytes() == runs[0], "split dbias: not stage 2 over the one-pass sums, then the chunks"
 
 
 # ------------------------------------------- FP8 output (--dtype fp8's attproj input) ----

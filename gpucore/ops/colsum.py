@@ -1,6 +1,7 @@
 """Deterministic column sums: the bias gradient of a linear layer (kernels_cu/colsum.cu).
 
     colsum(dbias, dout2d)             dbias (M,) += dout2d (N, M).sum(0)      (parameter grad: +=)
+    colsum_partials(partials, dout2d) its stage 1 alone, into the caller's partials (colsum_chunks(N) rows)
     reduce_partials(dbias, partials)  dbias (M,) += partials (chunks, M).sum(0), in stage 2's order
     stage2_order_sum(partials)        that sum in float32 on NumPy, bit for bit the kernel's (tests)
     colsum_reference(dbias, x2d)      the same on NumPy, in float64: every fused column sum's reference
@@ -41,17 +42,30 @@ def colsum_reference(dbias, x2d):
 def colsum(dbias, dout2d):
     """dbias (M,) += dout2d (N, M).sum(0) on the current stream: two deterministic launches."""
     N, M = dout2d.shape
-    cp = runtime.cupy
+    partials = runtime.cupy.empty((colsum_chunks(N), M), dtype=np.float32)
+    colsum_partials(partials, dout2d)
+    reduce_partials(dbias, partials)
+
+
+def colsum_chunks(N: int) -> int:
+    """Stage 1's partial rows for N rows of dout."""
+    return max(1, -(-N // COLSUM_ROWS_PER_CHUNK))
+
+
+def colsum_partials(partials, dout2d):
+    """Stage 1 alone: partials (colsum_chunks(N), M) float32 = dout2d (N, M)'s column sums over its
+    fixed row chunks, for a caller that adds partials of its own before stage 2 (reduce_partials)."""
+    N, M = dout2d.shape
+    chunks = colsum_chunks(N)
+    if partials.shape != (chunks, M) or partials.dtype != np.float32:
+        raise ValueError(f"partials: expected ({chunks}, {M}) float32, got {partials.shape} {partials.dtype}")
     suf = dtypes.kernel_suffix(dout2d.dtype)
-    chunks = max(1, -(-N // COLSUM_ROWS_PER_CHUNK))
-    partials = cp.empty((chunks, M), dtype=np.float32)
     P = 16 // dout2d.dtype.itemsize
     vec = M % P == 0 and dout2d.data.ptr % 16 == 0
     V = P if vec else 1
     k1 = runtime.get_kernel("colsum", f"colsum_stage1_kernel_{'vec' if vec else 'scalar'}_{suf}")
     runtime.launch(k1, (-(-M // (32 * V)), chunks), (32, COLSUM_WARPS),
                    (partials, dout2d, np.int32(N), np.int32(M), np.int32(COLSUM_ROWS_PER_CHUNK)))
-    reduce_partials(dbias, partials)
 
 
 def reduce_partials(dbias, partials):
