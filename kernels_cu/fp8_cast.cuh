@@ -65,9 +65,6 @@ __device__ __forceinline__ void block_amax(float* amax, u32 mbits) {
 // oc..oc + 3 at column orr (out_t (C, R) row-major; R % 4 == 0, orr % 4 == 0). Byte permutes turn
 // the block in registers: 4 shared loads where a byte-wise gather takes 16. Callers map consecutive
 // threads to consecutive row blocks, so each out_t row gets its tile's bytes contiguously.
-// STREAM: evict-first stores (whole tiles of a block); false for pieces of a 32-byte sector that
-// other warps complete, which should stay in the L2 until they have.
-template <bool STREAM = true>
 __device__ __forceinline__ void store_block4_t(u8* __restrict__ out_t, const u32* w, int sw, long long R,
                                                long long oc, long long orr) {
     const u32 w0 = w[0], w1 = w[sw], w2 = w[2 * sw], w3 = w[3 * sw];
@@ -75,11 +72,8 @@ __device__ __forceinline__ void store_block4_t(u8* __restrict__ out_t, const u32
     const u32 hi01 = __byte_perm(w0, w1, 0x7362), hi23 = __byte_perm(w2, w3, 0x7362);  // bytes 2, 3
     u32* o = reinterpret_cast<u32*>(out_t + oc * R + orr);
     const long long step = R / 4;      // one out_t row, in words
-    const u32 c[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),   // columns 0, 1
-                      __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};  // 2, 3 of the block
-    #pragma unroll
-    for (int k = 0; k < 4; k++) {
-        if constexpr (STREAM) __stcs(o + k * step, c[k]);
-        else o[k * step] = c[k];
-    }
+    __stcs(o, __byte_perm(lo01, lo23, 0x5410));            // column 0 of the block: byte 0 of w0..w3
+    __stcs(o + step, __byte_perm(lo01, lo23, 0x7632));     // column 1
+    __stcs(o + 2 * step, __byte_perm(hi01, hi23, 0x5410)); // column 2
+    __stcs(o + 3 * step, __byte_perm(hi01, hi23, 0x7632)); // column 3
 }

@@ -347,29 +347,11 @@ __device__ void layernorm_forward_fp8(bf16* residual, u8* out8, u8* out8_t, floa
 // two warp sums of s1, s2 in half order through shared memory (double-buffered
 // by row parity, one pair barrier a row); block partials sum each column over
 // the pairs in pair order, as S = 1 sums the warps in warp order.
-//
-// RW > 0 (--dtype fp8, bf16, S = 1): dx, the residual gradient, is also the next linear's output
-// gradient, and this pass writes its E5M2 bytes too -- out8 (rows, C) and/or out8_t (C, rows), the
-// bytes fp8_cast makes of the stored dx with *scale, amax its max |dx| -- so no cast pass reads dx
-// again. Each warp then takes runs of RW consecutive rows (run k of warp w: rows (k * grid * WARPS +
-// blockIdx.x * WARPS + w) * RW ..), their bytes gathering in the warp's own shared tile (dynamic,
-// RW rows of C / 4 + 8 / (RW / 4) words: the transposed reads below hit 32 banks) from which the
-// warp writes out8_t in 4 x 4 blocks after the run: only __syncwarp, no block barrier in the loop
-// (the twenty-sixth session's 32-row block chunks, two barriers each, cost what the cast did). The
-// run grouping sums dweight/dbias/dx_colsum partials over other rows than the plain kernel (fp32
-// rounding); dx is bit for bit the plain kernel's. rows % RW == 0.
-// PROBE: HINT 1 stores out8_t with an L2 evict_last policy (experiment).
-__device__ __forceinline__ void st_hint_u32(u32* p, u32 v, u64 pol) {
-    asm volatile("st.global.L2::cache_hint.b32 [%0], %1, %2;" :: "l"(p), "r"(v), "l"(pol));
-}
-template <typename T, int N, bool COLSUM, int S = 1, int RW = 0, int HINT = 0>
+template <typename T, int N, bool COLSUM, int S = 1>
 __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, const T* x,   // (grid,2|3,C) (rows,C) x3
                                       const T* weight, const float* mean, const float* rstd,   // (C,) (rows,) (rows,)
-                                      int rows, int C, u8* out8 = nullptr, u8* out8_t = nullptr,
-                                      float* amax = nullptr, const float* scale = nullptr) {
+                                      int rows, int C) {
     static_assert(S == 1 || S == 2, "layernorm backward: 1 or 2 warps per row");
-    static_assert(RW == 0 || (S == 1 && sizeof(T) == 2 && (RW == 8 || RW == 16 || RW == 32)),
-                  "the FP8 backward: bf16, one warp a row, runs of 8, 16 or 32 rows");
     constexpr int P = Pack16<T>::size;
     constexpr int NQ = COLSUM ? 3 : 2;        // partial slices per block in scratch
     constexpr int H = P / 4;                  // float4 slots per pack
@@ -400,16 +382,12 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
     __shared__ float2 xch[2][RPB][S];         // S = 2: the pair's warp sums (s1, s2), by row parity
     int parity = 0;
 
-    [[maybe_unused]] float s8 = 0.0f;          // RW > 0: the E5M2 scale
-    [[maybe_unused]] u32 mb = 0;               // and max |dx| bits (quantize8)
-    if constexpr (RW > 0) s8 = *scale;
-    // One row: dx += ..., the accumulators; RW > 0: its E5M2 bytes into tile_row (and out8).
-    // `next`: this warp's next row. The caller's loops have no block barrier: pairs may run
-    // different numbers of rows.
-    auto do_row = [&](const int row, const int next, [[maybe_unused]] u32* tile_row) {
+    // No block barrier inside this loop: pairs may run different numbers of rows.
+    for (int row = blockIdx.x * RPB + pair; row < rows; row += gridDim.x * RPB, parity ^= 1) {
         const size_t off = (size_t)row * C + (size_t)cb * P;   // this warp's part of the row
         // This warp's next row into L2 while this one computes: at large C the registers hold one
         // row per warp (N = 7: 254 registers, 8 warps per SM), so nothing else overlaps its loads.
+        const int next = row + gridDim.x * RPB;
         if (next < rows && lane < 3)
             prefetch_l2((lane == 0 ? dout : lane == 1 ? x : dx) + (size_t)next * C + (size_t)cb * P,
                         nL * P * sizeof(T));
@@ -475,16 +453,6 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
                 }
                 d[j] = exact ? Raw<T>::pack_exact(fd) : Raw<T>::pack_fast(fd);
                 *reinterpret_cast<uint4*>(dx + off + i * P) = d[j];
-                if constexpr (RW > 0) {        // the bytes fp8_cast makes of the stored dx
-                    const uint2 q = quantize8<E5M2>(d[j], s8, mb);
-                    if constexpr (RW == 32) {  // odd pitch: word stores
-                        tile_row[2 * i] = q.x;
-                        tile_row[2 * i + 1] = q.y;
-                    } else {
-                        *reinterpret_cast<uint2*>(tile_row + 2 * i) = q;
-                    }
-                    if (out8) *reinterpret_cast<uint2*>(out8 + off + i * P) = q;
-                }
                 if constexpr (COLSUM) {
                     // The stored (rounded) values: what a later reader of dx sees.
                     Raw<T>::unpack(d[j], fd);
@@ -499,45 +467,6 @@ __device__ void layernorm_backward_v2(float* scratch, T* dx, const T* dout, cons
                 }
             }
         }
-    };
-    if constexpr (RW == 0) {
-        for (int row = blockIdx.x * RPB + pair; row < rows; row += gridDim.x * RPB, parity ^= 1)
-            do_row(row, row + gridDim.x * RPB, nullptr);
-    } else {
-        extern __shared__ __align__(16) u32 ln_bwd8_tile[];
-        constexpr int RB = RW / 4;                 // 4-row blocks a run
-        const int pw = C / 4 + 8 / RB;             // tile pitch in words: 4 pw = 32 / RB (mod 32)
-        u32* tile = ln_bwd8_tile + warp * RW * pw;
-        const int stride = gridDim.x * WARPS * RW;
-        [[maybe_unused]] u64 pol = 0;
-        if constexpr (HINT == 1) pol = l2_evict_last();
-        for (int r0 = (blockIdx.x * WARPS + warp) * RW; r0 < rows; r0 += stride) {   // warp-uniform
-            #pragma unroll 1
-            for (int r = 0; r < RW; r++)
-                do_row(r0 + r, r + 1 < RW ? r0 + r + 1 : r0 + stride, tile + r * pw);
-            __syncwarp();
-            if (out8_t) {                          // lanes: the run's row blocks, then column words
-                for (int idx = lane; idx < RB * (C / 4); idx += 32) {
-                    const int q = idx % RB, cw = idx / RB;
-                    if constexpr (HINT == 0) {
-                        store_block4_t<false>(out8_t, tile + 4 * q * pw + cw, pw, rows, 4 * cw, r0 + 4 * q);
-                    } else {
-                        const u32* w = tile + 4 * q * pw + cw;
-                        const u32 w0 = w[0], w1 = w[pw], w2 = w[2 * pw], w3 = w[3 * pw];
-                        const u32 lo01 = __byte_perm(w0, w1, 0x5140), lo23 = __byte_perm(w2, w3, 0x5140);
-                        const u32 hi01 = __byte_perm(w0, w1, 0x7362), hi23 = __byte_perm(w2, w3, 0x7362);
-                        u32* o = reinterpret_cast<u32*>(out8_t + (long long)(4 * cw) * rows + r0 + 4 * q);
-                        const long long step = rows / 4;
-                        st_hint_u32(o, __byte_perm(lo01, lo23, 0x5410), pol);
-                        st_hint_u32(o + step, __byte_perm(lo01, lo23, 0x7632), pol);
-                        st_hint_u32(o + 2 * step, __byte_perm(hi01, hi23, 0x5410), pol);
-                        st_hint_u32(o + 3 * step, __byte_perm(hi01, hi23, 0x7632), pol);
-                    }
-                }
-            }
-            __syncwarp();                          // the tile is free for the next run
-        }
-        if (amax) block_amax(amax, mb);
     }
 
     // Reduce the block's warps, pack slot by pack slot, in warp (pair) order. Value t of
@@ -684,35 +613,6 @@ LN_V1(float, f32)
 LN_V1(bf16, bf16)
 LN_V2_ALL(float, f32)
 LN_V2_ALL(bf16, bf16)
-
-// The FP8 backward (layernorm_backward_v2's RW > 0): layernorm_backward[_colsum]_fp8_kernel_v2_n<N>_r<RW>,
-// bf16, one warp a row (N <= 4: C <= 1024); dynamic shared memory WARPS * RW * (C / 4 + 8 / (RW / 4)) words.
-#define LN_BWD_FP8(N, RW)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) layernorm_backward_fp8_kernel_v2_n##N##_r##RW(  \
-        float* scratch, bf16* dx, const bf16* dout, const bf16* x, const bf16* weight, const float* mean,  \
-        const float* rstd, int rows, int C, u8* out8, u8* out8_t, float* amax, const float* scale) {        \
-        layernorm_backward_v2<bf16, N, false, 1, RW>(scratch, dx, dout, x, weight, mean, rstd, rows, C,    \
-                                                     out8, out8_t, amax, scale);                           \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                \
-        layernorm_backward_colsum_fp8_kernel_v2_n##N##_r##RW(                                               \
-        float* scratch, bf16* dx, const bf16* dout, const bf16* x, const bf16* weight, const float* mean,  \
-        const float* rstd, int rows, int C, u8* out8, u8* out8_t, float* amax, const float* scale) {        \
-        layernorm_backward_v2<bf16, N, true, 1, RW>(scratch, dx, dout, x, weight, mean, rstd, rows, C,     \
-                                                    out8, out8_t, amax, scale);                            \
-    }
-LN_BWD_FP8(1, 8) LN_BWD_FP8(2, 8) LN_BWD_FP8(3, 8) LN_BWD_FP8(4, 8)
-LN_BWD_FP8(1, 16) LN_BWD_FP8(2, 16) LN_BWD_FP8(3, 16) LN_BWD_FP8(4, 16)
-LN_BWD_FP8(3, 32)
-#define LN_BWD_FP8_H(N, RW)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)                                             \
-        layernorm_backward_colsum_fp8_kernel_v2_n##N##_r##RW##_h(                                               \
-        float* scratch, bf16* dx, const bf16* dout, const bf16* x, const bf16* weight, const float* mean,  \
-        const float* rstd, int rows, int C, u8* out8, u8* out8_t, float* amax, const float* scale) {        \
-        layernorm_backward_v2<bf16, N, true, 1, RW, 1>(scratch, dx, dout, x, weight, mean, rstd, rows, C,     \
-                                                    out8, out8_t, amax, scale);                            \
-    }
-LN_BWD_FP8_H(3, 8) LN_BWD_FP8_H(3, 16)
 
 // The backward with 2 warps per row (layernorm_backward_v2's S = 2), for rows whose one-warp N
 // would be large (gpucore/ops/layernorm.py: SPLIT_MIN_N): _s2 kernels, N the packs per lane of

@@ -407,98 +407,15 @@ def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias
         k_dwdb = runtime.get_kernel("layernorm", f"layernorm_backward_dwdb_kernel_v1_{suf}")
         runtime.launch(k_dwdb, (col_blocks, chunks), V1_DWDB_BLOCK,
                        (scratch, dout, x, mean, rstd, i32(rows), i32(C), i32(rows_per_chunk)))
-    _reduce_partials(scratch, dweight, dbias, dx_colsum if version == 2 else None, C)
-    if dx_colsum is not None and version != 2:   # v1: a second pass over the finished dx
-        colsum(dx_colsum, dx.reshape(rows, C))
-    return dx, dweight, dbias
-
-
-def _reduce_partials(scratch, dweight, dbias, dx_colsum, C):
-    """Stage 2 of the backward: dweight, dbias (and dx_colsum, with a (grid, 3, C) scratch) += the
-    block partials' sums in common.cuh's stage-2 order."""
-    i32, wsuf = np.int32, dtypes.kernel_suffix(dweight.dtype)
-    if dx_colsum is not None:
+    wsuf = dtypes.kernel_suffix(dweight.dtype)
+    if version == 2 and dx_colsum is not None:
         k_red = runtime.get_kernel("layernorm", f"layernorm_backward_reduce_colsum_kernel_{wsuf}_"
                                                 f"{dtypes.kernel_suffix(dx_colsum.dtype)}")
         runtime.launch(k_red, (-(-C // 32), 3), REDUCE_BLOCK,
                        (dweight, dbias, dx_colsum, scratch, i32(scratch.shape[0]), i32(C)))
-        return
+        return dx, dweight, dbias
     k_red = runtime.get_kernel("layernorm", f"layernorm_backward_reduce_kernel_{wsuf}")
     runtime.launch(k_red, (-(-C // 32), 2), REDUCE_BLOCK, (dweight, dbias, scratch, i32(scratch.shape[0]), i32(C)))
-
-
-# ------------------------------------------------------- FP8 backward ---
-
-FP8_BWD_RUN_ROWS = (8, 16, 32)   # rows a warp takes in a run (layernorm.cu's RW); instantiated values
-FP8_BWD_MAX_N = 4            # one warp a row, up to 4 packs a lane (C <= 1024)
-
-
-def fp8_backward_fits(C: int, rows: int, run_rows: int | None = None) -> bool:
-    """Can layernorm_backward_fp8 fuse the E5M2 cast for bf16 rows (rows, C) on the GPU (one warp a
-    row, N <= FP8_BWD_MAX_N, rows a multiple of the run)? Elsewhere it runs the backward, then the cast."""
-    if not _v2_fits(C, 8) or rows <= 0:
-        return False
-    S, N = backward_split(dtypes.bfloat16, C)
-    rw = fp8_backward_run_rows(C) if run_rows is None else run_rows
-    return S == 1 and N <= FP8_BWD_MAX_N and rows % rw == 0
-
-
-def fp8_backward_run_rows(C: int) -> int:
-    """Rows per warp run of the FP8 backward: 8 (a warp's tile is 8 x (C + 16) bytes)."""
-    return 8
-
-
-@profiler.profiled("layernorm backward (fp8 out)", nbytes=profiler.io_bytes)
-def layernorm_backward_fp8(dout, x, weight, mean, rstd, scale, *, dx, dweight, dbias, dx_colsum=None,
-                           out8=None, out8_t=None, amax=None, run_rows=None, _hint=False):
-    """layernorm_backward(dout, x, weight, mean, rstd, dx=, dweight=, dbias=, dx_colsum=) followed by
-    fp8_quantize(dx, "e5m2", scale, out=out8, out_t=out8_t, amax=amax) -- the E5M2 bytes of the
-    stored dx, the residual gradient that is the next linear's output gradient -- in one pass where
-    fp8_backward_fits (rows, C): dx and the bytes bit for bit the two calls'; dweight, dbias and
-    dx_colsum sum their float32 partials over other row groups (rounding differs at float32's
-    precision). dout, x, dx (rows, C) bfloat16; out8 (rows, C) / out8_t (C, rows) uint8, at least
-    one; scale, amax (1,) float32. run_rows (GPU, tests): rows per warp run, 8 or 16.
-    """
-    from .fp8 import check_cast_args, fp8_quantize
-    check_array("dout", dout, dtype=dtypes.bfloat16, ndim=2)
-    rows, C = dout.shape
-    check_array("dx", dx, dtype=dtypes.bfloat16, shape=dout.shape)
-    xp = runtime.array_module(dout, x, weight, mean, rstd, scale, dx, dweight, dbias, dx_colsum, out8,
-                              out8_t, amax)
-    check_cast_args(dx, "e5m2", scale, out8, out8_t, amax, None, xp, xname="dx")
-    if run_rows not in (None,) + FP8_BWD_RUN_ROWS:
-        raise ValueError(f"run_rows: one of {FP8_BWD_RUN_ROWS}, got {run_rows!r}")
-    rw = fp8_backward_run_rows(C) if run_rows is None else run_rows
-    fused = (xp is not np and fp8_backward_fits(C, rows, rw)
-             and _aligned(dout, x, weight, dx) and dweight is not None and dbias is not None)
-    if not fused:
-        layernorm_backward(dout, x, weight, mean, rstd, dx=dx, dweight=dweight, dbias=dbias, dx_colsum=dx_colsum)
-        fp8_quantize(dx, "e5m2", scale, out=out8, out_t=out8_t, amax=amax)
-        return dx, dweight, dbias
-    # the same checks as layernorm_backward's, then the fused kernel
-    check_array("x", x, shape=dout.shape)
-    check_same_dtype(dout=dout, x=x, weight=weight)
-    check_array("weight", weight, shape=(C,))
-    check_array("mean", mean, dtype=np.float32, shape=(rows,))
-    check_array("rstd", rstd, dtype=np.float32, shape=(rows,))
-    param_dtypes = (np.dtype(np.float32), weight.dtype)
-    check_array("dweight", dweight, dtypes_=param_dtypes, shape=(C,))
-    check_array("dbias", dbias, dtypes_=param_dtypes, shape=(C,))
-    check_same_dtype(dweight=dweight, dbias=dbias)
-    if dx_colsum is not None:
-        check_array("dx_colsum", dx_colsum, dtypes_=tuple(dict.fromkeys((np.dtype(np.float32), dout.dtype))),
-                    shape=(C,))
-    _, N = backward_split(dtypes.bfloat16, C)
-    colsum_tag = "_colsum" if dx_colsum is not None else ""
-    kernel = runtime.get_kernel("layernorm", f"layernorm_backward{colsum_tag}_fp8_kernel_v2_n{N}_r{rw}"
-                                             + ("_h" if _hint else ""))
-    smem = WARPS * rw * (C + 4 * (8 // (rw // 4)))       # layernorm.cu: RW rows of C / 4 + 8 / (RW / 4) words
-    grid = min(runtime.sm_count() * runtime.resident_blocks(kernel, BLOCK, smem, SM_SHARED_BYTES),
-               -(-rows // (rw * WARPS)))
-    scratch = xp.empty((grid, 3 if dx_colsum is not None else 2, C), dtype=np.float32)
-    null = np.uint64(0)
-    runtime.launch(kernel, grid, BLOCK, (scratch, dx, dout, x, weight, mean, rstd, np.int32(rows), np.int32(C),
-                                         null if out8 is None else out8, null if out8_t is None else out8_t,
-                                         null if amax is None else amax, scale), shared_mem=smem)
-    _reduce_partials(scratch, dweight, dbias, dx_colsum, C)
+    if dx_colsum is not None:      # v1: a second pass over the finished dx
+        colsum(dx_colsum, dx.reshape(rows, C))
     return dx, dweight, dbias
