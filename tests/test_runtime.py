@@ -73,3 +73,30 @@ def test_kernel_attributes_on_gpu():
 @pytest.mark.cuda
 def test_load_module_is_cached_in_memory():
     assert runtime.load_module("add") is runtime.load_module("add")
+
+
+@pytest.mark.cuda
+def test_launch_opts_in_when_static_plus_dynamic_shared_memory_passes_48k():
+    """A kernel with 16 KB of static shared memory launched with 40 KB of dynamic: under 48 KB each,
+    over it together, which CUDA refuses without the opt-in (CUDA_ERROR_INVALID_VALUE). launch opts
+    in; the kernel (which ignores the extra memory) writes the same bits as without it."""
+    import numpy as np
+    cp = runtime.cupy
+    k = runtime.get_kernel("layernorm", "layernorm_backward_colsum_kernel_v2_n3_bf16")
+    static = runtime.kernel_attributes(k)["shared_bytes"]
+    dynamic = 40 * 1024
+    assert static < 48 * 1024 < static + dynamic
+    rows, C = 8, 768
+    rng = np.random.default_rng(0)
+    # bf16 arrays as their raw bits (uint16): finite values below 1 in magnitude
+    dout, x = (cp.asarray(rng.integers(0x3000, 0x3f00, (rows, C)).astype(np.uint16)) for _ in range(2))
+    weight = cp.asarray(rng.integers(0x3000, 0x3f00, C).astype(np.uint16))
+    mean, rstd = cp.zeros(rows, np.float32), cp.ones(rows, np.float32)
+    outs = []
+    for smem in (0, dynamic):
+        scratch, dx = cp.zeros((1, 3, C), np.float32), cp.zeros((rows, C), np.uint16)
+        runtime.launch(k, 1, 128, (scratch, dx, dout, x, weight, mean, rstd, np.int32(rows), np.int32(C)),
+                       shared_mem=smem)
+        outs.append((cp.asnumpy(dx), cp.asnumpy(scratch)))
+    assert outs[0][0].tobytes() == outs[1][0].tobytes() and outs[0][1].tobytes() == outs[1][1].tobytes()
+    assert np.abs(outs[0][1]).sum() > 0          # the kernel did write its partial sums
