@@ -306,7 +306,7 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, stream=None):
     if shared_mem and _DYNAMIC_SMEM_SET.get(id(kernel), 0) < shared_mem:
         # A block's static + dynamic shared memory over 48 KB needs the kernel's opt-in, even when
         # the dynamic part alone is under 48 KB (once per kernel and larger size).
-        if shared_mem + kernel.attributes["shared_size_bytes"] > 48 * 1024:
+        if shared_mem + kernel_attributes(kernel)["shared_bytes"] > 48 * 1024:
             kernel.max_dynamic_shared_size_bytes = int(shared_mem)
         _DYNAMIC_SMEM_SET[id(kernel)] = int(shared_mem)
     kernel(grid, block, args, shared_mem=int(shared_mem), stream=stream)
