@@ -32,6 +32,18 @@ ctypes as gpucore/cublas.py calls cuBLASLt), then instantiated and launched as a
 (CuPy's Graph keeps its handle to the graph but had instantiated it before the edit). Where the
 entry points are missing (an older driver) nothing moves and the step graph runs as captured.
 settings.graph_move_memsets (default on) switches it; measured: tools/notes/step_graph.md.
+
+Private workspaces (thirty-first session). A memset that follows another GEMM cannot move: that
+GEMM used the same workspace. But most GEMMs' algorithms need only the 4-byte counter (d12 and d48:
+16 of 18 plans; tools/probes/lt_workspace.py). So during the capture each such GEMM gets a 256-byte
+workspace of its own (cublas.PrivateWorkspaces): its memset then zeroes bytes that no other node
+of the graph touches. hoist_private_memsets cuts those memsets out of the chain (each predecessor
+takes over the memset's dependents) and puts them, and then one memset of the whole slot arena,
+before the graph's roots: every counter is zero when the replay starts, and a GEMM follows the
+one before it with nothing in between. The GEMMs on private workspaces (recorded at capture:
+capture_tail) touch no shared workspace, so the memsets that remain (the split-K GEMMs' big
+workspaces) can move back over them as over our kernels. settings.graph_private_workspaces
+switches the hoist.
 """
 from __future__ import annotations
 
@@ -45,10 +57,13 @@ DEFAULT_EDGE = 0                          # CU_GRAPH_DEPENDENCY_TYPE_DEFAULT (1:
 @dataclass(frozen=True)
 class Node:
     """What the planner needs of a graph node: its kind ("kernel", "memset", "other"), whether it is
-    a kernel of ours, and for a memset whether its bytes lie in a cuBLAS workspace."""
+    a kernel of ours, and for a memset whether its bytes lie in a cuBLAS workspace. private: a
+    cuBLAS kernel that ran on a private workspace (it touches no shared one), or a memset of a
+    private workspace (no other node touches its bytes)."""
     kind: str
     ours: bool = False
     in_workspace: bool = False
+    private: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,8 +84,8 @@ def plan_memset_moves(nodes: dict, edges: list) -> list[Move]:
         succs[a].append(b)
     linked = {(a, b) for a, b, _ in edges}
 
-    def ours(n):
-        return nodes[n].kind == KERNEL and nodes[n].ours
+    def ours(n):              # a kernel that cannot touch a shared cuBLAS workspace
+        return nodes[n].kind == KERNEL and (nodes[n].ours or nodes[n].private)
 
     moves = []
     for m, node in nodes.items():
@@ -95,6 +110,47 @@ def plan_memset_moves(nodes: dict, edges: list) -> list[Move]:
     return moves
 
 
+@dataclass(frozen=True)
+class Hoist:
+    """The private memsets removed, the edges that replace them, and the roots that the one memset
+    of the whole arena goes before (the graph's roots once the memsets are gone)."""
+    removed: tuple
+    added: tuple              # (from, to) default edges
+    roots: tuple
+
+
+def plan_private_hoist(nodes: dict, edges: list) -> Hoist:
+    """Which memsets to remove (module docstring: private workspaces) and the edges that keep every
+    other order: each predecessor of a removed memset gets its dependents (unless already linked)."""
+    removed = {m for m, node in nodes.items() if node.kind == MEMSET and node.private}
+    preds, succs = {n: [] for n in nodes}, {n: [] for n in nodes}
+    for a, b, kind in edges:
+        preds[b].append((a, kind))
+        succs[a].append(b)
+    linked = {(a, b) for a, b, _ in edges}
+    added = []
+
+    def sources(m):           # the nearest nodes before m that stay (memsets can sit in a row)
+        out = []
+        for p, _ in preds[m]:
+            out += sources(p) if p in removed else [p]
+        return out
+
+    for m in sorted(removed, key=str):
+        for s in succs[m]:
+            if s in removed:
+                continue
+            for p in sources(m):
+                if (p, s) not in linked:
+                    linked.add((p, s))
+                    added.append((p, s))
+    kept_preds = {n: [p for p, _ in preds[n] if p not in removed] for n in nodes if n not in removed}
+    for a, b in added:
+        kept_preds[b].append(a)
+    roots = tuple(n for n, ps in kept_preds.items() if not ps)
+    return Hoist(tuple(sorted(removed, key=str)), tuple(added), roots)
+
+
 # ------------------------------------------------------------------ the driver API (ctypes)
 
 class _EdgeData(ctypes.Structure):                # CUgraphEdgeData
@@ -116,7 +172,8 @@ class _MemsetParams(ctypes.Structure):            # CUDA_MEMSET_NODE_PARAMS
 
 _CU_KERNEL, _CU_MEMSET = 0, 2                     # CUgraphNodeType
 _NEEDED = ("cuGraphGetNodes", "cuGraphNodeGetType", "cuGraphGetEdges_v2", "cuGraphKernelNodeGetParams_v2",
-           "cuGraphMemsetNodeGetParams", "cuGraphAddDependencies_v2", "cuGraphRemoveDependencies_v2")
+           "cuGraphMemsetNodeGetParams", "cuGraphAddDependencies_v2", "cuGraphRemoveDependencies_v2",
+           "cuGraphAddMemsetNode", "cuCtxGetCurrent", "cuStreamGetCaptureInfo_v3")
 _DRIVER = []
 
 
@@ -137,9 +194,26 @@ def _check(rc, what):
         raise RuntimeError(f"{what} failed with CUresult {rc}")
 
 
-def read_graph(graph: int, our_handles: set, workspaces: list) -> tuple[dict, list]:
-    """(nodes, edges) of a cudaGraph_t for plan_memset_moves. our_handles: CUfunction handles of our
-    kernels; workspaces: (pointer, bytes) ranges of cuBLAS's workspaces."""
+def capture_tail(stream: int) -> tuple:
+    """The nodes a capturing stream's next node will depend on: right after a library call, the
+    last node(s) that call added. () when the stream is not capturing or the driver lacks it."""
+    cu = driver()
+    if cu is None:
+        return ()
+    status, n = ctypes.c_int(), ctypes.c_size_t(0)
+    deps, data = ctypes.POINTER(ctypes.c_void_p)(), ctypes.c_void_p()
+    rc = cu.cuStreamGetCaptureInfo_v3(ctypes.c_void_p(stream), ctypes.byref(status), None, None,
+                                      ctypes.byref(deps), ctypes.byref(data), ctypes.byref(n))
+    if rc != 0 or status.value != 1:              # CU_STREAM_CAPTURE_STATUS_ACTIVE
+        return ()
+    return tuple(deps[i] for i in range(n.value))
+
+
+def read_graph(graph: int, our_handles: set, workspaces: list, private_kernels=frozenset(),
+               private_ranges=()) -> tuple[dict, list]:
+    """(nodes, edges) of a cudaGraph_t for the planners. our_handles: CUfunction handles of our
+    kernels; workspaces: (pointer, bytes) ranges of cuBLAS's shared workspaces; private_kernels:
+    node handles of cuBLAS kernels on private workspaces; private_ranges: the private arena."""
     cu = driver()
     g = ctypes.c_void_p(graph)
     n = ctypes.c_size_t(0)
@@ -153,13 +227,16 @@ def read_graph(graph: int, our_handles: set, workspaces: list) -> tuple[dict, li
         if t.value == _CU_KERNEL:
             kp = _KernelParams()
             rc = cu.cuGraphKernelNodeGetParams_v2(ctypes.c_void_p(h), ctypes.byref(kp))
-            nodes[h] = Node(KERNEL, ours=rc == 0 and bool(kp.func) and int(kp.func) in our_handles)
+            nodes[h] = Node(KERNEL, ours=rc == 0 and bool(kp.func) and int(kp.func) in our_handles,
+                            private=h in private_kernels)
         elif t.value == _CU_MEMSET:
             mp = _MemsetParams()
             _check(cu.cuGraphMemsetNodeGetParams(ctypes.c_void_p(h), ctypes.byref(mp)), "cuGraphMemsetNodeGetParams")
             rows = max(1, mp.height)                    # a 2D memset: rows of `width` elements, `pitch` apart
             end = mp.dst + mp.pitch * (rows - 1) + mp.element_size * mp.width
-            nodes[h] = Node(MEMSET, in_workspace=any(p <= mp.dst and end <= p + size for p, size in workspaces))
+            nodes[h] = Node(MEMSET, in_workspace=any(p <= mp.dst and end <= p + size for p, size in workspaces),
+                            private=mp.value == 0 and any(p <= mp.dst and end <= p + size
+                                                          for p, size in private_ranges))
         else:
             nodes[h] = Node("other")
     ne = ctypes.c_size_t(0)
@@ -187,10 +264,51 @@ def apply_moves(graph: int, moves: list[Move]) -> None:
             edge(cu.cuGraphAddDependencies_v2, mv.before, s, "cuGraphAddDependencies_v2")
 
 
-def move_memsets(graph: int, our_handles: set, workspaces: list) -> int:
+def move_memsets(graph: int, our_handles: set, workspaces: list, private_kernels=frozenset()) -> int:
     """Move the memsets of a captured graph (module docstring); returns how many moved."""
     if driver() is None:
         return 0
-    moves = plan_memset_moves(*read_graph(graph, our_handles, workspaces))
+    moves = plan_memset_moves(*read_graph(graph, our_handles, workspaces, private_kernels))
     apply_moves(graph, moves)
     return len(moves)
+
+
+def hoist_private_memsets(graph: int, arena: list) -> int:
+    """Take the memsets of the private workspaces `arena` [(pointer, bytes)] off a captured graph's
+    chain (module docstring); returns how many.
+
+    Graphs with programmatic edges (cuBLASLt's split-K GEMMs) refuse cuGraphDestroyNode and
+    cuGraphClone (CUDA_ERROR_NOT_SUPPORTED), so the memsets stay in the graph, cut loose: each
+    loses its edges (its predecessors take over its dependents) and goes before one memset of the
+    whole arena, which goes before the graph's roots. They run first, side by side, then the arena
+    is zeroed once, then the step."""
+    cu = driver()
+    if cu is None or not arena:
+        return 0
+    nodes, edges = read_graph(graph, set(), [], private_ranges=arena)
+    plan = plan_private_hoist(nodes, edges)
+    if not plan.removed:
+        return 0
+    g = ctypes.c_void_p(graph)
+
+    def edge(fn, a, b, what):
+        _check(fn(g, ctypes.byref(ctypes.c_void_p(a)), ctypes.byref(ctypes.c_void_p(b)), None, ctypes.c_size_t(1)), what)
+
+    for a, b in plan.added:
+        edge(cu.cuGraphAddDependencies_v2, a, b, "cuGraphAddDependencies_v2")
+    removed = set(plan.removed)
+    for a, b, _ in edges:
+        if a in removed or b in removed:
+            edge(cu.cuGraphRemoveDependencies_v2, a, b, "cuGraphRemoveDependencies_v2")
+    ctx = ctypes.c_void_p()
+    _check(cu.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    for ptr, size in arena:                       # one memset per arena chunk: after the cut memsets,
+        params = _MemsetParams(dst=ptr, pitch=size, value=0, element_size=4, width=size // 4, height=1)
+        node = ctypes.c_void_p()                  # before every root
+        _check(cu.cuGraphAddMemsetNode(ctypes.byref(node), g, None, ctypes.c_size_t(0), ctypes.byref(params), ctx),
+               "cuGraphAddMemsetNode")
+        for m in plan.removed:
+            edge(cu.cuGraphAddDependencies_v2, m, node.value, "cuGraphAddDependencies_v2")
+        for r in plan.roots:
+            edge(cu.cuGraphAddDependencies_v2, node.value, r, "cuGraphAddDependencies_v2")
+    return len(plan.removed)

@@ -23,7 +23,9 @@ holds the old ones until it is re-captured, so it never writes freed memory).
 
 After the capture, cuBLASLt's 4-byte workspace memsets are moved off the chain of kernels
 (gpucore/graph_nodes.py, settings.graph_move_memsets): the graph is then launched as an exec of
-our own; the same kernels in the same order, so the same bits.
+our own; the same kernels in the same order, so the same bits. The GEMMs whose algorithms need
+only that counter run on workspaces of their own during the capture
+(settings.graph_private_workspaces), so their memsets leave the graph for one memset at its start.
 
 Not graphed: the NumPy backend, data-parallel runs (the reducer's per-layer hooks are host
 code), forward-only calls. `mode="auto"` falls back to eager for good, with one line saying
@@ -74,6 +76,7 @@ class StepGraph:
         self._keep = ()               # what the graph reads and writes: alive as long as it is
         self._exec = None             # our exec of the edited graph (None: CuPy's of the captured one)
         self.moved_memsets = 0        # memsets graph_nodes moved in the current graph
+        self.hoisted_memsets = 0      # private-workspace memsets replaced by one at the graph's start
 
     def forward_backward(self, x, y, grad_scale: float):
         """The mean loss (0-d fp32 on the device; the graph's own array once graphed: copy it to
@@ -119,7 +122,10 @@ class StepGraph:
         self._drop_exec()
         pool = cp.cuda.MemoryPool()                # the graph's temporaries: nobody else allocates here
         stream = cp.cuda.Stream(non_blocking=True)
-        with cp.cuda.using_allocator(pool.malloc), stream:
+        s = settings.current()
+        private = cublas.PrivateWorkspaces()       # GEMMs' own workspaces: alive as long as the graph
+        with cp.cuda.using_allocator(pool.malloc), stream, \
+                cublas.private_workspaces(private if s.graph_private_workspaces else None):
             stream.begin_capture()
             try:
                 loss = model.forward(tokens, targets, for_backward=True, grad_scale=grad_scale,
@@ -132,20 +138,22 @@ class StepGraph:
                     pass
                 raise
             graph = stream.end_capture()
-        if settings.current().graph_move_memsets:
+        if s.graph_private_workspaces:
+            self.hoisted_memsets = graph_nodes.hoist_private_memsets(graph.graph, private.ranges())
+        if s.graph_move_memsets:
             self.moved_memsets = graph_nodes.move_memsets(graph.graph, runtime.kernel_handles(),
-                                                          cublas.workspace_ranges())
-            if self.moved_memsets:
-                self._exec = cp.cuda.runtime.graphInstantiate(graph.graph)
+                                                          cublas.workspace_ranges(), frozenset(private.kernels))
+        if self.moved_memsets or self.hoisted_memsets:
+            self._exec = cp.cuda.runtime.graphInstantiate(graph.graph)
         self.graph, self.key = graph, key
-        self._keep = (tokens, targets, loss, pool, stream) + model.step_buffers()
+        self._keep = (tokens, targets, loss, pool, stream, private) + model.step_buffers()
         self.captures += 1
 
     def _drop_exec(self):
         """Destroy our exec of the edited graph (its replays have finished: the callers synchronize)."""
         if self._exec is not None:
             runtime.cupy.cuda.runtime.graphExecDestroy(self._exec)
-            self._exec, self.moved_memsets = None, 0
+            self._exec, self.moved_memsets, self.hoisted_memsets = None, 0, 0
 
     def __del__(self):
         try:

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from gpucore import graph_nodes, runtime, settings
-from gpucore.graph_nodes import DEFAULT_EDGE, KERNEL, MEMSET, Node, plan_memset_moves
+from gpucore.graph_nodes import DEFAULT_EDGE, KERNEL, MEMSET, Node, plan_memset_moves, plan_private_hoist
 
 PROG = 1                                      # a programmatic edge
 
 OURS, CUBLAS, WS_MEMSET, OTHER_MEMSET = (Node(KERNEL, ours=True), Node(KERNEL), Node(MEMSET, in_workspace=True),
                                          Node(MEMSET))
+PRIVATE_GEMM, PRIVATE_MEMSET = Node(KERNEL, private=True), Node(MEMSET, private=True)
 
 
 def _chain(*kinds, types=None):
@@ -122,6 +123,58 @@ def test_random_chains_keep_every_order_but_the_moved_memsets():
             assert all(mv.memset in after[s] for s in range(mv.memset + 1, len(seq)))
 
 
+def test_a_memset_moves_back_over_gemms_on_private_workspaces_but_not_over_a_shared_one():
+    # G1 (shared) -> P1 -> k -> P2 -> memset -> G2: P1 and P2 ran on workspaces of their own
+    nodes, edges = _chain(CUBLAS, PRIVATE_GEMM, OURS, PRIVATE_GEMM, WS_MEMSET, CUBLAS)
+    (mv,) = plan_memset_moves(nodes, edges)
+    assert (mv.memset, mv.before, mv.anchor, mv.after) == (4, 3, 0, (5,))
+    nodes, edges = _chain(PRIVATE_GEMM, CUBLAS, WS_MEMSET, CUBLAS)          # a shared GEMM right before: stays
+    assert plan_memset_moves(nodes, edges) == []
+
+
+def test_private_memsets_leave_and_their_gemms_follow_what_came_before():
+    # G0 -> m1 -> G1 -> k -> m2 -> G2, m1 and m2 zeroing private workspaces
+    nodes, edges = _chain(CUBLAS, PRIVATE_MEMSET, PRIVATE_GEMM, OURS, PRIVATE_MEMSET, PRIVATE_GEMM)
+    plan = plan_private_hoist(nodes, edges)
+    assert plan.removed == (1, 4) and set(plan.added) == {(0, 2), (3, 5)} and plan.roots == (0,)
+    # a private memset first in the graph: its GEMM becomes the root; two in a row are bridged together
+    nodes, edges = _chain(PRIVATE_MEMSET, PRIVATE_GEMM, PRIVATE_MEMSET, PRIVATE_MEMSET, OURS)
+    plan = plan_private_hoist(nodes, edges)
+    assert plan.removed == (0, 2, 3) and plan.added == ((1, 4),) and plan.roots == (1,)
+    # nothing private: nothing to do
+    nodes, edges = _chain(CUBLAS, WS_MEMSET, CUBLAS)
+    assert plan_private_hoist(nodes, edges).removed == ()
+
+
+def test_random_graphs_keep_every_order_once_the_private_memsets_are_hoisted():
+    """Random chains with a side branch: after the hoist (the removed memsets' edges bridged, one zeroing
+    node before the new roots), every remaining node waits for exactly the remaining nodes it waited
+    for before, and every node that waited for a private memset waits for the zeroing node."""
+    rng = random.Random(1)
+    kinds = [OURS, CUBLAS, PRIVATE_GEMM, PRIVATE_MEMSET, PRIVATE_MEMSET, WS_MEMSET]
+    for trial in range(300):
+        n = rng.randint(2, 14)
+        nodes, edges = _chain(*(rng.choice(kinds) for _ in range(n)))
+        if n > 3 and rng.random() < 0.5:                 # a fork and a join beside the chain
+            a = rng.randrange(n - 2)
+            nodes[n] = rng.choice(kinds)
+            edges += [(a, n, DEFAULT_EDGE), (n, rng.randrange(a + 1, n), DEFAULT_EDGE)]
+        plan = plan_private_hoist(nodes, edges)
+        removed = set(plan.removed)
+        assert removed == {k for k, v in nodes.items() if v == PRIVATE_MEMSET}
+        zero = "zero"
+        after_edges = {(a, b) for a, b, _ in edges if a not in removed and b not in removed}
+        after_edges |= set(plan.added) | {(zero, r) for r in plan.roots}
+        before = _reach(nodes, {(a, b) for a, b, _ in edges})
+        after = _reach({**{k: v for k, v in nodes.items() if k not in removed}, zero: None}, after_edges)
+        for k in nodes:
+            if k in removed:
+                continue
+            assert after[k] - {zero} == before[k] - removed, (trial, k)
+            if before[k] & removed:
+                assert zero in after[k], (trial, k)
+
+
 def test_nothing_moves_without_the_driver_entry_points(monkeypatch):
     monkeypatch.setattr(graph_nodes, "driver", lambda: None)
     assert graph_nodes.move_memsets(0, set(), []) == 0
@@ -149,8 +202,8 @@ def test_gpu_the_moved_graph_trains_bitwise_as_the_captured_one(fp8):
     batches = [(cp.asarray(r.integers(0, cfg.vocab_size, (8, 256), dtype=np.int32)),
                 cp.asarray(r.integers(0, cfg.vocab_size, (8, 256), dtype=np.int32))) for _ in range(4)]
 
-    def train(graphed, move):
-        with settings.using(graph_move_memsets=move):
+    def train(graphed, move, private=True):
+        with settings.using(graph_move_memsets=move, graph_private_workspaces=private):
             m = GPT2(cfg, xp=cp, dtype="bfloat16", seed=5, fp8=fp8)
             opt = AdamW(m, weight_decay=0.1, max_grad_norm=1.0)
             feed = iter(batches)
@@ -160,8 +213,14 @@ def test_gpu_the_moved_graph_trains_bitwise_as_the_captured_one(fp8):
 
     eager = train(False, True)
     moved = train(True, True)
-    kept = train(True, False)
-    assert moved[:2] == eager[:2] and kept[:2] == eager[:2]
-    assert kept[2].moved_memsets == 0
+    shared = train(True, True, private=False)
+    hoisted = train(True, False)
+    kept = train(True, False, private=False)
+    for run in (moved, shared, hoisted, kept):
+        assert run[:2] == eager[:2]
+    assert kept[2].moved_memsets == kept[2].hoisted_memsets == shared[2].hoisted_memsets == 0
+    assert hoisted[2].moved_memsets == 0 and hoisted[2].hoisted_memsets == moved[2].hoisted_memsets
     if runtime.device_arch().startswith("90"):      # Hopper: cuBLASLt's nvjet kernels and their memsets
-        assert moved[2].moved_memsets >= 1, moved[2].moved_memsets
+        assert shared[2].moved_memsets >= 1, shared[2].moved_memsets
+        # most of cuBLASLt's algorithms here need only the 4-byte counter: their memsets are hoisted
+        assert moved[2].hoisted_memsets >= 4, moved[2].hoisted_memsets
