@@ -51,13 +51,11 @@ import ctypes
 import json
 import os
 import tempfile
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from . import dtypes, graph_nodes, lt_search, runtime, settings
+from . import dtypes, lt_search, runtime, settings
 
 LT_ALGO_CANDIDATES = 8                  # heuristic results requested per plan
 LT_TUNE_MARGIN = 0.01                   # another algorithm must be 1% faster to replace the first choice
@@ -285,7 +283,6 @@ class Plan:
         self.raced = None               # the indices the race timed (candidates + searched), in order
         self.choice = None              # an index into results, GEMMEX, or None (not decided yet)
         self.times = None               # ms per raced candidate (+ gemmEx) when it was timed
-        self.needs = {}                 # workspace bytes per algorithm index (CublasLt.workspace_need)
 
     def algo_ptr(self, i):
         n = len(self.results) // _HEURISTIC_BYTES
@@ -360,32 +357,6 @@ class CublasLt:
             self.handles[dev] = self._create(self.lib.cublasLtCreate)
             self.workspaces[dev] = runtime.cupy.empty(LT_WORKSPACE_BYTES, dtype=np.uint8)
         return dev, self.handles[dev], self.workspaces[dev]
-
-    def workspace_need(self, plan, i) -> int:
-        """The workspace bytes algorithm i of the plan asks for (heuristic result, or AlgoCheck)."""
-        if i not in plan.needs:
-            n = len(plan.results) // _HEURISTIC_BYTES
-            if i < n:
-                plan.needs[i] = int.from_bytes(bytes(plan.results[i * _HEURISTIC_BYTES + 64:
-                                                                  i * _HEURISTIC_BYTES + 72]), "little")
-            else:
-                need = lt_search.workspace_bytes(self.lib, self.device_state()[1], plan, plan.extra[i - n])
-                plan.needs[i] = LT_WORKSPACE_BYTES if need is None else need
-        return plan.needs[i]
-
-    def matmul(self, handle, plan, i, alpha, a_ptr, b_ptr, beta, c_ptr, d_ptr, ws, stream, what):
-        """cublasLtMatmul of the plan's algorithm i: D = alpha * (Lt's A = b, B = a) + beta * C, on the
-        shared workspace ws, or inside a step-graph capture on a private one (PrivateWorkspaces)."""
-        pw = getattr(_PRIVATE, "current", None)
-        if pw is not None and self.workspace_need(plan, i) <= pw.SLOT_BYTES:
-            ws_ptr, ws_bytes = pw.take(), pw.SLOT_BYTES
-        else:
-            pw, ws_ptr, ws_bytes = None, ws.data.ptr, LT_WORKSPACE_BYTES
-        self._ok(self.lib.cublasLtMatmul(handle, plan.desc, ctypes.addressof(alpha), b_ptr, plan.lay_b, a_ptr,
-                                         plan.lay_a, ctypes.addressof(beta), c_ptr, plan.lay_c, d_ptr, plan.lay_c,
-                                         plan.algo_ptr(i), ws_ptr, ws_bytes, stream), what)
-        if pw is not None:
-            pw.kernels.update(graph_nodes.capture_tail(stream))
 
     def set_pointers(self, plan, bias_ptr, aux_ptr, scale_ptrs=None):
         """The per-call epilogue and scale pointers (a plan is shared by every call of its shape)."""
@@ -495,58 +466,6 @@ class CublasLt:
 _LT: list = []                          # [CublasLt or None, status]: loaded once per process
 
 
-class PrivateWorkspaces:
-    """Workspaces of one step-graph capture (gpucore/graph_nodes.py, private workspaces): each
-    cuBLASLt GEMM whose algorithm needs at most SLOT_BYTES (most need 4: a counter cuBLASLt zeroes
-    with a memset before the GEMM) gets a slot of its own, so no other node touches its bytes.
-    StepGraph keeps this object as long as its graph. kernels: the graph nodes of those GEMMs."""
-    SLOT_BYTES = 256
-    CHUNK_SLOTS = 1024
-
-    def __init__(self):
-        self.chunks, self.used, self.kernels = [], 0, set()
-
-    def take(self) -> int:
-        """The device pointer of a fresh slot (a new chunk of slots when the last is full)."""
-        if self.used == len(self.chunks) * self.CHUNK_SLOTS:
-            self.chunks.append(runtime.cupy.empty(self.SLOT_BYTES * self.CHUNK_SLOTS, dtype=np.uint8))
-        chunk, slot = divmod(self.used, self.CHUNK_SLOTS)
-        self.used += 1
-        return int(self.chunks[chunk].data.ptr) + slot * self.SLOT_BYTES
-
-    def ranges(self) -> list[tuple[int, int]]:
-        """(pointer, bytes) of the slots taken, one range per chunk."""
-        out = []
-        for k, chunk in enumerate(self.chunks):
-            slots = min(self.used - k * self.CHUNK_SLOTS, self.CHUNK_SLOTS)
-            out.append((int(chunk.data.ptr), slots * self.SLOT_BYTES))
-        return out
-
-
-_PRIVATE = threading.local()            # .current: the PrivateWorkspaces of a capture on this thread
-
-
-@contextmanager
-def private_workspaces(pw: PrivateWorkspaces | None):
-    """cuBLASLt GEMMs issued inside this block (a step-graph capture) take their workspaces from pw
-    (None: the shared workspace, as outside)."""
-    prev = getattr(_PRIVATE, "current", None)
-    _PRIVATE.current = pw
-    try:
-        yield pw
-    finally:
-        _PRIVATE.current = prev
-
-
-def workspace_ranges() -> list[tuple[int, int]]:
-    """(device pointer, bytes) of every workspace handed to cuBLAS or cuBLASLt so far: memory only
-    cuBLAS's kernels and memsets touch (gpucore/graph_nodes.py moves those memsets)."""
-    arrays = [ws for _, ws in _CUBLAS[0].handles.values()] if _CUBLAS else []
-    if _LT and _LT[0] is not None:
-        arrays += list(_LT[0].workspaces.values())
-    return [(int(a.data.ptr), int(a.nbytes)) for a in arrays]
-
-
 def lt_binding():
     """The process's CublasLt, or None when cuBLASLt is off (settings) or did not load (lt_status)."""
     if not settings.current().cublaslt:
@@ -619,7 +538,10 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
     pa, pb = a.data.ptr, b.data.ptr
 
     def launch(i, d_ptr):
-        lt.matmul(handle, plan, i, al, pa, pb, be, c_ptr or d_ptr, d_ptr, ws, stream, "cublasLtMatmul")
+        lt._ok(lt.lib.cublasLtMatmul(handle, plan.desc, ctypes.addressof(al), pb, plan.lay_b, pa, plan.lay_a,
+                                     ctypes.addressof(be), c_ptr or d_ptr, plan.lay_c, d_ptr, plan.lay_c,
+                                     plan.algo_ptr(i), ws.data.ptr, LT_WORKSPACE_BYTES, stream),
+               "cublasLtMatmul")
 
     s = settings.current()
     if not s.lt_autotune:
@@ -677,8 +599,10 @@ def lt_fp8_gemm(a8, b8, out, M, N, K, a_format, b_format, a_scale_inv, b_scale_i
     stream = runtime.cupy.cuda.get_current_stream().ptr
 
     def launch(i, d_ptr):
-        lt.matmul(handle, plan, i, al, a8.data.ptr, b8.data.ptr, be, c_ptr or d_ptr, d_ptr, ws, stream,
-                  "cublasLtMatmul (FP8)")
+        lt._ok(lt.lib.cublasLtMatmul(handle, plan.desc, ctypes.addressof(al), b8.data.ptr, plan.lay_b, a8.data.ptr,
+                                     plan.lay_a, ctypes.addressof(be), c_ptr or d_ptr, plan.lay_c, d_ptr, plan.lay_c,
+                                     plan.algo_ptr(i), ws.data.ptr, LT_WORKSPACE_BYTES, stream),
+               "cublasLtMatmul (FP8)")
 
     if settings.current().lt_autotune and plan.choice is None:
         lt.choose(plan, key, launch, out, 0.0 if c is not None else beta, 2.0 * M * N * K, None)

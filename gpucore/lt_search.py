@@ -98,18 +98,14 @@ def describe(lib, algo_ptr) -> str:
             f"cluster={get(_CFG_CLUSTER, _U16)}")
 
 
-def workspace_bytes(lib, handle, plan, algo) -> int | None:
-    """The workspace bytes an algorithm buffer needs for the plan (AlgoCheck), None if it does not fit."""
+def check(lib, handle, plan, algo, workspace_limit) -> bool:
+    """AlgoCheck of a 96-byte buffer (algo + result) against the plan; the result lands in its tail."""
     res = (ctypes.c_ubyte * _RESULT_BYTES)()
     st = _bind(lib).cublasLtMatmulAlgoCheck(handle, plan.desc, plan.lay_b, plan.lay_a, plan.lay_c, plan.lay_c,
                                             ctypes.addressof(algo), ctypes.addressof(res))
-    return int.from_bytes(bytes(res[64:72]), "little") if st == 0 else None
-
-
-def check(lib, handle, plan, algo, workspace_limit) -> bool:
-    """AlgoCheck of an algorithm buffer against the plan, within the workspace limit."""
-    need = workspace_bytes(lib, handle, plan, algo)
-    return need is not None and need <= workspace_limit
+    if st != 0:
+        return False
+    return int.from_bytes(bytes(res[64:72]), "little") <= workspace_limit
 
 
 def mixed_radix(index: int, radices) -> list[int]:

@@ -272,12 +272,6 @@ def get_kernel(family: str, name: str, options: tuple[str, ...] = (), arch: str 
     return kernel
 
 
-def kernel_handles() -> set[int]:
-    """The CUfunction handles of every kernel get_kernel has loaded in this process: how a graph
-    node is told to be one of ours (gpucore/graph_nodes.py)."""
-    return {int(k.kernel.ptr) for k in _KERNELS.values()}
-
-
 def kernel_attributes(kernel) -> dict:
     """Registers, local (spilled) memory and static shared memory of a loaded kernel."""
     a = kernel.attributes

@@ -53,10 +53,6 @@ class Settings:
     # ---- model (gpucore/model.py)
     fused_bias_grads: bool = True         # bias grads from the kernels writing dout: gelu / layernorm / attention backward
     lm_head_chunk_bytes: int = 1 << 30    # LM-head logits scratch: rows per chunk = largest power of 2 within
-    # ---- CUDA graph of the step (gpucore/step_graph.py, gpucore/graph_nodes.py)
-    graph_move_memsets: bool = True       # cuBLASLt's workspace memsets moved back beside our kernels
-    graph_private_workspaces: bool = True  # counter-only GEMMs on workspaces of their own in the graph,
-                                          # their memsets cut from the chain to the graph's start
     # ---- FP8 linears (gpucore/fp8_linear.py, --dtype fp8): the scaling recipes' knobs
     fp8_history: int = 16                 # steps of amax history behind each scale
     fp8_margin: int = 1                   # scales 2^-margin below the history's amax: headroom for growth

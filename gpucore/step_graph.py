@@ -21,11 +21,10 @@ What the graph bakes in, and so re-captures on: the batch shape, grad_scale, and
 activation buffers (a larger evaluation batch makes the model allocate new ones; the graph
 holds the old ones until it is re-captured, so it never writes freed memory).
 
-After the capture, cuBLASLt's 4-byte workspace memsets are moved off the chain of kernels
-(gpucore/graph_nodes.py, settings.graph_move_memsets): the graph is then launched as an exec of
-our own; the same kernels in the same order, so the same bits. The GEMMs whose algorithms need
-only that counter run on workspaces of their own during the capture
-(settings.graph_private_workspaces), so their memsets leave the graph for one memset at its start.
+The graph is launched as captured. Edits of its nodes were measured and removed: cuBLASLt's
+4-byte workspace memsets moved beside our kernels (twenty-fifth session), then taken off the chain
+altogether on GEMM workspaces of their own (thirty-first): whole steps ran as fast as the captured
+graph or slower (the moves' joins: d12 B=64 FP8 0.3-2.7% slower). tools/notes/step_graph.md.
 
 Not graphed: the NumPy backend, data-parallel runs (the reducer's per-layer hooks are host
 code), forward-only calls. `mode="auto"` falls back to eager for good, with one line saying
@@ -35,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import cublas, graph_nodes, runtime, settings
+from . import runtime
 
 MODES = ("auto", "on", "off")
 
@@ -74,9 +73,6 @@ class StepGraph:
         self.captures = 0
         self.failed = None            # why capturing failed (auto mode: eager from then on)
         self._keep = ()               # what the graph reads and writes: alive as long as it is
-        self._exec = None             # our exec of the edited graph (None: CuPy's of the captured one)
-        self.moved_memsets = 0        # memsets graph_nodes moved in the current graph
-        self.hoisted_memsets = 0      # private-workspace memsets replaced by one at the graph's start
 
     def forward_backward(self, x, y, grad_scale: float):
         """The mean loss (0-d fp32 on the device; the graph's own array once graphed: copy it to
@@ -90,7 +86,6 @@ class StepGraph:
                 self._capture(x, y, grad_scale, key)
             except Exception as e:  # noqa: BLE001 - any capture failure: say it once, then eager
                 self.graph, self.key, self._keep = None, None, ()
-                self._drop_exec()
                 self.model._backward_ready = self.model._encoder_plan = None
                 if self.strict:
                     raise GraphCaptureError(f"--cuda-graph on: the step could not be captured: {e}") from e
@@ -100,11 +95,7 @@ class StepGraph:
         tokens, targets, loss = self._keep[:3]
         tokens[...] = x
         targets[...] = y
-        stream = runtime.cupy.cuda.get_current_stream()
-        if self._exec is not None:
-            runtime.cupy.cuda.runtime.graphLaunch(self._exec, stream.ptr)
-        else:
-            self.graph.launch(stream=stream)
+        self.graph.launch(stream=runtime.cupy.cuda.get_current_stream())
         return loss
 
     def _eager(self, x, y, grad_scale):
@@ -119,13 +110,9 @@ class StepGraph:
         tokens, targets = x.copy(), y.copy()       # the graph's inputs, on the caller's stream
         main.synchronize()                         # capture records only; nothing may be in flight on them,
         self.graph, self._keep = None, ()          # and the old graph's replays are done: drop it and what it held
-        self._drop_exec()
         pool = cp.cuda.MemoryPool()                # the graph's temporaries: nobody else allocates here
         stream = cp.cuda.Stream(non_blocking=True)
-        s = settings.current()
-        private = cublas.PrivateWorkspaces()       # GEMMs' own workspaces: alive as long as the graph
-        with cp.cuda.using_allocator(pool.malloc), stream, \
-                cublas.private_workspaces(private if s.graph_private_workspaces else None):
+        with cp.cuda.using_allocator(pool.malloc), stream:
             stream.begin_capture()
             try:
                 loss = model.forward(tokens, targets, for_backward=True, grad_scale=grad_scale,
@@ -138,27 +125,6 @@ class StepGraph:
                     pass
                 raise
             graph = stream.end_capture()
-        if s.graph_private_workspaces:
-            self.hoisted_memsets = graph_nodes.hoist_private_memsets(graph.graph, private.ranges())
-        if s.graph_move_memsets:
-            self.moved_memsets = graph_nodes.move_memsets(graph.graph, runtime.kernel_handles(),
-                                                          cublas.workspace_ranges(), frozenset(private.kernels))
-        if self.moved_memsets or self.hoisted_memsets:
-            self._exec = cp.cuda.runtime.graphInstantiate(graph.graph)
         self.graph, self.key = graph, key
-        self._keep = (tokens, targets, loss, pool, stream, private) + model.step_buffers()
+        self._keep = (tokens, targets, loss, pool, stream) + model.step_buffers()
         self.captures += 1
-
-    def _drop_exec(self):
-        """Destroy our exec of the edited graph (its replays have finished: the callers synchronize)."""
-        if self._exec is not None:
-            runtime.cupy.cuda.runtime.graphExecDestroy(self._exec)
-            self._exec, self.moved_memsets, self.hoisted_memsets = None, 0, 0
-
-    def __del__(self):
-        try:
-            if self._exec is not None:
-                runtime.cupy.cuda.Device().synchronize()
-                self._drop_exec()
-        except Exception:  # noqa: BLE001 - interpreter shutdown: the driver frees it with the context
-            pass

@@ -96,7 +96,7 @@ idle = window - busy
 print(f"{opts['model']} B={opts['B']} {opts['dtype']} graph={opts['graph']}: untraced {plain_ms:.2f} ms/step; "
       f"traced window {window / 1e3 / K:.2f} ms/step, kernels busy {busy / 1e3 / K:.2f}, "
       f"idle {idle / 1e3 / K:.2f} ({100 * idle / window:.1f}%), {len(kernels) / K:.0f} kernels and "
-      f"{len(gaps) / K:.0f} gaps a step; memsets moved by graph_nodes: {graph.moved_memsets if graph else '-'}")
+      f"{len(gaps) / K:.0f} gaps a step")
 for cat, (t, n) in others.items():
     print(f"{cat}: {n / K:.1f} a step, {t / 1e3 / K:.3f} ms")
 # each memset between the kernels around it: what it precedes, and the time it adds to that gap
