@@ -10,7 +10,9 @@ where a separate-run A/B had read 0.5% faster (tools/notes/step_graph.md).
 A variant is GPUCORE_SETTINGS text ("" = the defaults); the first is the base of the ratios:
   PYTHONPATH=. python3 tools/probes/settings_ab.py model=d12 B=64 dtype=fp8 rounds=7 repeat=4 \\
       "" "encoder_dwpe_beside=0" "attention_v3_streams=0,attention_head_group=0"
-Settings read only when the model is built (none today) would not differ between variants.
+Settings read when the model is built (BUILT_ONCE: the FP8 scaling's constructor, the LM-head
+buffers) would take the defaults in every variant, so a variant that changes one is refused: compare
+those with tools/ab_train.py.
 """
 import sys
 
@@ -32,6 +34,12 @@ for arg in sys.argv[1:]:
         texts.append(arg)
 texts = texts or [""]
 variants = [settings.from_env({"GPUCORE_SETTINGS": t}) for t in texts]
+BUILT_ONCE = ("fp8_lm_head", "fp8_history", "fp8_margin", "fp8_weights_current", "lm_head_chunk_bytes")
+for text, s in zip(texts, variants):
+    fixed = [f for f in BUILT_ONCE if getattr(s, f) != getattr(variants[0], f)]
+    if fixed:
+        sys.exit(f"settings_ab: {text!r} changes {', '.join(fixed)}, read once when the model is built; "
+                 "use tools/ab_train.py")
 run = synthetic_training(opts["model"], int(opts["B"]), None, "cuda", opts["dtype"])
 graphs = [StepGraph(run.net, strict=True) for _ in variants]
 
