@@ -138,7 +138,7 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
     // Tiles in a grid-stride loop: a full grid runs each block once; the gated re-cast is launched
     // on a capped grid, so that when the gate says no, few blocks start only to return. Tile rows
     // from the last (common.cuh from_last): `in` is what a GEMM or the attention backward just wrote.
-    for (int ty = from_last(blockIdx.y, (R + TR - 1) / TR); ty >= 0; ty -= gridDim.y)   // tile rows from the last
+    for (int ty = from_last(blockIdx.y, (R + TR - 1) / TR); ty >= 0; ty -= gridDim.y)
     for (int tx = blockIdx.x; tx * TILE < C; tx += gridDim.x) {
     const int r0 = ty * TR, c0 = tx * TILE;
     if (out_t || COLSUM) __syncthreads();      // the last tile's shared reads are done
