@@ -28,6 +28,10 @@ Ctrl-C: the first one lets the current step finish, the second one stops at
 once; either way the last completed step is checkpointed (atomically) and
 TrainInterrupted (a KeyboardInterrupt) carries its path, for the resume command.
 
+A NaN or inf loss or gradient norm (read at the step's sync anyway) stops the run at
+that step with one TrainError line naming the last checkpoint; the step is not
+saved, and the metrics file gets a "non-finite" event row instead of its step row.
+
 Data parallel (gpucore.distributed): started as one of N ranks (mpirun, srun,
 or --nproc N, which starts the ranks itself), run() connects to the peers
 first; each rank reads its slice of every batch, the gradients are reduced
@@ -662,6 +666,8 @@ class Trainer:
         if dp is not None:      # the global mean loss, and whether any rank was asked to stop
             loss, self.stop_agreed = dp.agree(loss, bool(flag and flag["stop"]))
             dp.watchdog.beat(f"step {step + 1}")
+        if not (np.isfinite(loss) and np.isfinite(norm)):
+            self.stop_non_finite(step + 1, loss, norm)
         dt = time.perf_counter() - t0
         done = step + 1
         tps = s.total / dt
@@ -703,6 +709,21 @@ class Trainer:
         self.echo(f"step {done:>5d} | checkpoint {path}"
                   + (f" (removed {', '.join(p.name for p in removed)})" if removed else ""))
         return path
+
+    def stop_non_finite(self, done: int, loss: float, norm: float):
+        """A NaN or inf loss or gradient norm ends the run with one line (TrainError), before this
+        step is logged as done or saved: the update has already written non-finite numbers into the
+        weights, so only the last checkpoint is worth resuming from. With several ranks, each sees
+        the same agreed loss and global norm, so all of them stop at the same step."""
+        self.log({"event": "non-finite", "step": done, "loss": str(loss), "grad_norm": str(norm)})
+        if self.saved_path is not None:
+            where = (f"the last checkpoint is step {self.saved_step}: resume with --resume {self.saved_path} "
+                     f"and a lower --lr or a longer --warmup, or it will happen again")
+        else:
+            where = ("no checkpoint was written before it (--ckpt-every N keeps one every N steps); "
+                     "a lower --lr or a longer --warmup may avoid it")
+        raise TrainError(f"step {done}: loss {loss}, gradient norm {norm}: training stopped and this step "
+                         f"was not saved; {where}")
 
     def interrupted(self):
         """Ctrl-C: checkpoint the last completed step if it is not on disk yet, then raise TrainInterrupted."""

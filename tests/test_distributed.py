@@ -11,6 +11,7 @@ GPU (-m cuda): --nproc 1 through NCCL matches the plain run bitwise.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -143,6 +144,22 @@ def test_one_rank_error_is_one_line_naming_the_rank(shards, tmp_path):
     assert code == 1
     assert "Error: rank 0: --total-batch-size 96 is not a multiple of B*T x 2 ranks = 1*32*2 = 64" in se
     assert "Traceback" not in se
+
+
+def test_divergence_stops_every_rank_at_the_same_step(shards, tmp_path):
+    """lr 1e20: the agreed loss of step 2 is NaN on both ranks, so both stop there with one line each
+    and the job exits 1; rank 0 had saved step 1 and nothing after it."""
+    code, so, se = _job(_train_argv(shards, tmp_path, 4, "cpu", "tiny", 1, 32, 64, "--lr", "1e20",
+                                    "--warmup", 0, "--ckpt-every", 1), nproc=2, timeout=300)
+    assert code == 1, so + se
+    assert "Traceback" not in se
+    # each rank prints its own line; the launcher may end one before it prints, never both
+    assert re.search(r"Error: rank [01]: step 2: loss nan, gradient norm nan: training stopped", se), se
+    assert "the last checkpoint is step 1" in se and "step 3" not in se, se
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_000001.ckpt"]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r and "event" not in r] == [1]
+    assert rows[-1]["event"] == "non-finite" and rows[-1]["step"] == 2
 
 
 def _rank_pid(parent_pid, rank, deadline):

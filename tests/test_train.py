@@ -231,6 +231,49 @@ def test_device_cuda_without_gpu(shards, tmp_path):
                     "no NVIDIA GPU")
 
 
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(shards, tmp_path, monkeypatch):
+    """Issue 16: a NaN loss stops training at once with one error line naming the last checkpoint;
+    the bad step is neither logged as a step nor saved, and the run exits 1."""
+    from gpucore import train as train_mod
+    real, calls = train_mod.train_step, []
+
+    def nan_at_step_3(*args, **kwargs):
+        loss, norm = real(*args, **kwargs)
+        calls.append(1)
+        return (loss * np.float32("nan"), norm) if len(calls) == 3 else (loss, norm)
+
+    monkeypatch.setattr(train_mod, "train_step", nan_at_step_3)
+    res = _cli(["--model", "tiny", "--device", "cpu", "-B", 2, "-T", 32, "--steps", 6, "--ckpt-every", 2,
+                "--val-every", 0, "--sample-every", 0, "--data", shards, "--out-dir", tmp_path])
+    assert res.exit_code == 1, res.output
+    assert "Traceback" not in res.output and len(calls) == 3
+    last = res.output.rstrip("\n").splitlines()[-1]
+    assert last.startswith("Error: step 3: loss nan, gradient norm "), last
+    assert "training stopped" in last and "the last checkpoint is step 2" in last
+    assert f"--resume {tmp_path / 'ckpt_000002.ckpt'}" in last
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_000002.ckpt"]
+    recs = _metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs if "loss" in r and "event" not in r] == [1, 2]
+    assert recs[-1] == {"event": "non-finite", "step": 3, "loss": "nan", "grad_norm": recs[-1]["grad_norm"]}
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", "fp32"), ("cpu", "bf16"), ("cpu", "fp8"),
+                                          pytest.param("cuda", "bf16", marks=pytest.mark.cuda),
+                                          pytest.param("cuda", "fp8", marks=pytest.mark.cuda)])
+def test_a_real_divergence_stops_at_its_first_non_finite_step(shards, tmp_path, device, dtype):
+    """No fake: lr 1e20 without warmup overflows the tiny model's weights at the first update, and
+    step 2 -- the first whose loss is not finite -- ends the run, step 1's checkpoint kept. FP8's
+    saturating casts must not hide it (the GPU runs go through the CUDA-graph step)."""
+    from gpucore.startup import TrainError
+    with np.errstate(all="ignore"), pytest.raises(TrainError) as e:
+        run(_args(shards, tmp_path, device=device, dtype=dtype, steps=5, lr=1e20, warmup=0, ckpt_every=1),
+            echo=lambda s: None)
+    msg = str(e.value)
+    assert msg.startswith("step 2: loss ") and "training stopped" in msg, msg
+    assert "the last checkpoint is step 1" in msg, msg
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_000001.ckpt"]
+
+
 # -------------------------------------------------------------------- GPU ----
 
 @pytest.mark.cuda
