@@ -3,10 +3,11 @@
 # d12 runs (B=16, warmup 100, the Python stdlib corpus) for each MODE and SEED, then
 # tools/fp8_seeds.py's table: FP8 against bf16's own seed-to-seed spread. Logs: $OUT/fp8_seeds.
 #   SEEDS="1337 7 42" MODES="adamw fp8 fp8-head" tools/fp8_seeds.sh
+# The default MODES set bf16 against fp8-fastdg, the recipe `--dtype fp8` runs by default.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SEEDS=${SEEDS:-1337 7 42}
-MODES=${MODES:-adamw fp8-head}
+MODES=${MODES:-adamw fp8-fastdg}
 LOG=${OUT:-out}/fp8_seeds
 mkdir -p "$LOG"
 for seed in $SEEDS; do
