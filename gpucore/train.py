@@ -712,9 +712,9 @@ class Trainer:
 
     def stop_non_finite(self, done: int, loss: float, norm: float):
         """A NaN or inf loss or gradient norm ends the run with one line (TrainError), before this
-        step is logged as done or saved: the update has already written non-finite numbers into the
-        weights, so only the last checkpoint is worth resuming from. With several ranks, each sees
-        the same agreed loss and global norm, so all of them stop at the same step."""
+        step is logged as done or saved: the update has already run (a NaN norm makes AdamW's clip
+        NaN, so the weights are NaN too), so only the last checkpoint is worth resuming from. With
+        several ranks, each sees the same agreed loss and global norm, so all stop at the same step."""
         self.log({"event": "non-finite", "step": done, "loss": str(loss), "grad_norm": str(norm)})
         if self.saved_path is not None:
             where = (f"the last checkpoint is step {self.saved_step}: resume with --resume {self.saved_path} "
