@@ -718,7 +718,8 @@ class Trainer:
         self.log({"event": "non-finite", "step": done, "loss": str(loss), "grad_norm": str(norm)})
         if self.saved_path is not None:
             where = (f"the last checkpoint is step {self.saved_step}: resume with --resume {self.saved_path} "
-                     f"and a lower --lr or a longer --warmup, or it will happen again")
+                     f"(or an earlier checkpoint if the loss was already climbing there) and a lower --lr "
+                     f"or a longer --warmup, or it will happen again")
         else:
             where = ("no checkpoint was written before it (--ckpt-every N keeps one every N steps); "
                      "a lower --lr or a longer --warmup may avoid it")

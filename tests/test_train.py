@@ -255,6 +255,13 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(shards, tmp
     recs = _metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in recs if "loss" in r and "event" not in r] == [1, 2]
     assert recs[-1] == {"event": "non-finite", "step": 3, "loss": "nan", "grad_norm": recs[-1]["grad_norm"]}
+    # nothing lost: the command the message gives continues from step 2 to the end
+    monkeypatch.undo()
+    res = _cli(["--resume", tmp_path / "ckpt_000002.ckpt", "--device", "cpu", "-B", 2, "-T", 32, "--steps", 6,
+                "--ckpt-every", 2, "--val-every", 0, "--sample-every", 0, "--data", shards, "--out-dir", tmp_path])
+    assert res.exit_code == 0, res.output
+    steps = [r["step"] for r in _metrics(tmp_path / "metrics.jsonl") if "loss" in r and "event" not in r]
+    assert steps == [1, 2, 3, 4, 5, 6] and (tmp_path / "ckpt_000006.ckpt").is_file()
 
 
 @pytest.mark.parametrize("device,dtype", [("cpu", "fp32"), ("cpu", "bf16"), ("cpu", "fp8"),
