@@ -6,6 +6,8 @@
 #   dp       --nproc NPROC (gradients all-reduced in per-layer buckets, overlapping the backward)
 #   zero     --nproc NPROC --zero 1 (ZeRO-1)
 #   mpi      mpirun -np NPROC (when mpirun and mpi4py are there), ZeRO off
+#   dp2      dp again: two data-parallel runs must give bitwise identical losses
+#   kill     --nproc NPROC with rank 1 SIGKILLed after the first step: how the job ends, how fast
 # and reports ms/step, tokens/s (median of steps 2..), the scaling against one GPU's tokens/s
 # without accumulation (run "one"), peak memory per GPU, and whether the losses agree.
 # With NPROC=1 the data-parallel runs go through NCCL with one rank and must match "single"
@@ -22,25 +24,46 @@ NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 B=${B:-64}
 STEPS=${STEPS:-20}
 MODEL=${MODEL:-d12}
+T=${T:-1024}
+DTYPE=${DTYPE:-bf16}
+DEVICE=${DEVICE:-cuda}      # DEVICE=cpu MODEL=tiny T=64 DTYPE=fp32 NPROC=2: the script itself, on CPU ranks
 LOG=${OUT:-out}/dp_check
-if [ "$NPROC" = 1 ]; then RUNS=${RUNS:-single dp zero}; else RUNS=${RUNS:-one single dp zero mpi}; fi
+if [ "$NPROC" = 1 ]; then RUNS=${RUNS:-single dp zero}; else RUNS=${RUNS:-one single dp zero mpi dp2 kill}; fi
 mkdir -p "$LOG"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
 [ -f data/tinyshakespeare/tinyshakespeare_train.bin ] || $PY -m gpucore.cli prepro
 
-TOTAL=$((B * 1024 * NPROC))
-common=(--model "$MODEL" -B "$B" -T 1024 --steps "$STEPS" --lr 3e-4 --dtype bf16 --device cuda
+TOTAL=$((B * T * NPROC))
+common=(--model "$MODEL" -B "$B" -T "$T" --steps "$STEPS" --lr 3e-4 --dtype "$DTYPE" --device "$DEVICE"
         --val-every 0 --sample-every 0 --no-checkpoint)
+# kill: a long --nproc run; once a step is logged, SIGKILL rank 1 (found by its GPUCORE_RANK) and time
+# how long the job takes to end. The launcher should name the dead rank and exit 1 within seconds.
+kill_check() {
+  local out=$1 job pid rc=0 t0 t1
+  rm -rf "$out" "$out.jsonl"
+  "$PY" -m gpucore.cli train "${common[@]}" --steps 100000 --nproc "$NPROC" --dist-timeout 30 \
+    --out-dir "$out" --metrics "$out.jsonl" > "$out.txt" 2>&1 &
+  job=$!
+  for _ in $(seq 1200); do grep -qs '"loss"' "$out.jsonl" && break; sleep 0.5; done
+  pid=$(grep -lzx 'GPUCORE_RANK=1' /proc/[0-9]*/environ 2>/dev/null | head -1 | cut -d/ -f3 || true)
+  if [ -z "$pid" ]; then echo "kill: no rank 1 found" > "$out.result"; kill "$job" || true; return; fi
+  t0=$(date +%s.%N); kill -9 "$pid"; wait "$job" || rc=$?; t1=$(date +%s.%N)
+  { printf 'kill: rank 1 SIGKILLed after a step: the job exited %s after %.1f s\n' "$rc" "$(awk "BEGIN {print $t1 - $t0}")"
+    grep -E "^(gpucore:|Error)" "$out.txt" | tail -3 | sed 's/^/  /'; } > "$out.result"
+  cat "$out.result"
+}
+
 for run in $RUNS; do
   out="$LOG/$run"
   case $run in
     one)    cmd=($PY -m gpucore.cli train "${common[@]}") ;;
     single) cmd=($PY -m gpucore.cli train "${common[@]}" --total-batch-size "$TOTAL") ;;
-    dp)     cmd=($PY -m gpucore.cli train "${common[@]}" --nproc "$NPROC") ;;
+    dp|dp2) cmd=($PY -m gpucore.cli train "${common[@]}" --nproc "$NPROC") ;;
     zero)   cmd=($PY -m gpucore.cli train "${common[@]}" --nproc "$NPROC" --zero 1) ;;
     mpi)    if ! command -v mpirun >/dev/null || ! $PY -c "import mpi4py" 2>/dev/null; then
               echo "mpi: skipped (no mpirun or mpi4py)"; continue; fi
             cmd=(mpirun --allow-run-as-root -np "$NPROC" $PY -m gpucore.cli train "${common[@]}") ;;
+    kill)   kill_check "$out"; continue ;;
   esac
   echo "== $run: ${cmd[*]}"
   if ! "${cmd[@]}" --out-dir "$out" --metrics "$out.jsonl" > "$out.txt" 2>&1; then
@@ -64,6 +87,8 @@ log, nproc, runs = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split()
 res = {}
 for run in runs:
     p = log / f"{run}.jsonl"
+    if run == "kill":
+        continue
     if not p.exists():
         continue
     recs = [json.loads(l) for l in p.read_text().splitlines()]
@@ -87,4 +112,9 @@ for run in ("dp", "zero", "mpi"):
         same = a == b
         worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
         print(f"losses {run} vs single: {'bitwise identical' if same else f'max rel diff {worst:.2e}'}")
+if "dp" in res and "dp2" in res:
+    print(f"losses dp2 vs dp (two runs): {'bitwise identical' if res['dp']['losses'] == res['dp2']['losses'] else 'DIFFER'}")
+kill = log / "kill.result"
+if "kill" in runs and kill.exists():
+    print(kill.read_text().rstrip())
 PY

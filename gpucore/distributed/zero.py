@@ -39,30 +39,50 @@ class ShardLayout:
 
     piece[i], piece_at[i]: slice i's piece length and its offset in the compact buffer;
     tail[i], tail_at[i]: the same for its replicated tail. sharded_size: the pieces' total
-    (the compact prefix); size: pieces + tails. index: flat position of each compact element.
+    (the compact prefix); size: pieces + tails. tail_index: flat position of each tail element
+    (fewer than world a slice). No index of the whole shard is kept: at 8 bytes an element it
+    would cost more memory than ZeRO-1 saves (d48 on 2 ranks: 6.2 GB); take() copies the pieces
+    as the contiguous ranges they are.
     """
 
     def __init__(self, slices, world: int, rank: int):
         self.world, self.rank = int(world), int(rank)
+        self.offsets = [off for _, _, off, _, _ in slices]
         self.piece = [size // world for _, _, _, size, _ in slices]
         self.tail = [size - world * p for (_, _, _, size, _), p in zip(slices, self.piece)]
         self.piece_at = list(np.cumsum([0] + self.piece[:-1]).astype(int))
         self.sharded_size = int(sum(self.piece))
         self.tail_at = list(self.sharded_size + np.cumsum([0] + self.tail[:-1]).astype(int))
         self.size = self.sharded_size + int(sum(self.tail))
-        parts, tails, spans = [], [], []
+        tails, spans = [], []
         for (_, _, off, _, decay), p, t, pa, ta in zip(slices, self.piece, self.tail, self.piece_at, self.tail_at):
-            parts.append(np.arange(off + rank * p, off + (rank + 1) * p, dtype=np.int64))
             tails.append(np.arange(off + world * p, off + world * p + t, dtype=np.int64))
             if decay:
                 spans += [(pa, pa + p), (ta, ta + t)]
-        self.index = np.concatenate(parts + tails) if slices else np.zeros(0, np.int64)
-        self.tail_index = self.index[self.sharded_size:]
+        self.tail_index = np.concatenate(tails) if slices else np.zeros(0, np.int64)
         self.decay_spans = spans
 
-    def take(self, full: np.ndarray) -> np.ndarray:
-        """This rank's compact shard of a full flat host array."""
-        return np.ascontiguousarray(np.asarray(full)[self.index])
+    def ranges(self):
+        """(compact offset, flat offset, length) of every piece and tail, in compact order."""
+        w, r = self.world, self.rank
+        out = [(pa, off + r * p, p) for off, p, pa in zip(self.offsets, self.piece, self.piece_at) if p]
+        return out + [(ta, off + w * p, t) for off, p, t, ta in zip(self.offsets, self.piece, self.tail, self.tail_at)
+                      if t]
+
+    def index(self) -> np.ndarray:
+        """Flat position of each compact element (int64, `size` of them: for tests and small checks)."""
+        parts = [np.arange(f, f + n, dtype=np.int64) for _, f, n in self.ranges()]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def take(self, full, out=None):
+        """This rank's compact shard of a full flat array: into `out` (an array of full's module, any
+        dtype: the values are cast), or a new array of full's dtype on the host."""
+        if out is None:
+            full = np.asarray(full)
+            out = np.empty(self.size, dtype=full.dtype)
+        for at, f, n in self.ranges():
+            out[at:at + n] = full[f:f + n]
+        return out
 
 
 class ShardedAdamW:
@@ -77,9 +97,8 @@ class ShardedAdamW:
         self.eps, self.weight_decay = float(eps), float(weight_decay)
         self.max_grad_norm = float(max_grad_norm) if max_grad_norm else None
         xp, n = model.xp, self.shard.size
-        self._index = xp.asarray(self.shard.index)
-        self._tail_index = self._index[self.shard.sharded_size:]
-        self.master = model.params.flat()[self._index].astype(np.float32)
+        self._tail_index = xp.asarray(self.shard.tail_index)
+        self.master = self.shard.take(model.params.flat(), out=xp.empty(n, dtype=np.float32))
         self.m = xp.zeros(n, dtype=np.float32)
         self.v = xp.zeros(n, dtype=np.float32)
         # the updated shard in the parameters' dtype (fp32: the master shard itself)
@@ -126,9 +145,34 @@ class ShardedAdamW:
     # ------------------------------------------------------------ state (whole, for checkpoints)
 
     def _full_host(self, compact) -> np.ndarray:
-        full = self.model.xp.empty(self.model.num_parameters, dtype=compact.dtype)
-        self.gather(compact, full)
-        return full.get() if hasattr(full, "get") else full
+        """The whole flat host array of a compact shard (collective). On a GPU the pieces are gathered a
+        few slices at a time through one buffer of the largest slice's size: a whole flat buffer (d48:
+        6.2 GB in fp32) would stay in CuPy's pool after the first checkpoint, as much as ZeRO-1 saves."""
+        shard, world, slices = self.shard, self.comm.world_size, self.reducer.slices
+        host = np.empty(self.model.num_parameters, dtype=compact.dtype)
+        if self.model.xp is np:
+            self.gather(compact, host)
+            return host
+        cap = max([world * p for p in shard.piece] + [1])
+        buf = self.model.xp.empty(cap, dtype=compact.dtype)
+        i = 0
+        while i < len(slices):
+            placed, used = [], 0                    # (flat offset, buffer offset, length) of this round
+            with self.comm.group():
+                while i < len(slices) and used + world * shard.piece[i] <= cap:
+                    p = shard.piece[i]
+                    if p:
+                        self.comm.all_gather(compact[shard.piece_at[i]:shard.piece_at[i] + p],
+                                             buf[used:used + world * p])
+                        placed.append((slices[i][2], used, world * p))
+                    used += world * p
+                    i += 1
+            got = buf[:used].get()
+            for off, at, n in placed:
+                host[off:off + n] = got[at:at + n]
+        if shard.size > shard.sharded_size:
+            host[shard.tail_index] = compact[shard.sharded_size:].get()
+        return host
 
     def state_arrays(self) -> dict:
         """Full flat m, v (and master with low-precision params) as host arrays; collective: every rank calls it."""
@@ -152,7 +196,9 @@ class ShardedAdamW:
             if tuple(src.shape) != (n,):
                 raise ValueError(f"optimizer state: {name!r} has shape {tuple(src.shape)}, expected ({n},)")
             host = src.get() if hasattr(src, "get") else np.asarray(src, dtype=np.float32)
-            getattr(self, name)[...] = xp.asarray(self.shard.take(host))
+            dst = getattr(self, name)
+            for at, f, count in self.shard.ranges():     # range by range: no shard-sized temporary
+                dst[at:at + count] = xp.asarray(host[f:f + count])
         if self.lowp is None:        # fp32: the parameters are the master weights
-            self.master[...] = self.model.params.flat()[self._index]
+            self.shard.take(self.model.params.flat(), out=self.master)
         self.step_count = int(meta["step"])
