@@ -41,7 +41,7 @@ class ShardLayout:
     tail[i], tail_at[i]: the same for its replicated tail. sharded_size: the pieces' total
     (the compact prefix); size: pieces + tails. tail_index: flat position of each tail element
     (fewer than world a slice). No index of the whole shard is kept: at 8 bytes an element it
-    would cost more memory than ZeRO-1 saves (d48 on 2 ranks: 6.2 GB); take() copies the pieces
+    would cost, on 2 ranks, all the memory ZeRO-1 saves (d48: 6.2 GB); take() copies the pieces
     as the contiguous ranges they are.
     """
 
