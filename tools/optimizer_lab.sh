@@ -2,6 +2,9 @@
 # optimizer_lab.sh -- issue 17's comparison on one GPU, then a summary last:
 #   d12, B=16, T=1024, bf16, STEPS (default 1000) steps of the same data and seed with
 #     adamw        AdamW, fp32 master weights (the default), warmup + cosine to 10%
+#     adamw-order  adamw with the bias gradients summed by separate passes (fused_bias_grads=0): the same
+#                  arithmetic in another order, so the run parts from adamw by bf16 rounding alone -- the
+#                  control for issue 16's "same seed" comparison (how far rounding noise moves a run)
 #     sfadamw      schedule-free AdamW, same peak lr and warmup, no decay (evaluates its average x)
 #     bf16-sr      AdamW, bf16 weights without the fp32 copy, stochastic rounding
 #     bf16-kahan   AdamW, bf16 weights without the fp32 copy, bf16 Kahan compensation
@@ -47,6 +50,8 @@ for run in $RUNS; do
   settings=${GPUCORE_SETTINGS:-}
   case $run in
     adamw)      extra=(--final-lr-frac 0.1) ;;
+    adamw-order) extra=(--final-lr-frac 0.1)
+                settings=${settings:+$settings,}fused_bias_grads=0 ;;
     sfadamw)    extra=(--optimizer sfadamw) ;;
     bf16-sr)    extra=(--final-lr-frac 0.1 --master-weights sr) ;;
     bf16-kahan) extra=(--final-lr-frac 0.1 --master-weights kahan) ;;
