@@ -122,6 +122,18 @@ def test_two_ranks_are_deterministic_and_launcher_independent(shards, zero_two_r
     assert np.array_equal(first, again), (first, again)
 
 
+def test_reducing_after_the_backward_gives_the_same_losses(shards, zero_two_ranks, tmp_path):
+    """settings.dp_overlap=0: every bucket is reduced after the backward instead of beside it; the
+    sums are the same, so the losses are bitwise the overlapped run's."""
+    env = {**_env(), "GPUCORE_SETTINGS": "dp_overlap=0"}
+    argv = _train_argv(shards, tmp_path, 3, "cpu", "tiny", 1, 32, 192, "--zero", 1)
+    p = subprocess.run([sys.executable, *argv, "--nproc", "2"], capture_output=True, text=True, timeout=600,
+                       env=env, cwd=REPO)
+    assert p.returncode == 0, p.stdout + p.stderr
+    overlapped, after = _metrics(zero_two_ranks[0])[0], _metrics(tmp_path)[0]
+    assert len(after) == 3 and np.array_equal(overlapped, after), (overlapped, after)
+
+
 def test_zero_checkpoint_of_two_ranks_resumes_on_one(shards, one_rank, zero_two_ranks, tmp_path):
     from gpucore.checkpoint import load_checkpoint
     shutil.copy(zero_two_ranks[0] / "metrics.jsonl", tmp_path / "metrics.jsonl")

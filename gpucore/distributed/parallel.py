@@ -13,6 +13,7 @@ of each batch. Only rank 0 prints, writes metrics and writes checkpoints.
 """
 from __future__ import annotations
 
+from .. import settings
 from .launch import Watchdog, connect, detect
 from .reducer import GradientReducer, parameter_slices
 from .zero import ShardedAdamW, ShardLayout
@@ -43,7 +44,7 @@ class DataParallel:
         """The run's optimizer (make(), or a ShardedAdamW with `kw` under --zero 1); builds the gradient
         reducer (sharded with --zero 1)."""
         shard = ShardLayout(parameter_slices(model), self.world_size, self.rank) if self.zero else None
-        self.reducer = GradientReducer(self.comm, model, shard)
+        self.reducer = GradientReducer(self.comm, model, shard, overlap=settings.current().dp_overlap)
         if self.zero:
             return ShardedAdamW(model, self.reducer, self.comm, **kw)
         return make()

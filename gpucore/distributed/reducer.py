@@ -48,10 +48,11 @@ class GradientReducer:
     reducer.layer_done(l)   queue bucket l (GPT2.backward's on_layer_done)
     reducer.finish()        queue the last bucket; the current stream then waits for all of them
     With `shard` (a ShardLayout), gradients are reduce-scattered into reducer.shard_grads.
+    overlap=False (settings.dp_overlap): layer_done does nothing and finish() reduces every bucket.
     """
 
-    def __init__(self, comm, model, shard=None):
-        self.comm, self.model, self.shard = comm, model, shard
+    def __init__(self, comm, model, shard=None, overlap: bool = True):
+        self.comm, self.model, self.shard, self.overlap = comm, model, shard, bool(overlap)
         self.slices = parameter_slices(model)
         self.buckets: dict[int | None, list[int]] = {}
         for i, (_, layer, _, _, _) in enumerate(self.slices):
@@ -66,9 +67,13 @@ class GradientReducer:
             self._done = cp.cuda.Event(disable_timing=True)
 
     def layer_done(self, layer: int) -> None:
-        self._reduce(self.buckets[layer])
+        if self.overlap:
+            self._reduce(self.buckets[layer])
 
     def finish(self) -> None:
+        if not self.overlap:       # every bucket now, in the backward's order
+            for layer in sorted((k for k in self.buckets if k is not None), reverse=True):
+                self._reduce(self.buckets[layer])
         self._reduce(self.buckets[None])
         if self._gpu:
             self._done.record(self.stream)
