@@ -122,16 +122,23 @@ def test_two_ranks_are_deterministic_and_launcher_independent(shards, zero_two_r
     assert np.array_equal(first, again), (first, again)
 
 
-def test_reducing_after_the_backward_gives_the_same_losses(shards, zero_two_ranks, tmp_path):
-    """settings.dp_overlap=0: every bucket is reduced after the backward instead of beside it; the
-    sums are the same, so the losses are bitwise the overlapped run's."""
-    env = {**_env(), "GPUCORE_SETTINGS": "dp_overlap=0"}
-    argv = _train_argv(shards, tmp_path, 3, "cpu", "tiny", 1, 32, 192, "--zero", 1)
-    p = subprocess.run([sys.executable, *argv, "--nproc", "2"], capture_output=True, text=True, timeout=600,
-                       env=env, cwd=REPO)
+@pytest.mark.parametrize("zero", [1, 0])
+def test_reducing_after_the_backward_gives_the_same_losses(shards, zero_two_ranks, tmp_path, zero):
+    """settings.dp_overlap=0: everything is reduced after the backward instead of beside it (ZeRO-1:
+    bucket by bucket; plain: one all-reduce of the whole flat buffer). The sums of two ranks are the
+    same either way, so the losses are bitwise the overlapped run's."""
+    argv = _train_argv(shards, tmp_path / "after", 3, "cpu", "tiny", 1, 32, 192, "--zero", zero, "--nproc", 2)
+    p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600, cwd=REPO,
+                       env={**_env(), "GPUCORE_SETTINGS": "dp_overlap=0"})
     assert p.returncode == 0, p.stdout + p.stderr
-    overlapped, after = _metrics(zero_two_ranks[0])[0], _metrics(tmp_path)[0]
-    assert len(after) == 3 and np.array_equal(overlapped, after), (overlapped, after)
+    if zero:
+        overlapped = zero_two_ranks[0]
+    else:
+        code, so, se = _job(_train_argv(shards, tmp_path / "overlapped", 3, "cpu", "tiny", 1, 32, 192), nproc=2)
+        assert code == 0, so + se
+        overlapped = tmp_path / "overlapped"
+    first, after = _metrics(overlapped)[0], _metrics(tmp_path / "after")[0]
+    assert len(after) == 3 and np.array_equal(first, after), (first, after)
 
 
 def test_zero_checkpoint_of_two_ranks_resumes_on_one(shards, one_rank, zero_two_ranks, tmp_path):

@@ -48,7 +48,9 @@ class GradientReducer:
     reducer.layer_done(l)   queue bucket l (GPT2.backward's on_layer_done)
     reducer.finish()        queue the last bucket; the current stream then waits for all of them
     With `shard` (a ShardLayout), gradients are reduce-scattered into reducer.shard_grads.
-    overlap=False (settings.dp_overlap): layer_done does nothing and finish() reduces every bucket.
+    overlap=False (settings.dp_overlap): layer_done does nothing and finish() reduces everything
+    after the backward: without ZeRO as one all-reduce over the whole flat buffer (one NCCL call
+    instead of ~150 in 13 groups), with ZeRO every bucket's reduce-scatters in turn.
     """
 
     def __init__(self, comm, model, shard=None, overlap: bool = True):
@@ -71,10 +73,14 @@ class GradientReducer:
             self._reduce(self.buckets[layer])
 
     def finish(self) -> None:
-        if not self.overlap:       # every bucket now, in the backward's order
+        if self.overlap:
+            self._reduce(self.buckets[None])
+        elif self.shard is None:   # the whole buffer at once: padding between tensors is zero on every rank
+            self._reduce(None)
+        else:                      # every bucket now, in the backward's order
             for layer in sorted((k for k in self.buckets if k is not None), reverse=True):
                 self._reduce(self.buckets[layer])
-        self._reduce(self.buckets[None])
+            self._reduce(self.buckets[None])
         if self._gpu:
             self._done.record(self.stream)
             runtime.cupy.cuda.get_current_stream().wait_event(self._done)
@@ -91,6 +97,9 @@ class GradientReducer:
     def _issue(self, indices) -> None:
         g = self.model.grads.flat()
         comm, shard = self.comm, self.shard
+        if indices is None:        # everything (overlap off, no ZeRO)
+            comm.all_reduce(g)
+            return
         with comm.group():
             for i in indices:
                 _, _, off, size, _ = self.slices[i]
