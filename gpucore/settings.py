@@ -62,7 +62,7 @@ class Settings:
     fp8_lm_head_dwte: bool = True         # with fp8_lm_head, its dwte GEMM too (dlogits8, lnf8 transposed per chunk)
     fp8_fast_accum_dgrad: bool = True     # the linears' dx GEMMs (K <= 4C) on Hopper's fast FP8 accumulation too
     # ---- data parallel (gpucore/distributed/reducer.py)
-    dp_overlap: bool = True               # reduce each layer's gradients while the backward runs; False: all after it
+    dp_overlap: bool = False              # True: reduce each layer's gradients while the backward runs (no CUDA graph)
 
     def replace(self, **changes) -> "Settings":
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

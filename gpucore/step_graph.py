@@ -43,14 +43,16 @@ class GraphCaptureError(RuntimeError):
     """The step could not be captured (mode "on")."""
 
 
-def resolve(mode: str, device: str, data_parallel: bool = False) -> tuple[bool, str]:
-    """(use a graph?, why) for `--cuda-graph mode` on `device`. Pure: no GPU needed."""
+def resolve(mode: str, device: str, data_parallel: bool = False, dp_overlap: bool = False) -> tuple[bool, str]:
+    """(use a graph?, why) for `--cuda-graph mode` on `device`. Pure: no GPU needed. A data-parallel
+    run is graphed unless it overlaps the reduction with the backward (settings.dp_overlap), whose
+    per-layer buckets are issued from host hooks in the middle of the backward."""
     if mode not in MODES:
         raise ValueError(f"--cuda-graph {mode}: expected one of {', '.join(MODES)}")
     if mode == "off":
         return False, "off"
     why_not = ("the CPU backend runs NumPy, no CUDA" if device != "cuda" else
-               "data-parallel runs reduce gradients from host hooks during the backward" if data_parallel else
+               "dp_overlap issues gradient buckets from host hooks during the backward" if data_parallel and dp_overlap else
                None)
     if why_not is None:
         return True, "on"

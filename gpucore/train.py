@@ -121,13 +121,14 @@ def train_step(model, optimizer, next_batch, grad_accum: int, lr: float, reducer
     """One optimizer step over grad_accum micro-batches from next_batch(); returns (loss, norm).
 
     Both are 0-d fp32 arrays on the model's device (read them with float()); the loss is this
-    rank's. With a reducer (data parallel), the last micro-batch's backward hands each layer's
-    finished gradients to it, and the gradient is the mean over all ranks' tokens.
+    rank's. With a reducer (data parallel), the gradient is the mean over all ranks' tokens: it
+    reduces them after the last micro-batch's backward, or (reducer.overlap) during it, taking each
+    layer's finished gradients as the backward hands them over.
     graph: a StepGraph of this model (gpucore/step_graph.py) runs each micro-batch's forward +
-    backward (not with a reducer); the optimizer step stays eager.
+    backward (not with an overlapping reducer); the reduction and the optimizer step stay eager.
     """
-    if graph is not None and reducer is not None:
-        raise ValueError("train_step: a CUDA graph of the step cannot run the reducer's host hooks")
+    if graph is not None and reducer is not None and reducer.overlap:
+        raise ValueError("train_step: a CUDA graph of the step cannot run the reducer's per-layer host hooks")
     model.zero_grad()
     total = None
     for i in range(grad_accum):
@@ -266,7 +267,8 @@ def prepare(args: TrainArgs, echo, dp=None) -> RunSetup:
                                   master_weights=args.master_weights, fp8=bool(fp8))
     plan = memory_plan(cfg, B, T, dtype, master_weights=args.master_weights, keep_gelu=keep_gelu, fp8=bool(fp8))
     try:
-        cuda_graph, graph_why = step_graph.resolve(args.cuda_graph, device, data_parallel=dp is not None)
+        cuda_graph, graph_why = step_graph.resolve(args.cuda_graph, device, data_parallel=dp is not None,
+                                                   dp_overlap=settings.current().dp_overlap)
     except ValueError as e:
         raise TrainError(str(e)) from None
     if dp is not None:

@@ -50,13 +50,13 @@ def _train_argv(shards, out, steps=3, device="cpu", model="tiny", B=1, T=32, tot
             "--sample-every", "0", "--data", str(shards), "--out-dir", str(out), *map(str, extra)]
 
 
-def _job(argv, launcher=None, nproc=0, timeout=600):
-    """Run one training job to the end; (returncode, stdout, stderr)."""
+def _job(argv, launcher=None, nproc=0, timeout=600, env=None):
+    """Run one training job to the end (env: extra variables); (returncode, stdout, stderr)."""
     if launcher == "mpi":
         cmd = ["mpiexec", "-n", str(nproc), sys.executable, *argv]
     else:
         cmd = [sys.executable, *argv] + (["--nproc", str(nproc)] if nproc else [])
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**_env(), **(env or {})}, cwd=REPO)
     return p.returncode, p.stdout, p.stderr
 
 
@@ -124,20 +124,18 @@ def test_two_ranks_are_deterministic_and_launcher_independent(shards, zero_two_r
 
 @pytest.mark.parametrize("zero", [1, 0])
 def test_reducing_after_the_backward_gives_the_same_losses(shards, zero_two_ranks, tmp_path, zero):
-    """settings.dp_overlap=0: everything is reduced after the backward instead of beside it (ZeRO-1:
-    bucket by bucket; plain: one all-reduce of the whole flat buffer). The sums of two ranks are the
-    same either way, so the losses are bitwise the overlapped run's."""
-    argv = _train_argv(shards, tmp_path / "after", 3, "cpu", "tiny", 1, 32, 192, "--zero", zero, "--nproc", 2)
-    p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600, cwd=REPO,
-                       env={**_env(), "GPUCORE_SETTINGS": "dp_overlap=0"})
-    assert p.returncode == 0, p.stdout + p.stderr
-    if zero:
-        overlapped = zero_two_ranks[0]
-    else:
-        code, so, se = _job(_train_argv(shards, tmp_path / "overlapped", 3, "cpu", "tiny", 1, 32, 192), nproc=2)
+    """By default (settings.dp_overlap off) the gradients are reduced after the backward (ZeRO-1:
+    bucket by bucket; plain: one all-reduce of the whole flat buffer); dp_overlap=1 reduces each
+    layer's bucket beside the backward. The sums of two ranks are the same either way, so the
+    losses are bitwise equal."""
+    code, so, se = _job(_train_argv(shards, tmp_path / "overlapped", 3, "cpu", "tiny", 1, 32, 192, "--zero", zero),
+                        nproc=2, env={"GPUCORE_SETTINGS": "dp_overlap=1"})
+    assert code == 0, so + se
+    after = zero_two_ranks[0] if zero else tmp_path / "after"     # the default: dp_overlap off
+    if not zero:
+        code, so, se = _job(_train_argv(shards, after, 3, "cpu", "tiny", 1, 32, 192), nproc=2)
         assert code == 0, so + se
-        overlapped = tmp_path / "overlapped"
-    first, after = _metrics(overlapped)[0], _metrics(tmp_path / "after")[0]
+    first, after = _metrics(tmp_path / "overlapped")[0], _metrics(after)[0]
     assert len(after) == 3 and np.array_equal(first, after), (first, after)
 
 
@@ -417,17 +415,23 @@ def test_zero_memory_plan_is_per_rank():
 
 # -------------------------------------------------------------------- GPU ----
 
+DP_GPU = [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("zero", [0, 1])
-def test_nccl_one_rank_matches_the_plain_run(shards, tmp_path, zero):
-    """--nproc 1 runs every data-parallel stage through NCCL (bucketed all-reduce on the side stream, or
-    ZeRO-1's reduce-scatter / sharded AdamW / all-gather) with one rank: the losses are the plain run's."""
+@pytest.mark.parametrize("zero,overlap", DP_GPU, ids=[f"zero{z}-overlap{o}" for z, o in DP_GPU])
+def test_nccl_one_rank_matches_the_plain_run(shards, tmp_path, zero, overlap):
+    """--nproc 1 runs every data-parallel stage through NCCL (the all-reduce after a CUDA-graphed
+    backward, or bucketed beside an eager one with dp_overlap; ZeRO-1's reduce-scatter / sharded AdamW
+    / all-gather) with one rank: the losses are the plain (graphed) run's."""
     argv = ("small", 4, 128, 512 * 2)
     code, so, se = _job(_train_argv(shards, tmp_path / "plain", 6, "cuda", *argv))
     assert code == 0, so + se
-    code, so2, se = _job(_train_argv(shards, tmp_path / "nccl", 6, "cuda", *argv, "--zero", zero), nproc=1)
+    code, so2, se = _job(_train_argv(shards, tmp_path / "nccl", 6, "cuda", *argv, "--zero", zero), nproc=1,
+                         env={"GPUCORE_SETTINGS": f"dp_overlap={overlap}"})
     assert code == 0, so2 + se
     assert "data parallel: 1 ranks (gpucore --nproc; nccl)" in so2
+    assert "CUDA graph on" in so and ("CUDA graph off (dp_overlap" if overlap else "CUDA graph on") in so2, so2
     plain, plain_norm = _metrics(tmp_path / "plain")
     nccl, nccl_norm = _metrics(tmp_path / "nccl")
     assert np.array_equal(plain, nccl), (plain, nccl)

@@ -17,12 +17,13 @@ from gpucore.train import TrainArgs, TrainError, run, train_step
 
 # ------------------------------------------------------------------ CPU ----
 
-def test_resolve_auto_uses_a_graph_only_on_a_gpu_without_data_parallel():
+def test_resolve_auto_uses_a_graph_on_a_gpu_unless_the_reduction_overlaps_the_backward():
     assert step_graph.resolve("auto", "cuda") == (True, "on")
     use, why = step_graph.resolve("auto", "cpu")
     assert not use and "CPU backend" in why
-    use, why = step_graph.resolve("auto", "cuda", data_parallel=True)
-    assert not use and "data-parallel" in why
+    assert step_graph.resolve("auto", "cuda", data_parallel=True) == (True, "on")   # reduced after the backward
+    use, why = step_graph.resolve("auto", "cuda", data_parallel=True, dp_overlap=True)
+    assert not use and "dp_overlap" in why
     assert step_graph.resolve("off", "cuda") == (False, "off")
     assert step_graph.resolve("on", "cuda") == (True, "on")
 
@@ -30,8 +31,8 @@ def test_resolve_auto_uses_a_graph_only_on_a_gpu_without_data_parallel():
 def test_resolve_on_where_it_cannot_run_is_one_clear_error():
     with pytest.raises(ValueError, match=r"--cuda-graph on: not available here \(the CPU backend"):
         step_graph.resolve("on", "cpu")
-    with pytest.raises(ValueError, match="data-parallel"):
-        step_graph.resolve("on", "cuda", data_parallel=True)
+    with pytest.raises(ValueError, match="dp_overlap issues gradient buckets from host hooks"):
+        step_graph.resolve("on", "cuda", data_parallel=True, dp_overlap=True)
     with pytest.raises(ValueError, match="expected one of auto, on, off"):
         step_graph.resolve("sometimes", "cuda")
 
@@ -78,11 +79,41 @@ def test_step_graph_falls_back_to_eager_with_one_line_when_the_capture_fails(mon
         strict.forward_backward(x, x, 0.1)
 
 
-def test_train_step_refuses_a_graph_with_a_reducer():
+def test_train_step_refuses_a_graph_with_an_overlapping_reducer():
+    from types import SimpleNamespace
     m = GPT2(GPT2Config.from_preset("micro"), xp=np, dtype="float32", seed=1)
     opt = AdamW(m)
-    with pytest.raises(ValueError, match="reducer"):
-        train_step(m, opt, lambda: None, 1, 1e-3, reducer=object(), graph=object())
+    with pytest.raises(ValueError, match="per-layer host hooks"):
+        train_step(m, opt, lambda: None, 1, 1e-3, reducer=SimpleNamespace(overlap=True), graph=object())
+
+
+def test_train_step_reduces_after_the_graphed_backward():
+    """With a reducer that does not overlap (the default), every micro-batch runs through the graph and
+    the reduction follows the last one, before the optimizer: the same step as without the graph."""
+    from types import SimpleNamespace
+    cfg = GPT2Config.from_preset("micro")
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, cfg.vocab_size, size=(2, 17), dtype=np.int32) for _ in range(2)]
+    results = []
+    for graphed in (False, True):
+        m = GPT2(cfg, xp=np, dtype="float32", seed=1)
+        opt, calls, it = AdamW(m), [], iter(batches)
+
+        def fb(x, y, s, m=m, calls=calls):
+            calls.append("graph")
+            loss = m.forward(x, y, for_backward=True, grad_scale=s, check_tokens=False)
+            m.backward()
+            return loss
+        graph = SimpleNamespace(forward_backward=fb) if graphed else None
+        reducer = SimpleNamespace(overlap=False, layer_done=lambda l: calls.append("layer"),
+                                  finish=lambda calls=calls, m=m: calls.append(("finish", float(abs(m.grads.flat()).sum()))))
+        loss, norm = train_step(m, opt, lambda: (lambda b: (b[:, :-1].copy(), b[:, 1:].copy()))(next(it)), 2, 1e-3,
+                                reducer=reducer, graph=graph)
+        kinds = [c if isinstance(c, str) else c[0] for c in calls]
+        assert kinds == (["graph", "graph", "finish"] if graphed else ["layer"] * cfg.num_layers + ["finish"]), kinds
+        results.append((float(loss), float(norm), calls[-1][1], m.params.flat().copy()))
+    (l0, n0, g0, p0), (l1, n1, g1, p1) = results
+    assert (l0, n0, g0) == (l1, n1, g1) and g0 > 0 and np.array_equal(p0, p1)
 
 
 def test_train_cuda_graph_on_cpu_is_a_train_error(shards, tmp_path):
