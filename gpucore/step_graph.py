@@ -26,8 +26,9 @@ The graph is launched as captured. Edits of its nodes were measured and removed:
 altogether on GEMM workspaces of their own (thirty-first): whole steps ran as fast as the captured
 graph or slower (the moves' joins: d12 B=64 FP8 0.3-2.7% slower). tools/notes/step_graph.md.
 
-Not graphed: the NumPy backend, data-parallel runs (the reducer's per-layer hooks are host
-code), forward-only calls. `mode="auto"` falls back to eager for good, with one line saying
+Not graphed: the NumPy backend, data-parallel runs with settings.dp_overlap (the reducer's
+per-layer hooks are host code; by default the gradients are reduced after the graph), forward-only
+calls. `mode="auto"` falls back to eager for good, with one line saying
 why, when a capture fails; `mode="on"` raises instead.
 """
 from __future__ import annotations

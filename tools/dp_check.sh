@@ -3,7 +3,7 @@
 #
 # d12, B per GPU, T=1024, bf16, Tiny Shakespeare, in one call:
 #   single   one GPU, plain run, gradient accumulation NPROC (the same global batch as NPROC GPUs)
-#   dp       --nproc NPROC (gradients all-reduced in per-layer buckets, overlapping the backward)
+#   dp       --nproc NPROC (gradients all-reduced after the graphed backward; dp_overlap=1: beside it)
 #   zero     --nproc NPROC --zero 1 (ZeRO-1)
 #   mpi      mpirun -np NPROC (when mpirun and mpi4py are there), ZeRO off
 #   dp2      dp again: two data-parallel runs must give bitwise identical losses

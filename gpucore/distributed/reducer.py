@@ -1,4 +1,10 @@
-"""Gradient reduction across ranks, in buckets, overlapping the backward pass.
+"""Gradient reduction across ranks: after the backward (the default), or in buckets beside it.
+
+By default (settings.dp_overlap off) finish() reduces everything once the backward is done:
+without ZeRO one all-reduce over the whole flat gradient buffer, with ZeRO-1 each tensor's
+reduce-scatter. Nothing then runs on the host during the backward, so the step is CUDA-graphed
+(gpucore/step_graph.py). On 2 GPUs that was faster at d12 and level at d48 than the overlap
+(tools/notes/distributed.md, thirty-fourth session). With dp_overlap on:
 
 The flat parameter buffer is laid out by tensor kind (llm.c's order: wte, wpe,
 ln1w[L], ln1b[L], qkvw[L], ...), so one layer's gradients are not one
@@ -53,7 +59,7 @@ class GradientReducer:
     instead of ~150 in 13 groups), with ZeRO every bucket's reduce-scatters in turn.
     """
 
-    def __init__(self, comm, model, shard=None, overlap: bool = True):
+    def __init__(self, comm, model, shard=None, overlap: bool = False):
         self.comm, self.model, self.shard, self.overlap = comm, model, shard, bool(overlap)
         self.slices = parameter_slices(model)
         self.buckets: dict[int | None, list[int]] = {}
