@@ -243,7 +243,7 @@ def prepare(args: TrainArgs, echo, dp=None) -> RunSetup:
     if not args.resume:
         fp8 = args.fp8_scaling if args.dtype == "fp8" else None
     if fp8:
-        check_fp8(device, dp)
+        check_fp8(device)
 
     B = args.batch_size
     T = args.seq_len or min(1024, cfg.max_seq_len)
@@ -283,11 +283,8 @@ def prepare(args: TrainArgs, echo, dp=None) -> RunSetup:
                     init_source=init_source, dp=dp)
 
 
-def check_fp8(device: str, dp) -> None:
+def check_fp8(device: str) -> None:
     """--dtype fp8 where it cannot run, as one line."""
-    if dp is not None:
-        raise TrainError("--dtype fp8 with several ranks: not supported yet (each rank would scale its own "
-                         "gradients); train on one GPU or use --dtype bf16")
     if device == "cuda":
         from .ops.fp8 import fp8_supported
         ok, why = fp8_supported()

@@ -139,6 +139,36 @@ def test_reducing_after_the_backward_gives_the_same_losses(shards, zero_two_rank
     assert len(after) == 3 and np.array_equal(first, after), (first, after)
 
 
+@pytest.mark.parametrize("launcher,zero", [("nproc", 0), ("mpi", 1)])
+def test_fp8_ranks_share_their_scales_so_a_checkpoint_resumes_bitwise(shards, tmp_path, launcher, zero):
+    """--dtype fp8 on 2 CPU ranks: each step's amaxes are max-reduced over the ranks before the scale
+    update, so every rank holds rank 0's scales and the checkpoint (rank 0's) is every rank's state:
+    a run resumed at step 2 repeats steps 3-4 bit for bit. (Ranks that kept their own scales would
+    resume rank 1 with rank 0's and part.) The ranks also train like one rank accumulating 2
+    micro-batches, to FP8 rounding."""
+    if launcher == "mpi" and not HAVE_MPI:
+        pytest.skip("mpi4py / mpiexec not installed (pip install 'gpucore[mpi]')")
+    launch = "mpi" if launcher == "mpi" else None
+    argv = lambda out, steps, *extra: _train_argv(shards, out, steps, "cpu", "tiny", 1, 32, 64, "--dtype", "fp8",
+                                                  "--zero", zero, *extra)
+    code, so, se = _job(argv(tmp_path / "full", 4, "--ckpt-every", 2, "--keep-last", 0), launch, 2)
+    assert code == 0, so + se
+    assert "data parallel: 2 ranks" in so
+    (tmp_path / "resumed").mkdir()
+    shutil.copy(tmp_path / "full" / "metrics.jsonl", tmp_path / "resumed" / "metrics.jsonl")
+    code, so, se = _job(argv(tmp_path / "resumed", 4, "--resume", tmp_path / "full" / "ckpt_000002.ckpt"), launch, 2)
+    assert code == 0, so + se
+    full, resumed = _metrics(tmp_path / "full"), _metrics(tmp_path / "resumed")
+    assert len(full[0]) == 4 and np.array_equal(full[0], resumed[0][-4:]), (full[0], resumed[0])
+    assert np.array_equal(full[1], resumed[1][-4:])
+    code, so, se = _job(argv(tmp_path / "one", 4))
+    assert code == 0, so + se
+    one = _metrics(tmp_path / "one")
+    np.testing.assert_allclose(full[0], one[0], rtol=2e-3, atol=0)
+    assert not np.array_equal(full[0], one[0])        # FP8: another rounding, not the same bits
+    assert full[0][-1] < full[0][0] - 0.05            # it trains
+
+
 def test_zero_checkpoint_of_two_ranks_resumes_on_one(shards, one_rank, zero_two_ranks, tmp_path):
     from gpucore.checkpoint import load_checkpoint
     shutil.copy(zero_two_ranks[0] / "metrics.jsonl", tmp_path / "metrics.jsonl")
@@ -313,11 +343,14 @@ def test_socket_comm_collectives(world):
         total = comm.all_reduce(x.copy())
         part = comm.reduce_scatter(x, np.empty(6, np.float32))
         gathered = comm.all_gather(x[:4], np.empty(4 * world, np.float32))
-        return total, part, gathered, comm.broadcast_object({"id": comm.rank}), comm.all_reduce_host([comm.rank])
+        peak = comm.all_reduce_max(np.array([comm.rank, -comm.rank, 2.5], np.float32))
+        return (total, part, gathered, comm.broadcast_object({"id": comm.rank}), comm.all_reduce_host([comm.rank]),
+                peak)
     results, errors = _with_ranks(world, fn)
     assert not errors, errors
     expect = sum(d.astype(np.float64) for d in data).astype(np.float32)
-    for r, (total, part, gathered, obj, host) in enumerate(results):
+    for r, (total, part, gathered, obj, host, peak) in enumerate(results):
+        np.testing.assert_array_equal(peak, [world - 1, 0, 2.5])
         np.testing.assert_array_equal(total, expect)
         np.testing.assert_array_equal(part, expect[6 * r:6 * r + 6])
         np.testing.assert_array_equal(gathered, np.concatenate([d[:4] for d in data]))
@@ -415,16 +448,19 @@ def test_zero_memory_plan_is_per_rank():
 
 # -------------------------------------------------------------------- GPU ----
 
-DP_GPU = [(0, 0), (1, 0), (0, 1), (1, 1)]
+DP_GPU = [(0, 0, "bf16"), (1, 0, "bf16"), (0, 1, "bf16"), (1, 1, "bf16"), (0, 0, "fp8"), (1, 1, "fp8")]
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("zero,overlap", DP_GPU, ids=[f"zero{z}-overlap{o}" for z, o in DP_GPU])
-def test_nccl_one_rank_matches_the_plain_run(shards, tmp_path, zero, overlap):
+@pytest.mark.parametrize("zero,overlap,dtype", DP_GPU, ids=[f"zero{z}-overlap{o}-{d}" for z, o, d in DP_GPU])
+def test_nccl_one_rank_matches_the_plain_run(shards, tmp_path, zero, overlap, dtype):
     """--nproc 1 runs every data-parallel stage through NCCL (the all-reduce after a CUDA-graphed
     backward, or bucketed beside an eager one with dp_overlap; ZeRO-1's reduce-scatter / sharded AdamW
-    / all-gather) with one rank: the losses are the plain (graphed) run's."""
-    argv = ("small", 4, 128, 512 * 2)
+    / all-gather; FP8's amax max-reduce) with one rank: the losses are the plain (graphed) run's."""
+    from gpucore.ops.fp8 import fp8_supported
+    if dtype == "fp8" and not fp8_supported()[0]:
+        pytest.skip(fp8_supported()[1])
+    argv = ("small", 4, 128, 512 * 2, "--dtype", dtype)
     code, so, se = _job(_train_argv(shards, tmp_path / "plain", 6, "cuda", *argv))
     assert code == 0, so + se
     code, so2, se = _job(_train_argv(shards, tmp_path / "nccl", 6, "cuda", *argv, "--zero", zero), nproc=1,

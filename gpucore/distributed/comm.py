@@ -4,6 +4,7 @@ Every collective the trainer needs, on 1-D contiguous arrays (views into the
 flat gradient / parameter buffers):
 
     all_reduce(send, recv=None)   recv = sum over ranks of send (in place when recv is None)
+    all_reduce_max(buf)           buf = elementwise max over ranks, in place (FP8 amaxes)
     reduce_scatter(send, recv)    send.size == world * recv.size; rank r gets the sum of send's r-th block
     all_gather(send, recv)        recv.size == world * send.size; rank r's send lands in recv's r-th block
     group()                       a context: the collectives inside are issued as one (NCCL group)
@@ -44,6 +45,9 @@ class Communicator:
     kind = "none"
 
     def all_reduce(self, send, recv=None):
+        raise NotImplementedError
+
+    def all_reduce_max(self, buf):
         raise NotImplementedError
 
     def reduce_scatter(self, send, recv):
@@ -122,6 +126,11 @@ class NcclComm(Communicator):
                              self._nccl.NCCL_SUM, self._stream())
         return recv
 
+    def all_reduce_max(self, buf):
+        self._comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._dtype(buf), self._nccl.NCCL_MAX,
+                             self._stream())
+        return buf
+
     def reduce_scatter(self, send, recv):
         check_sizes("reduce_scatter", send, recv, self.world_size)
         self._comm.reduceScatter(send.data.ptr, recv.data.ptr, recv.size, self._dtype(send),
@@ -199,21 +208,41 @@ class MpiComm(Communicator):
             raise TypeError(f"MPI communicator: {name} must be a NumPy array (GPU ranks use NCCL)")
         return a
 
+    @staticmethod
+    def _is_bf16(a) -> bool:
+        from .. import dtypes
+        return a.dtype == dtypes.bfloat16
+
     def all_reduce(self, send, recv=None):
-        if recv is None:
+        recv = send if recv is None else recv
+        if self._is_bf16(send):   # MPI has no bfloat16: sum in fp32, round once (as NCCL does for 2 ranks)
+            wide = self._host(send, "send").astype(np.float32)
+            self._comm.Allreduce(self._MPI.IN_PLACE, wide, op=self._MPI.SUM)
+            recv[...] = wide.astype(recv.dtype)
+        elif recv is send:
             self._comm.Allreduce(self._MPI.IN_PLACE, self._host(send, "send"), op=self._MPI.SUM)
-            return send
-        self._comm.Allreduce(self._host(send, "send"), self._host(recv, "recv"), op=self._MPI.SUM)
+        else:
+            self._comm.Allreduce(self._host(send, "send"), self._host(recv, "recv"), op=self._MPI.SUM)
         return recv
+
+    def all_reduce_max(self, buf):
+        self._comm.Allreduce(self._MPI.IN_PLACE, self._host(buf, "buf"), op=self._MPI.MAX)
+        return buf
 
     def reduce_scatter(self, send, recv):
         check_sizes("reduce_scatter", send, recv, self.world_size)
+        if self._is_bf16(send):   # in fp32, as all_reduce
+            out = np.empty(recv.size, np.float32)
+            self._comm.Reduce_scatter_block(self._host(send, "send").astype(np.float32), out, op=self._MPI.SUM)
+            recv[...] = out.astype(recv.dtype)
+            return recv
         self._comm.Reduce_scatter_block(self._host(send, "send"), self._host(recv, "recv"), op=self._MPI.SUM)
         return recv
 
     def all_gather(self, send, recv):
         check_sizes("all_gather", send, recv, self.world_size)
-        self._comm.Allgather(self._host(send, "send"), self._host(recv, "recv"))
+        bits = (lambda a: a.view(np.uint16)) if self._is_bf16(send) else (lambda a: a)   # a copy: any 2-byte type
+        self._comm.Allgather(bits(self._host(send, "send")), bits(self._host(recv, "recv")))
         return recv
 
     def all_reduce_host(self, values) -> np.ndarray:

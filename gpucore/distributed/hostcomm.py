@@ -149,6 +149,10 @@ class SocketComm(Communicator):
         out[...] = total
         return out
 
+    def all_reduce_max(self, buf):
+        buf[...] = self._star(np.ascontiguousarray(buf), lambda vs: [np.maximum.reduce(vs)] * len(vs))
+        return buf
+
     def reduce_scatter(self, send, recv):
         check_sizes("reduce_scatter", send, recv, self.world_size)
         recv[...] = self._star(np.ascontiguousarray(send), lambda vs: np.split(self._sum(vs), len(vs)))

@@ -87,18 +87,25 @@ class GradientReducer:
             for layer in sorted((k for k in self.buckets if k is not None), reverse=True):
                 self._reduce(self.buckets[layer])
             self._reduce(self.buckets[None])
+        scaling = getattr(getattr(self.model, "fp8", None), "scaling", None)
+        if scaling is not None:    # FP8: every rank's next scales from the max of all ranks' amaxes
+            self._on_stream(lambda: self.comm.all_reduce_max(scaling.amax_slots))
         if self._gpu:
             self._done.record(self.stream)
             runtime.cupy.cuda.get_current_stream().wait_event(self._done)
 
     def _reduce(self, indices) -> None:
+        self._on_stream(lambda: self._issue(indices))
+
+    def _on_stream(self, issue) -> None:
+        """issue() on the side stream, after what the current stream has queued (this bucket's grads)."""
         if not self._gpu:
-            self._issue(indices)
+            issue()
             return
-        self._ready.record(runtime.cupy.cuda.get_current_stream())   # this bucket's grads are written
+        self._ready.record(runtime.cupy.cuda.get_current_stream())
         self.stream.wait_event(self._ready)
         with self.stream:
-            self._issue(indices)
+            issue()
 
     def _issue(self, indices) -> None:
         g = self.model.grads.flat()

@@ -412,6 +412,13 @@ class Fp8Scaling:
         """(scale, scale_inv, amax) (1,) views of tensor i."""
         return self._views[i][:3]
 
+    @property
+    def amax_slots(self):
+        """This step's amax of every tensor as one contiguous (n, SLOT) array (column 0; the rest
+        stay zero): data-parallel ranks take its max over ranks before end_step(), so that every
+        rank turns the same history into the same scales (gpucore/distributed/reducer.py)."""
+        return self._slots[2]
+
     def cast(self, i: int, x, *, out=None, out_t=None, record: bool = True, current: bool = False, dbias=None):
         """Tensor i (x, bf16 (R, C)) into out and/or out_t by the mode's rule; record=False: with
         the scale it already has and no amax (the backward's re-cast of a forward tensor);
