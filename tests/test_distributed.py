@@ -4,10 +4,10 @@ End to end, as users start it: `gpucore train --nproc N` (TCP between the ranks)
 `mpirun -np N gpucore train` (MPI), tiny model, NumPy backend, fp32. N ranks with B rows
 each must train like one rank accumulating N micro-batches of B rows (same global batch):
 losses within 1e-6 relative (the gradient sums run in another order), with and without
-ZeRO-1. Also: a checkpoint of 2 ZeRO ranks resumes on 1; a killed or stopped rank ends the
-job with one line naming it. Unit tests: shard layout, the TCP communicator, the launcher
+ZeRO-1. Also: a checkpoint of 2 ZeRO ranks resumes on 1; FP8 ranks share their scales, so
+their checkpoint resumes bitwise; a killed or stopped rank ends the job with one line naming it. Unit tests: shard layout, the TCP communicator, the launcher
 environments, the data position across a change of rank count.
-GPU (-m cuda): --nproc 1 through NCCL matches the plain run bitwise.
+GPU (-m cuda): --nproc 1 through NCCL matches the plain run bitwise (bf16 and FP8).
 """
 import json
 import os
