@@ -3,8 +3,8 @@
     dp = DataParallel.start(device, zero=1, timeout=900)  # None for a plain one-process run
     dp.rank, dp.world_size, dp.is_main
     opt = dp.optimizer(model, betas=..., ...)              # AdamW, or ShardedAdamW with --zero 1
-    model.backward(on_layer_done=dp.reducer.layer_done)    # on the last micro-batch of a step
-    dp.reducer.finish()                                    # before the optimizer
+    model.backward(on_layer_done=dp.reducer.layer_done)    # the last micro-batch (hooks act with dp_overlap)
+    dp.reducer.finish()                                    # before the optimizer: gradients, FP8 amaxes
     loss, stop = dp.agree(loss, stop)                      # mean loss over ranks; stop if any rank stops
 
 Every rank builds the same model from the same seed (no broadcast needed:

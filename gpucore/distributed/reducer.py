@@ -51,8 +51,9 @@ def parameter_slices(model) -> list[tuple[str, int | None, int, int, bool]]:
 class GradientReducer:
     """Reduces model.grads across comm's ranks in per-layer buckets (see the module docstring).
 
-    reducer.layer_done(l)   queue bucket l (GPT2.backward's on_layer_done)
-    reducer.finish()        queue the last bucket; the current stream then waits for all of them
+    reducer.layer_done(l)   queue bucket l (GPT2.backward's on_layer_done; only with overlap)
+    reducer.finish()        queue the rest (and an FP8 model's amax max-reduce); the current
+                            stream then waits for all of them
     With `shard` (a ShardLayout), gradients are reduce-scattered into reducer.shard_grads.
     overlap=False (settings.dp_overlap): layer_done does nothing and finish() reduces everything
     after the backward: without ZeRO as one all-reduce over the whole flat buffer (one NCCL call
