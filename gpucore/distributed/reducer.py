@@ -83,7 +83,7 @@ class GradientReducer:
         if self.overlap:
             self._reduce(self.buckets[None])
         elif self.shard is None:   # the whole buffer at once: padding between tensors is zero on every rank
-            self._reduce(None)
+            self._on_stream(lambda: self.comm.all_reduce(self.model.grads.flat()))
         else:                      # every bucket now, in the backward's order
             for layer in sorted((k for k in self.buckets if k is not None), reverse=True):
                 self._reduce(self.buckets[layer])
@@ -111,9 +111,6 @@ class GradientReducer:
     def _issue(self, indices) -> None:
         g = self.model.grads.flat()
         comm, shard = self.comm, self.shard
-        if indices is None:        # everything (overlap off, no ZeRO)
-            comm.all_reduce(g)
-            return
         with comm.group():
             for i in indices:
                 _, _, off, size, _ = self.slices[i]
