@@ -358,6 +358,13 @@ class CublasLt:
             self.workspaces[dev] = runtime.cupy.empty(LT_WORKSPACE_BYTES, dtype=np.uint8)
         return dev, self.handles[dev], self.workspaces[dev]
 
+    def matmul(self, handle, plan, i, alpha, beta, a_ptr, b_ptr, c_ptr, d_ptr, ws, stream, what):
+        """cublasLtMatmul of the plan's algorithm i on the shared workspace ws: D = alpha * (Lt's
+        A = b, B = a) + beta * C (alpha, beta: ctypes floats)."""
+        self._ok(self.lib.cublasLtMatmul(handle, plan.desc, ctypes.addressof(alpha), b_ptr, plan.lay_b, a_ptr,
+                                         plan.lay_a, ctypes.addressof(beta), c_ptr, plan.lay_c, d_ptr, plan.lay_c,
+                                         plan.algo_ptr(i), ws.data.ptr, LT_WORKSPACE_BYTES, stream), what)
+
     def set_pointers(self, plan, bias_ptr, aux_ptr, scale_ptrs=None):
         """The per-call epilogue and scale pointers (a plan is shared by every call of its shape)."""
         if scale_ptrs:
@@ -538,10 +545,7 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
     pa, pb = a.data.ptr, b.data.ptr
 
     def launch(i, d_ptr):
-        lt._ok(lt.lib.cublasLtMatmul(handle, plan.desc, ctypes.addressof(al), pb, plan.lay_b, pa, plan.lay_a,
-                                     ctypes.addressof(be), c_ptr or d_ptr, plan.lay_c, d_ptr, plan.lay_c,
-                                     plan.algo_ptr(i), ws.data.ptr, LT_WORKSPACE_BYTES, stream),
-               "cublasLtMatmul")
+        lt.matmul(handle, plan, i, al, be, pa, pb, c_ptr or d_ptr, d_ptr, ws, stream, "cublasLtMatmul")
 
     s = settings.current()
     if not s.lt_autotune:
@@ -599,10 +603,8 @@ def lt_fp8_gemm(a8, b8, out, M, N, K, a_format, b_format, a_scale_inv, b_scale_i
     stream = runtime.cupy.cuda.get_current_stream().ptr
 
     def launch(i, d_ptr):
-        lt._ok(lt.lib.cublasLtMatmul(handle, plan.desc, ctypes.addressof(al), b8.data.ptr, plan.lay_b, a8.data.ptr,
-                                     plan.lay_a, ctypes.addressof(be), c_ptr or d_ptr, plan.lay_c, d_ptr, plan.lay_c,
-                                     plan.algo_ptr(i), ws.data.ptr, LT_WORKSPACE_BYTES, stream),
-               "cublasLtMatmul (FP8)")
+        lt.matmul(handle, plan, i, al, be, a8.data.ptr, b8.data.ptr, c_ptr or d_ptr, d_ptr, ws, stream,
+                  "cublasLtMatmul (FP8)")
 
     if settings.current().lt_autotune and plan.choice is None:
         lt.choose(plan, key, launch, out, 0.0 if c is not None else beta, 2.0 * M * N * K, None)
