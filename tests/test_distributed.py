@@ -4,10 +4,11 @@ End to end, as users start it: `gpucore train --nproc N` (TCP between the ranks)
 `mpirun -np N gpucore train` (MPI), tiny model, NumPy backend, fp32. N ranks with B rows
 each must train like one rank accumulating N micro-batches of B rows (same global batch):
 losses within 1e-6 relative (the gradient sums run in another order), with and without
-ZeRO-1. Also: a checkpoint of 2 ZeRO ranks resumes on 1; FP8 ranks share their scales, so
+ZeRO-1. Also: a checkpoint of 2 ZeRO ranks resumes on 1 and on 2 ZeRO ranks; FP8 ranks share their scales, so
 their checkpoint resumes bitwise; a killed or stopped rank ends the job with one line naming it. Unit tests: shard layout, the TCP communicator, the launcher
 environments, the data position across a change of rank count.
-GPU (-m cuda): --nproc 1 through NCCL matches the plain run bitwise (bf16 and FP8).
+GPU (-m cuda): --nproc 1 through NCCL matches the plain run bitwise (bf16 and FP8), and its
+ZeRO-1 checkpoint resumes bitwise.
 """
 import json
 import os
@@ -304,6 +305,8 @@ def test_shard_layout_covers_every_element_once(world):
         assert np.array_equal(lay.take(full), full[lay.index()])
         into = lay.take(full, out=np.zeros(lay.size, np.float64))
         assert into.dtype == np.float64 and np.array_equal(into, full[lay.index()])
+        moved = lay.take(full, out=np.zeros(lay.size, np.float32), convert=lambda a: a * 2)   # each range converted
+        assert np.array_equal(moved, 2 * full[lay.index()])
     decayed = np.zeros(n, bool)
     for _, _, off, s, d in slices:
         decayed[off:off + s] = d
@@ -448,6 +451,22 @@ def test_zero_memory_plan_is_per_rank():
 
 # -------------------------------------------------------------------- GPU ----
 
+def test_zero_checkpoint_resumes_on_zero_ranks(shards, one_rank, zero_two_ranks, tmp_path):
+    """`--nproc 2 --zero 1 --resume`: each rank takes its shard of the saved whole m and v
+    (ShardedAdamW.load_state), so steps 4-5 are the one-rank run's. Step 5's loss follows step 4's
+    update, which reads m and v: a shard taken from the wrong place would part from it."""
+    shutil.copy(zero_two_ranks[0] / "metrics.jsonl", tmp_path / "metrics.jsonl")
+    ckpt = zero_two_ranks[0] / "ckpt_000003.ckpt"
+    code, so, se = _job(_train_argv(shards, tmp_path, 5, "cpu", "tiny", 1, 32, 192, "--zero", 1, "--resume", ckpt),
+                        nproc=2)
+    assert code == 0, so + se
+    assert "ZeRO-1" in so
+    loss, _ = _metrics(tmp_path)
+    ref_loss, _ = _metrics(one_rank)
+    assert len(loss) == 5
+    np.testing.assert_allclose(loss[-2:], ref_loss[3:5], rtol=1e-6, atol=0)
+
+
 DP_GPU = [(0, 0, "bf16"), (1, 0, "bf16"), (0, 1, "bf16"), (1, 1, "bf16"), (0, 0, "fp8"), (1, 1, "fp8")]
 
 
@@ -478,6 +497,29 @@ def test_nccl_one_rank_matches_the_plain_run(shards, tmp_path, zero, overlap, dt
     assert {"params", "m", "v"} <= set(a) and set(a) == set(b), (sorted(a), sorted(b))
     for name in a:
         assert np.array_equal(a[name].view(np.uint8), b[name].view(np.uint8)), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_nccl_zero_run_resumes_bitwise(shards, tmp_path, dtype):
+    """A ZeRO-1 run on one NCCL rank, resumed from its step-3 checkpoint: the device shards of m, v
+    (and bf16's fp32 master weights) are taken range by range from the host arrays
+    (ShardedAdamW.load_state), and steps 4-6 repeat bit for bit."""
+    from gpucore.ops.fp8 import fp8_supported
+    if dtype == "fp8" and not fp8_supported()[0]:
+        pytest.skip(fp8_supported()[1])
+    argv = lambda out, *extra: _train_argv(shards, out, 6, "cuda", "small", 4, 128, 512 * 2, "--dtype", dtype,
+                                           "--zero", 1, *extra)
+    code, so, se = _job(argv(tmp_path / "full", "--ckpt-every", 3, "--keep-last", 0), nproc=1)
+    assert code == 0, so + se
+    (tmp_path / "resumed").mkdir()
+    shutil.copy(tmp_path / "full" / "metrics.jsonl", tmp_path / "resumed" / "metrics.jsonl")
+    code, so, se = _job(argv(tmp_path / "resumed", "--resume", tmp_path / "full" / "ckpt_000003.ckpt"), nproc=1)
+    assert code == 0, so + se
+    assert "ZeRO-1" in so
+    (full, full_norm), (resumed, resumed_norm) = _metrics(tmp_path / "full"), _metrics(tmp_path / "resumed")
+    assert len(full) == 6 and np.array_equal(full, resumed[-6:]), (full, resumed)
+    assert np.array_equal(full_norm, resumed_norm[-6:])
 
 
 def test_ctrl_c_stops_every_rank_after_the_same_step_and_saves_once(shards, tmp_path):

@@ -74,14 +74,16 @@ class ShardLayout:
         parts = [np.arange(f, f + n, dtype=np.int64) for _, f, n in self.ranges()]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
-    def take(self, full, out=None):
-        """This rank's compact shard of a full flat array: into `out` (an array of full's module, any
-        dtype: the values are cast), or a new array of full's dtype on the host."""
+    def take(self, full, out=None, convert=None):
+        """This rank's compact shard of a full flat array: into `out` (any dtype: the values are cast),
+        or a new array of full's dtype on the host. convert: applied to each range before it is stored
+        (cupy.asarray: a host array into a device `out`, one range at a time, with no shard-sized
+        temporary); without it, `out` must be of full's module."""
         if out is None:
             full = np.asarray(full)
             out = np.empty(self.size, dtype=full.dtype)
         for at, f, n in self.ranges():
-            out[at:at + n] = full[f:f + n]
+            out[at:at + n] = full[f:f + n] if convert is None else convert(full[f:f + n])
         return out
 
 
@@ -196,9 +198,7 @@ class ShardedAdamW:
             if tuple(src.shape) != (n,):
                 raise ValueError(f"optimizer state: {name!r} has shape {tuple(src.shape)}, expected ({n},)")
             host = src.get() if hasattr(src, "get") else np.asarray(src, dtype=np.float32)
-            dst = getattr(self, name)
-            for at, f, count in self.shard.ranges():     # range by range: no shard-sized temporary
-                dst[at:at + count] = xp.asarray(host[f:f + count])
+            self.shard.take(host, out=getattr(self, name), convert=xp.asarray)
         if self.lowp is None:        # fp32: the parameters are the master weights
             self.shard.take(self.model.params.flat(), out=self.master)
         self.step_count = int(meta["step"])
