@@ -4,8 +4,9 @@ End to end, as users start it: `gpucore train --nproc N` (TCP between the ranks)
 `mpirun -np N gpucore train` (MPI), tiny model, NumPy backend, fp32. N ranks with B rows
 each must train like one rank accumulating N micro-batches of B rows (same global batch):
 losses within 1e-6 relative (the gradient sums run in another order), with and without
-ZeRO-1. Also: a checkpoint of 2 ZeRO ranks resumes on 1 and on 2 ZeRO ranks; FP8 ranks share their scales, so
-their checkpoint resumes bitwise; a killed or stopped rank ends the job with one line naming it. Unit tests: shard layout, the TCP communicator, the launcher
+ZeRO-1. Also: a checkpoint of 2 ZeRO ranks resumes on 1 and on 2 ZeRO ranks; FP8 ranks
+share their scales, so their checkpoint resumes bitwise; a killed or stopped rank ends the
+job with one line naming it. Unit tests: shard layout, the TCP communicator, the launcher
 environments, the data position across a change of rank count.
 GPU (-m cuda): --nproc 1 through NCCL matches the plain run bitwise (bf16 and FP8), and its
 ZeRO-1 checkpoint resumes bitwise.
@@ -168,6 +169,22 @@ def test_fp8_ranks_share_their_scales_so_a_checkpoint_resumes_bitwise(shards, tm
     np.testing.assert_allclose(full[0], one[0], rtol=2e-3, atol=0)
     assert not np.array_equal(full[0], one[0])        # FP8: another rounding, not the same bits
     assert full[0][-1] < full[0][0] - 0.05            # it trains
+
+
+def test_zero_checkpoint_resumes_on_zero_ranks(shards, one_rank, zero_two_ranks, tmp_path):
+    """`--nproc 2 --zero 1 --resume`: each rank takes its shard of the saved whole m and v
+    (ShardedAdamW.load_state), so steps 4-5 are the one-rank run's. Step 5's loss follows step 4's
+    update, which reads m and v: a shard taken from the wrong place would part from it."""
+    shutil.copy(zero_two_ranks[0] / "metrics.jsonl", tmp_path / "metrics.jsonl")
+    ckpt = zero_two_ranks[0] / "ckpt_000003.ckpt"
+    code, so, se = _job(_train_argv(shards, tmp_path, 5, "cpu", "tiny", 1, 32, 192, "--zero", 1, "--resume", ckpt),
+                        nproc=2)
+    assert code == 0, so + se
+    assert "ZeRO-1" in so
+    loss, _ = _metrics(tmp_path)
+    ref_loss, _ = _metrics(one_rank)
+    assert len(loss) == 5
+    np.testing.assert_allclose(loss[-2:], ref_loss[3:5], rtol=1e-6, atol=0)
 
 
 def test_zero_checkpoint_of_two_ranks_resumes_on_one(shards, one_rank, zero_two_ranks, tmp_path):
@@ -450,22 +467,6 @@ def test_zero_memory_plan_is_per_rank():
 
 
 # -------------------------------------------------------------------- GPU ----
-
-def test_zero_checkpoint_resumes_on_zero_ranks(shards, one_rank, zero_two_ranks, tmp_path):
-    """`--nproc 2 --zero 1 --resume`: each rank takes its shard of the saved whole m and v
-    (ShardedAdamW.load_state), so steps 4-5 are the one-rank run's. Step 5's loss follows step 4's
-    update, which reads m and v: a shard taken from the wrong place would part from it."""
-    shutil.copy(zero_two_ranks[0] / "metrics.jsonl", tmp_path / "metrics.jsonl")
-    ckpt = zero_two_ranks[0] / "ckpt_000003.ckpt"
-    code, so, se = _job(_train_argv(shards, tmp_path, 5, "cpu", "tiny", 1, 32, 192, "--zero", 1, "--resume", ckpt),
-                        nproc=2)
-    assert code == 0, so + se
-    assert "ZeRO-1" in so
-    loss, _ = _metrics(tmp_path)
-    ref_loss, _ = _metrics(one_rank)
-    assert len(loss) == 5
-    np.testing.assert_allclose(loss[-2:], ref_loss[3:5], rtol=1e-6, atol=0)
-
 
 DP_GPU = [(0, 0, "bf16"), (1, 0, "bf16"), (0, 1, "bf16"), (1, 1, "bf16"), (0, 0, "fp8"), (1, 1, "fp8")]
 
