@@ -3,7 +3,8 @@
 
 Machines differ by 5-10%, so speed-ups are only measured side by side: this runs every variant
 once per round (round 1: a, b, c, ...; round 2: a, b, c, ...), then prints per variant the median
-step time (step 1 excluded: compiles, autotune), tokens/s, the ratio to the first variant, the
+step time (the first --skip steps excluded, default 1: compiles, autotune), tokens/s, the ratio to
+the first variant, the
 CuPy pool's high-water mark, the last loss, and which variants' losses agree bit for bit
 (a variant with itself across rounds: determinism).
 
@@ -76,8 +77,14 @@ def main():
     p.add_argument("-B", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--skip", type=int, default=1,
+                   help="steps left out of the medians (default 1: compiles and the GEMM race). Steady state "
+                        "wants ~20: FP8's scales settle and bf16's GEMMs draw more power as training leaves "
+                        "its initial values (tools/notes/profile.md, forty-first session)")
     p.add_argument("--json", help="also write the summary (per variant: ms/step, tokens/s, pool peak) here")
     args = p.parse_args()
+    if not 1 <= args.skip < args.steps:
+        p.error(f"--skip must be at least 1 and below --steps ({args.steps}), got {args.skip}")
     variants = [parse_variant(v) for v in args.variants]
     # absolute: each run's working directory is its own tree, where a relative OUT would point elsewhere
     log = Path(os.environ.get("OUT", ROOT / "out")).resolve() / "ab_train"
@@ -90,16 +97,17 @@ def main():
         for v in variants:
             results[v[0]].append(read(run(v, str(r), args, log)))
             steps = results[v[0]][-1][0]
-            print(f"{v[0]} round {r}: median {statistics.median(x['ms'] for x in steps[1:]):.1f} ms/step", flush=True)
+            print(f"{v[0]} round {r}: median {statistics.median(x['ms'] for x in steps[args.skip:]):.1f} ms/step",
+                  flush=True)
 
     # bf16 unless a variant's options say otherwise (e.g. --dtype fp8)
     print(f"================ ab_train summary ({args.model} B={args.B} T=1024, {args.steps} steps, "
-          f"{args.rounds} rounds) ================")
+          f"{args.rounds} rounds, medians of steps {args.skip + 1}-{args.steps}) ================")
     first = None
     summary = {}
     for name, runs in results.items():
-        ms = statistics.median(statistics.median(x["ms"] for x in steps[1:]) for steps, _ in runs)
-        tps = statistics.median(statistics.median(x["tokens_per_s"] for x in steps[1:]) for steps, _ in runs)
+        ms = statistics.median(statistics.median(x["ms"] for x in steps[args.skip:]) for steps, _ in runs)
+        tps = statistics.median(statistics.median(x["tokens_per_s"] for x in steps[args.skip:]) for steps, _ in runs)
         first = first or ms
         peak = max((pk or 0) for _, pk in runs)
         summary[name] = {"ms": ms, "tokens_per_s": tps, "peak_bytes": peak}
@@ -116,7 +124,8 @@ def main():
             print(f"losses {a} vs {b}: " + ("bitwise identical" if la == lb else f"max rel diff {worst:.2e}"))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "B": args.B, "steps": args.steps,
-                                               "rounds": args.rounds, "variants": summary}, indent=1))
+                                               "skip": args.skip, "rounds": args.rounds, "variants": summary},
+                                              indent=1))
 
 
 if __name__ == "__main__":
