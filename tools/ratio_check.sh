@@ -20,7 +20,7 @@
 # steps), and while the model is near its initial values the bf16 GEMMs' data toggles fewer bits,
 # so at the 700 W cap the clock is higher: 843553c and bf16 run ~3.5% faster in steps 2-20 than
 # from step ~50 on (flat to step 300), FP8 ~0-1% (tools/notes/profile.md, forty-first session:
-# d12 FP8 x1.39 over steps 2-20, x1.45-1.46 after). Logs under $OUT/ab_train (default
+# d12 FP8 x1.39-1.42 over steps 2-20, x1.45-1.47 after). Logs under $OUT/ab_train (default
 # out/ab_train). Measured: tools/notes/profile.md, twelfth and forty-first sessions.
 set -euo pipefail
 cd "$(dirname "$0")/.."
