@@ -4,9 +4,8 @@
 Machines differ by 5-10%, so speed-ups are only measured side by side: this runs every variant
 once per round (round 1: a, b, c, ...; round 2: a, b, c, ...), then prints per variant the median
 step time (the first --skip steps excluded, default 1: compiles, autotune), tokens/s, the ratio to
-the first variant, the
-CuPy pool's high-water mark, the last loss, and which variants' losses agree bit for bit
-(a variant with itself across rounds: determinism).
+the first variant, the CuPy pool's high-water mark, the last loss, and which variants' losses agree
+bit for bit (a variant with itself across rounds: determinism).
 
 A variant is NAME=TREE[:ENV=VALUE,...][:EXTRA TRAIN OPTIONS]:
 
@@ -79,7 +78,7 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--skip", type=int, default=1,
                    help="steps left out of the medians (default 1: compiles and the GEMM race). Steady state "
-                        "wants ~20: FP8's scales settle and bf16's GEMMs draw more power as training leaves "
+                        "wants 20-40: FP8's scales settle and bf16's GEMMs draw more power as training leaves "
                         "its initial values (tools/notes/profile.md, forty-first session)")
     p.add_argument("--json", help="also write the summary (per variant: ms/step, tokens/s, pool peak) here")
     args = p.parse_args()
