@@ -285,8 +285,11 @@ def test_a_dead_or_hung_rank_ends_the_job_naming_it(shards, tmp_path, how):
         assert "gpucore: rank 1 was killed by SIGKILL" in err, err
         assert took < 30
     else:
-        # rank 0 notices first through its socket's timeout or its watchdog, both --dist-timeout
+        # rank 0 notices first, after --dist-timeout, in one of three ways: its socket's receive
+        # times out, its send times out (the stopped rank's socket buffer is full mid all-reduce),
+        # or its watchdog sees no step finish
         assert ("rank 0: no data from rank 1 for 8 s (it hangs or died)" in err
+                or "rank 0: rank 1 took no data for 8 s (it hangs or died)" in err
                 or "rank 0: no progress for" in err), err
         assert "gpucore: rank 0 exited with status 1; stopping ranks [1]" in err
         assert took < 60
@@ -387,6 +390,35 @@ def test_socket_comm_names_a_peer_that_died():
         return "ok"
     results, errors = _with_ranks(2, fn)
     assert not errors and results[0] == "ok"
+
+
+@pytest.mark.parametrize("way", ["recv", "send"])
+def test_socket_comm_names_a_peer_that_hangs(way):
+    """A rank that stops taking part (SIGSTOP, a hang) is noticed after the timeout on either side of
+    the wire: rank 0 waits for its data, or rank 0's send stalls once the peer's socket buffer is full."""
+    rank0_done = threading.Event()
+
+    big = np.zeros(64 << 20, np.uint8)   # far more than the kernel's socket buffers hold
+
+    def fn(comm):
+        if comm.rank == 1:
+            if way == "send":            # sends its part, then hangs before reading the result
+                comm._recv_from = lambda conn, peer: rank0_done.wait(30)
+                comm.broadcast_object(big)
+            rank0_done.wait(30)          # hangs: takes no further part until rank 0 gave up
+            return None
+        try:
+            if way == "recv":
+                with pytest.raises(DistributedError, match=r"rank 0: no data from rank 1 for 1 s \(it hangs"):
+                    comm.all_reduce(np.zeros(3, np.float32))
+            else:
+                with pytest.raises(DistributedError, match=r"rank 0: rank 1 took no data for 1 s \(it hangs"):
+                    comm.broadcast_object(big)
+        finally:
+            rank0_done.set()
+        return "ok"
+    results, errors = _with_ranks(2, fn, timeout=1)
+    assert not errors and results[0] == "ok", errors
 
 
 def test_socket_comm_size_rules():
