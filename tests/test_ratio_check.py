@@ -58,6 +58,18 @@ def test_ab_train_refuses_a_skip_that_leaves_no_step():
         assert r.returncode == 2 and "--skip must be at least 1 and below --steps (20)" in r.stderr, r.stderr
 
 
+def test_ab_train_medians_leave_out_the_first_skip_steps():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ab_train", ROOT / "tools" / "ab_train.py")
+    ab_train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab_train)
+    # step 1 compiles (900 ms), steps 2-3 are the fast early steps, 4-6 the steady state
+    steps = [{"ms": ms, "tokens_per_s": 1e6 / ms} for ms in (900.0, 80.0, 81.0, 84.0, 83.0, 85.0)]
+    assert ab_train.steady_median(steps, "ms", 1) == 83.0
+    assert ab_train.steady_median(steps, "ms", 3) == 84.0
+    assert ab_train.steady_median(steps, "tokens_per_s", 3) == 1e6 / 84.0
+
+
 def test_ratio_check_summary_d48_uses_its_own_targets(tmp_path):
     r = _run(tmp_path, MODEL="d48", SUMMARY=str(_saved(tmp_path, "d48", 332.1, 327.2, 245.3)))
     assert r.returncode == 0, r.stderr

@@ -69,6 +69,11 @@ def read(metrics: Path):
     return steps, end.get("peak_gpu_bytes")
 
 
+def steady_median(steps, key, skip):
+    """The median of one metric ("ms", "tokens_per_s") over a run's steps after the first `skip`."""
+    return statistics.median(x[key] for x in steps[skip:])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("variants", nargs="+")
@@ -96,8 +101,7 @@ def main():
         for v in variants:
             results[v[0]].append(read(run(v, str(r), args, log)))
             steps = results[v[0]][-1][0]
-            print(f"{v[0]} round {r}: median {statistics.median(x['ms'] for x in steps[args.skip:]):.1f} ms/step",
-                  flush=True)
+            print(f"{v[0]} round {r}: median {steady_median(steps, 'ms', args.skip):.1f} ms/step", flush=True)
 
     # bf16 unless a variant's options say otherwise (e.g. --dtype fp8)
     print(f"================ ab_train summary ({args.model} B={args.B} T=1024, {args.steps} steps, "
@@ -105,8 +109,8 @@ def main():
     first = None
     summary = {}
     for name, runs in results.items():
-        ms = statistics.median(statistics.median(x["ms"] for x in steps[args.skip:]) for steps, _ in runs)
-        tps = statistics.median(statistics.median(x["tokens_per_s"] for x in steps[args.skip:]) for steps, _ in runs)
+        ms = statistics.median(steady_median(steps, "ms", args.skip) for steps, _ in runs)
+        tps = statistics.median(steady_median(steps, "tokens_per_s", args.skip) for steps, _ in runs)
         first = first or ms
         peak = max((pk or 0) for _, pk in runs)
         summary[name] = {"ms": ms, "tokens_per_s": tps, "peak_bytes": peak}
