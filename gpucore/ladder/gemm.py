@@ -13,6 +13,8 @@ kernels_cu/ladder/gemm/:
     tc.cu      v4 mma.sync m16n8k16 bf16, ldmatrix, 4-stage cp.async, swizzled smem
     tc2.cu     v4b / v4c 64x64 warp tiles, fragments double-buffered in registers
     wgmma.cu   v5 Hopper wgmma from 128B-swizzled smem; v6 v5 warp-specialized and persistent
+    tma.cu     v7 v6 with TMA: one thread loads each stage, C stored through shared memory
+               (tensor maps from gpucore/ladder/tma.py)
 """
 from __future__ import annotations
 
@@ -54,9 +56,13 @@ GEMM_VERSIONS = {
     # 2 consumer warpgroups only multiply; stages handed over by mbarriers (no __syncthreads);
     # persistent (a grid of min(tiles, SMs) blocks).
     6: ("ladder/gemm/wgmma", BF16, (128, 256), 384, 4 * (128 * 64 + 64 * 256) * 2 + 1024),
+    # v7 (ladder/gemm/tma.cu): v6's tiles and stages loaded by TMA, plus a 2 x 16 KB staging buffer
+    # through which the consumers' C leaves by TMA stores (bf16 C; float32 C is stored as in v6).
+    7: ("ladder/gemm/tma", BF16, (128, 256), 384, 4 * (128 * 64 + 64 * 256) * 2 + 2 * 64 * 128 * 2 + 1024),
 }
-VERSION_ARCH = {5: "90a", 6: "90a"}            # compiled for sm_90a (wgmma); runs on sm_90 devices only
-PERSISTENT_VERSIONS = (6,)
+VERSION_ARCH = {5: "90a", 6: "90a", 7: "90a"}  # compiled for sm_90a (wgmma); runs on sm_90 devices only
+PERSISTENT_VERSIONS = (6, 7)
+TMA_VERSIONS = (7,)
 TC_VERSIONS = tuple(v for v, spec in GEMM_VERSIONS.items() if spec[1] == BF16)
 # The bf16 default: the fastest measured on an H200 (2026-11-22): v6 (warp-specialized wgmma)
 # 640 TFLOP/s at 4096^3 and ahead of v5 (608-617) at every GPT-2 shape; earlier: v5 (wgmma) 545
@@ -75,8 +81,8 @@ def _default_bf16_version():
 def gemm(a, b, out=None, version=None):
     """C (M, N) = A (M, K) @ B (K, N), all row-major, with our own kernels.
 
-    version 1-3: float32 in and out (SIMT). version 4, "4b", "4c", 5, 6 (tensor
-    cores, see GEMM_VERSIONS; 5, 6 = wgmma, Hopper only): bfloat16 in, bfloat16
+    version 1-3: float32 in and out (SIMT). version 4, "4b", "4c", 5, 6, 7 (tensor
+    cores, see GEMM_VERSIONS; 5-7 = wgmma, Hopper only): bfloat16 in, bfloat16
     (default) or float32 out; need N and K multiples of 8 (16-byte rows for
     cp.async), M any.
     Default: v6 for bfloat16 on sm_90 (else GEMM_DEFAULT_BF16), 3 for float32.
@@ -135,5 +141,31 @@ def gemm(a, b, out=None, version=None):
         # per SM need 192 KB of the 228 KB unified L1/shared array.
         kernel.preferred_shared_memory_carveout = 100
         _CARVEOUT_SET.add(kernel)
-    runtime.launch(kernel, grid, block, (out, a, b, np.int32(M), np.int32(N), np.int32(K)), shared_mem=smem)
+    operands = (_tma_maps(a, b, out),) if version in TMA_VERSIONS else (a, b)
+    runtime.launch(kernel, grid, block, (out, *operands, np.int32(M), np.int32(N), np.int32(K)), shared_mem=smem)
     return out
+
+
+# (a, b, out pointers and shapes, out dtype) -> the three maps in device memory. A map depends on
+# nothing else, so a hit is always right; the cache spares the host-to-device copy per call (a
+# pageable copy waits for the GPU, which would leave gaps between timed calls).
+_TMA_MAP_CACHE: dict[tuple, object] = {}
+_TMA_MAP_CACHE_SIZE = 64
+
+
+def _tma_maps(a, b, out):
+    """v7's tensor maps: A (M, K) in boxes of 128 rows x 64 k, B (K, N) in boxes of 64 k x 64 n,
+    C (M, N) in boxes of 64 rows x 64 n (bf16 C only; float32 C gets A's map as a placeholder), all
+    with the 128-byte swizzle the kernel's wgmma descriptors and stmatrix addresses assume."""
+    from . import tma
+    (M, K), N = a.shape, b.shape[1]
+    key = (runtime.cupy.cuda.runtime.getDevice(), a.data.ptr, b.data.ptr, out.data.ptr, M, N, K, out.dtype.str)
+    maps = _TMA_MAP_CACHE.get(key)
+    if maps is None:
+        map_a = tma.encode_2d(a.data.ptr, BF16, M, K, 128, 64)
+        map_b = tma.encode_2d(b.data.ptr, BF16, K, N, 64, 64)
+        map_c = tma.encode_2d(out.data.ptr, BF16, M, N, 64, 64) if out.dtype == BF16 else map_a
+        if len(_TMA_MAP_CACHE) >= _TMA_MAP_CACHE_SIZE:
+            _TMA_MAP_CACHE.clear()
+        maps = _TMA_MAP_CACHE[key] = runtime.cupy.asarray(np.frombuffer(map_a + map_b + map_c, np.uint8))
+    return maps

@@ -1,4 +1,4 @@
-"""The GEMM ladder (gpucore/ladder/gemm.py, kernels_cu/ladder/gemm/): our own C = A @ B, v1..v6.
+"""The GEMM ladder (gpucore/ladder/gemm.py, kernels_cu/ladder/gemm/): our own C = A @ B, v1..v7.
 
 CPU: the reference and the version table. GPU (pytest -m cuda): every version against float64
 on odd shapes, and structured inputs (identity-like, index-coded) that name the first wrong
@@ -43,7 +43,9 @@ SIMT_SHAPES = [(1, 1, 1), (7, 5, 3), (33, 17, 65), (128, 128, 128), (129, 257, 1
 TC_SHAPES = [(1, 8, 8), (7, 16, 24), (129, 40, 136), (256, 256, 256), (300, 1000, 520), (128, 8, 128),
              (1024, 768, 2304),
              (65, 128, 264),       # K = 2 tiles of 64 = STAGES - 1 of v4b/v4c: the main loop loads nothing
-             (1100, 200, 1288)]    # 9 block-rows: a second, ragged GROUP_M raster group; ragged K, N
+             (1100, 200, 1288),    # 9 block-rows: a second, ragged GROUP_M raster group; ragged K, N
+             (2200, 72, 2056)]     # 162 tiles of 128 x 256: persistent blocks (v6, v7) take a second
+                                   # tile on a 132-SM GPU, and v7 reuses its C staging buffer
 
 
 def _skip_unless_supported(version):
@@ -69,7 +71,7 @@ def test_gpu_gemm_simt(rng, version, M, K, N):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("version", [4, "4b", "4c", 5, 6])
+@pytest.mark.parametrize("version", [4, "4b", "4c", 5, 6, 7])
 @pytest.mark.parametrize("out_dtype", [np.float32, BF16])
 @pytest.mark.parametrize("M,K,N", TC_SHAPES)
 def test_gpu_gemm_tc(rng, version, out_dtype, M, K, N):
@@ -83,8 +85,9 @@ def _assert_exact(out, want, what):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("version", [1, 2, 3, 4, "4b", "4c", 5, 6])
-def test_gpu_gemm_structured(version):
+@pytest.mark.parametrize("version,out_dtype", [(v, np.float32) for v in (1, 2, 3, 4, "4b", "4c", 5, 6, 7)]
+                         + [(7, BF16)])       # v7 stores bf16 C through shared memory and TMA
+def test_gpu_gemm_structured(version, out_dtype):
     """Identity-like and index-coded inputs (small integers: exact in bf16 and fp32),
     so a wrong fragment, swizzle or tile offset shows up as a named (row, col)."""
     cp = runtime.cupy
@@ -94,7 +97,7 @@ def test_gpu_gemm_structured(version):
     rows, cols = np.arange(M), np.arange(N)
 
     def run(a, b):
-        out = poison((M, N), np.float32) if dt == BF16 else None
+        out = poison((M, N), out_dtype) if dt == BF16 else None
         return to_cpu(gpucore.gemm(cp.asarray(a.astype(dt)), cp.asarray(b.astype(dt)), out=out,
                                    version=version)).astype(np.float32)
 
