@@ -64,11 +64,11 @@ VERSION_ARCH = {5: "90a", 6: "90a", 7: "90a"}  # compiled for sm_90a (wgmma); ru
 PERSISTENT_VERSIONS = (6, 7)
 TMA_VERSIONS = (7,)
 TC_VERSIONS = tuple(v for v, spec in GEMM_VERSIONS.items() if spec[1] == BF16)
-# The bf16 default: the fastest measured on an H200 (2026-11-22): v6 (warp-specialized wgmma)
-# 640 TFLOP/s at 4096^3 and ahead of v5 (608-617) at every GPT-2 shape; earlier: v5 (wgmma) 545
-# TFLOP/s on sm_90, else v4b (mma.sync) 418 TFLOP/s; v4 309, v4w 317, v4c 375.
+# The bf16 default: the fastest measured on an H200 (2026-11-27): v7 (TMA) 102% of cuBLAS at
+# 4096^3 and 86-100% at the GPT-2 shapes, ahead of v6 (87% / 64-92%) at every one; before it v6,
+# before that v5 (wgmma) 545 TFLOP/s on sm_90; elsewhere v4b (mma.sync) 418; v4 309, v4w 317, v4c 375.
 GEMM_DEFAULT_BF16 = "4b"
-GEMM_DEFAULT_BF16_SM90 = 6
+GEMM_DEFAULT_BF16_SM90 = 7
 _CARVEOUT_SET = set()
 
 
@@ -85,7 +85,7 @@ def gemm(a, b, out=None, version=None):
     cores, see GEMM_VERSIONS; 5-7 = wgmma, Hopper only): bfloat16 in, bfloat16
     (default) or float32 out; need N and K multiples of 8 (16-byte rows for
     cp.async), M any.
-    Default: v6 for bfloat16 on sm_90 (else GEMM_DEFAULT_BF16), 3 for float32.
+    Default: v7 for bfloat16 on sm_90 (else GEMM_DEFAULT_BF16), 3 for float32.
     NumPy inputs run the float64 reference (any version).
     """
     check_array("a", a, ndim=2, max_elements=None)

@@ -42,18 +42,14 @@
 #include "wgmma.cuh"        // wgmma wrappers, descriptors, stmatrix, bulk-group waits
 #include "gemm_hopper.cuh"  // the 128x256x64 tile, raster order, C pair stores, mbarriers
 
-// STAGES7 and EPI_COLS7 can be set with -D (tools/probes/gemm_v7_variants.py times 3 stages with
-// all 256 columns staged at once against the default); the launch's shared memory must follow.
-#ifndef STAGES7
+// 4 stages with C staged in 2 rounds of 128 columns beat 3 stages with all 256 columns staged at
+// once by 1-5% (H200, tools/notes/matmul.md): the prefetch depth is worth the wait between rounds.
 #define STAGES7 4
-#endif
-#ifndef EPI_COLS7
 #define EPI_COLS7 128                         // C columns staged per epilogue round (of BN5 = 256)
-#endif
 #define THREADS7 384
 #define C_WG_STAGE7 (64 * EPI_COLS7 * 2)      // one consumer warpgroup's staging buffer: 16 KB
-// Dynamic shared memory: STAGES7 * 48 KB + 2 * C_WG_STAGE7 + 1 KB to align the base (= 230400 by
-// default; must agree with gpucore/ladder/gemm.py GEMM_VERSIONS).
+// Dynamic shared memory: STAGES7 * 48 KB + 2 * C_WG_STAGE7 + 1 KB to align the base (= 230400; must
+// agree with gpucore/ladder/gemm.py GEMM_VERSIONS).
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
