@@ -56,13 +56,18 @@ GEMM_VERSIONS = {
     # 2 consumer warpgroups only multiply; stages handed over by mbarriers (no __syncthreads);
     # persistent (a grid of min(tiles, SMs) blocks).
     6: ("ladder/gemm/wgmma", BF16, (128, 256), 384, 4 * (128 * 64 + 64 * 256) * 2 + 1024),
-    # v7 (ladder/gemm/tma.cu): v6's tiles and stages loaded by TMA, plus a 2 x 16 KB staging buffer
-    # through which the consumers' C leaves by TMA stores (bf16 C; float32 C is stored as in v6).
+    # v7 (ladder/gemm/tma.cu): v6's stages loaded by TMA, C leaving through a staging buffer by TMA
+    # stores (bf16 C; float32 C is stored as in v6); 128 x 256 blocks, or 128 x 192 where they take
+    # fewer waves (_v7_block_n; block width and shared memory per width in V7_SMEM).
     7: ("ladder/gemm/tma", BF16, (128, 256), 384, 4 * (128 * 64 + 64 * 256) * 2 + 2 * 64 * 128 * 2 + 1024),
 }
 VERSION_ARCH = {5: "90a", 6: "90a", 7: "90a"}  # compiled for sm_90a (wgmma); runs on sm_90 devices only
 PERSISTENT_VERSIONS = (6, 7)
 TMA_VERSIONS = (7,)
+# v7's block width -> dynamic shared memory: stages x (A 16 KB + B 64 x BN bf16) + 2 staging buffers
+# of 64 rows x (128 or 64) columns + 1 KB of alignment (kernels_cu/ladder/gemm/tma.cu, V7Config).
+V7_SMEM = {256: 4 * (128 * 64 + 64 * 256) * 2 + 2 * 64 * 128 * 2 + 1024,
+           192: 5 * (128 * 64 + 64 * 192) * 2 + 2 * 64 * 64 * 2 + 1024}
 TC_VERSIONS = tuple(v for v, spec in GEMM_VERSIONS.items() if spec[1] == BF16)
 # The bf16 default: the fastest measured on an H200 (2026-11-27): v7 (TMA) 102% of cuBLAS at
 # 4096^3 and 86-100% at the GPT-2 shapes, ahead of v6 (87% / 64-92%) at every one; before it v6,
@@ -129,6 +134,8 @@ def gemm(a, b, out=None, version=None):
         raise ValueError(f"version: gemm version {version} needs an sm_{arch[:-1]} GPU (Hopper), "
                          f"this one is sm_{runtime.device_arch()}")
     suf = f"bf16_{dtypes.kernel_suffix(out.dtype)}" if tc else dtypes.kernel_suffix(a.dtype)
+    if version in TMA_VERSIONS:
+        return _gemm_v7(a, b, out, _v7_block_n(M, N, runtime.sm_count()))
     kernel = runtime.get_kernel(family, f"gemm_forward_kernel_v{version}_{suf}", arch=arch)
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
     # v4 rasterises its own 1-D grid (grouped along M for L2 reuse); the others are 2-D.
@@ -136,13 +143,40 @@ def gemm(a, b, out=None, version=None):
     if version in PERSISTENT_VERSIONS:      # one block per SM walks the tiles
         grid = (min(tiles_m * tiles_n, runtime.sm_count()),)
     block = (threads,) if version != 1 else (BN, BM)
-    if tc and kernel not in _CARVEOUT_SET:
-        # Ask for the largest shared-memory carveout once per kernel: v4c's two 96 KB blocks
-        # per SM need 192 KB of the 228 KB unified L1/shared array.
+    if tc:
+        _max_carveout(kernel)
+    runtime.launch(kernel, grid, block, (out, a, b, np.int32(M), np.int32(N), np.int32(K)), shared_mem=smem)
+    return out
+
+
+def _max_carveout(kernel):
+    """Ask for the largest shared-memory carveout, once per kernel: v4c's two 96 KB blocks per SM
+    need 192 KB of the 228 KB unified L1/shared array, v7's one block up to 225 KB."""
+    if kernel not in _CARVEOUT_SET:
         kernel.preferred_shared_memory_carveout = 100
         _CARVEOUT_SET.add(kernel)
-    operands = (_tma_maps(a, b, out),) if version in TMA_VERSIONS else (a, b)
-    runtime.launch(kernel, grid, block, (out, *operands, np.int32(M), np.int32(N), np.int32(K)), shared_mem=smem)
+
+
+def _v7_block_n(M: int, N: int, sms: int) -> int:
+    """v7's block width: 192 where 128 x 192 blocks take fewer (waves x width) than 128 x 256, else
+    256. Each block is persistent, so a wave is `sms` tiles and the last one is paid whole: at the
+    LM head's dx (8192 x 50304 @ 50304 x 768), 192 tiles of 256 are 2 waves of 256 columns and 256
+    tiles of 192 are 2 waves of 192 (77% -> 104% of cuBLAS on an H200)."""
+    tiles_m = -(-M // 128)
+    cost = {bn: -(-(tiles_m * -(-N // bn)) // sms) * bn for bn in (256, 192)}
+    return 192 if cost[192] < cost[256] else 256
+
+
+def _gemm_v7(a, b, out, block_n: int):
+    """Launch v7 with 128 x block_n blocks (checked inputs; gemm() picks block_n, tests force each)."""
+    (M, K), N = a.shape, b.shape[1]
+    name = "v7" if block_n == 256 else f"v7n{block_n}"
+    kernel = runtime.get_kernel("ladder/gemm/tma", f"gemm_forward_kernel_{name}_bf16_{dtypes.kernel_suffix(out.dtype)}",
+                                arch="90a")
+    _max_carveout(kernel)
+    grid = (min(-(-M // 128) * -(-N // block_n), runtime.sm_count()),)
+    runtime.launch(kernel, grid, (384,), (out, _tma_maps(a, b, out), np.int32(M), np.int32(N), np.int32(K)),
+                   shared_mem=V7_SMEM[block_n])
     return out
 
 

@@ -78,6 +78,29 @@ def test_gpu_gemm_tc(rng, version, out_dtype, M, K, N):
     _check_gemm(version, rand(rng, (M, K), BF16), rand(rng, (K, N), BF16), out_dtype)
 
 
+def test_v7_block_width_takes_fewer_waves():
+    # 132 SMs (H100/H200): 192-wide blocks only where they finish in fewer (waves x width)
+    assert lg._v7_block_n(8192, 768, 132) == 192          # LM head dx: 2 waves of 192, not 2 of 256
+    assert lg._v7_block_n(4096, 4096, 132) == 256         # 4 waves of 256 against 6 of 192
+    assert lg._v7_block_n(65536, 3072, 132) == 256        # a tie (12 x 256 = 16 x 192): 256
+    assert lg._v7_block_n(1, 8, 132) == 192               # one tile either way: the narrower
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block_n", [256, 192])
+@pytest.mark.parametrize("out_dtype", [np.float32, BF16])
+@pytest.mark.parametrize("M,K,N", [(1, 8, 8), (129, 40, 136), (300, 1000, 520), (1100, 200, 1288), (2200, 72, 2056)])
+def test_gpu_gemm_v7_each_block_width(rng, block_n, out_dtype, M, K, N):
+    """gemm() picks v7's width by shape; each width on odd shapes, persistent wraps and edges."""
+    cp = runtime.cupy
+    _skip_unless_supported(7)
+    a, b = rand(rng, (M, K), BF16), rand(rng, (K, N), BF16)
+    out = poison((M, N), out_dtype)
+    lg._gemm_v7(cp.asarray(a), cp.asarray(b), out, block_n)
+    check_close(out, a.astype(np.float64) @ b.astype(np.float64), out_dtype,
+                f"gemm v7 block_n={block_n} M,K,N={M},{K},{N}")
+
+
 def _assert_exact(out, want, what):
     bad = np.argwhere(out != want)
     assert len(bad) == 0, (f"{what}: {len(bad)} of {out.size} wrong, first (row, col) {tuple(bad[0])}: "

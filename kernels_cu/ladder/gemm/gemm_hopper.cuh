@@ -29,14 +29,15 @@ __device__ __forceinline__ void store2_5<bf16>(bf16* p, float x, float y) {
     *reinterpret_cast<u32*>(p) = pack_bf16x2(x, y);
 }
 
-// Tile `pid` of a (tiles_m x tiles_n) grid of BM5 x BN5 tiles in grouped raster order: groups of
+// Tile `pid` of a (tiles_m x tiles_n) grid of BM5 x BN tiles in grouped raster order: groups of
 // GROUP_M5 tile rows, walked column by column, so that consecutive tiles share A rows and B columns in L2.
+template <int BN = BN5>
 __device__ __forceinline__ void tile_origin5(int pid, int tiles_m, int tiles_n, int& m0, int& n0) {
     const int per_group = GROUP_M5 * tiles_n;
     const int first_m = (pid / per_group) * GROUP_M5;
     const int group_rows = min(tiles_m - first_m, GROUP_M5);
     m0 = (first_m + (pid % per_group) % group_rows) * BM5;
-    n0 = ((pid % per_group) / group_rows) * BN5;
+    n0 = ((pid % per_group) / group_rows) * BN;
 }
 
 __device__ __forceinline__ void mbar_init6(u32 bar, u32 count) {

@@ -11,8 +11,9 @@
  *         64 k-rows x 64 n, C as boxes of 64 rows x 64 n; all 128B-swizzled. (A map could be a
  *         __grid_constant__ parameter; CuPy passes no 128-byte structs, and a map read from
  *         global memory needs only the fence.proxy.tensormap below.)
- * Grid:   persistent, min(tiles, SMs) blocks of 384 threads walking the 128 x 256 tiles in v5's
- *         grouped raster order (gemm_hopper.cuh); one block per SM (~225 KB of shared memory).
+ * Grid:   persistent, min(tiles, SMs) blocks of 384 threads walking 128 x BN tiles (BN = 256, or
+ *         192 where that takes fewer waves) in v5's grouped raster order (gemm_hopper.cuh); one
+ *         block per SM (217-225 KB of shared memory).
  *
  * Why (what held v6 at 60-67% of cuBLAS at K = 768, tools/notes/matmul.md):
  * 1. The loads. v6's producer warpgroup issues 24 cp.async of 16 bytes per thread and stage, each
@@ -29,11 +30,15 @@
  *    at the matrix edges) that drains it while the warpgroup goes on to the next tile's math. The
  *    staging buffer is reused only once the previous store has read it (bulk wait_group.read).
  *    C float32 keeps v6's direct stores (its tile would need twice the staging memory).
+ * 3. The waves. A persistent grid of 132 blocks over 192 tiles of 128 x 256 (the LM head's dx,
+ *    8192 x 50304 @ 50304 x 768) runs 1.45 waves: the second one three-quarters idle. 128 x 192
+ *    blocks (wgmma m64n192k16, 96 accumulators a thread) make it 256 tiles, 1.94 waves: 77% -> 104%
+ *    of cuBLAS there. gemm.py picks the width with fewer (waves x width) and 256 on a tie.
  *
- * Shared memory: STAGES7 stages of 48 KB (v6's layouts: A [128][64] K-major, B as 4 blocks of
- * [64 k][64 n] MN-major, both 128B-swizzled -- exactly what the TMA boxes with
- * CU_TENSOR_MAP_SWIZZLE_128B write), then the C staging buffer: per consumer warpgroup 2 boxes of
- * [64 rows][64 n] bf16 (16 KB), the same swizzle. Barriers: full[s] (1 arrival + 48 KB of
+ * Shared memory: the stages (v6's layouts: A [128][64] K-major, B as BN / 64 blocks of [64 k][64 n]
+ * MN-major, both 128B-swizzled -- exactly what the TMA boxes with CU_TENSOR_MAP_SWIZZLE_128B
+ * write), then the C staging buffer: per consumer warpgroup epi_cols / 64 boxes of [64 rows][64 n]
+ * bf16, the same swizzle (V7Config below). Barriers: full[s] (1 arrival + the stage's bytes of
  * transactions), empty[s] (256 consumer arrivals, as v6); named barriers 1 and 2 order each
  * consumer warpgroup's staging writes against its TMA stores.
  */
@@ -42,14 +47,22 @@
 #include "wgmma.cuh"        // wgmma wrappers, descriptors, stmatrix, bulk-group waits
 #include "gemm_hopper.cuh"  // the 128x256x64 tile, raster order, C pair stores, mbarriers
 
-// 4 stages with C staged in 2 rounds of 128 columns beat 3 stages with all 256 columns staged at
-// once by 1-5% (H200, tools/notes/matmul.md): the prefetch depth is worth the wait between rounds.
-#define STAGES7 4
-#define EPI_COLS7 128                         // C columns staged per epilogue round (of BN5 = 256)
+// Two block tiles, 128 x BN with BN = 256 or 192 (gemm.py picks per shape, fewer waves first):
+//   BN 256: 48 KB stages x 4, C staged in 2 rounds of 128 columns (2 x 16 KB): 230400 B of smem;
+//   BN 192: 40 KB stages x 5, C staged in 3 rounds of 64 columns (2 x 8 KB): 222208 B.
+// (Measured on an H200: at BN 256, 4 stages and 2 x 128 columns beat 3 stages and 1 x 256 by 1-5%
+// and 4 x 64 columns by 1-5%; at BN 192 the 5-stage layout led the 4-stage 1 x 192 by 0-1.5%.)
 #define THREADS7 384
-#define C_WG_STAGE7 (64 * EPI_COLS7 * 2)      // one consumer warpgroup's staging buffer: 16 KB
-// Dynamic shared memory: STAGES7 * 48 KB + 2 * C_WG_STAGE7 + 1 KB to align the base (= 230400; must
-// agree with gpucore/ladder/gemm.py GEMM_VERSIONS).
+template <int BN>
+struct V7Config {
+    static constexpr int stages = BN == 256 ? 4 : 5;
+    static constexpr int epi_cols = BN == 256 ? 128 : 64;        // C columns staged per round
+    static constexpr u32 stage_bytes = A_STAGE5 + BK5 * BN * 2;   // 48 / 40 KB: multiples of 1024
+    static constexpr u32 c_wg_bytes = 64 * epi_cols * 2;         // one consumer warpgroup's staging
+};
+#define MAX_STAGES7 5
+// Dynamic shared memory: stages * stage_bytes + 2 * c_wg_bytes + 1 KB to align the base (must agree
+// with gpucore/ladder/gemm.py V7_SMEM).
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -80,17 +93,20 @@ __device__ __forceinline__ void named_barrier_sync7(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-template <typename Tout>
+template <typename Tout, int BN7>
 __device__ __forceinline__ void gemm_v7(Tout* C, const unsigned char* maps, int M, int N, int K) {
+    using Cfg = V7Config<BN7>;
+    constexpr int STAGES7 = Cfg::stages, EPI_COLS7 = Cfg::epi_cols;
+    constexpr u32 STAGE7 = Cfg::stage_bytes, C_WG_STAGE7 = Cfg::c_wg_bytes;
     extern __shared__ unsigned char smem7[];
-    __shared__ __align__(8) unsigned long long bars7[2 * STAGES7];      // full[0..S), empty[0..S)
+    __shared__ __align__(8) unsigned long long bars7[2 * MAX_STAGES7];  // full[0..S), empty[0..S)
     const u32 smem0 = (smem_u32_asm(smem7) + 1023u) & ~1023u;          // swizzle atoms: 1024-aligned
     const u32 full0 = smem_u32_asm(bars7), empty0 = full0 + 8 * STAGES7;
     const void* map_a = maps;
     const void* map_b = maps + 128;
     const void* map_c = maps + 256;
 
-    const int tiles_m = (M + BM5 - 1) / BM5, tiles_n = (N + BN5 - 1) / BN5;
+    const int tiles_m = (M + BM5 - 1) / BM5, tiles_n = (N + BN7 - 1) / BN7;
     const int tiles = tiles_m * tiles_n;
     const int ktiles = (K + BK5 - 1) / BK5;
 
@@ -112,15 +128,15 @@ __device__ __forceinline__ void gemm_v7(Tout* C, const unsigned char* maps, int 
         int it = 0;                                                   // k-tiles handed over (all tiles)
         for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
             int m0, n0;
-            tile_origin5(tile, tiles_m, tiles_n, m0, n0);
+            tile_origin5<BN7>(tile, tiles_m, tiles_n, m0, n0);
             for (int kt = 0; kt < ktiles; kt++, it++) {
                 const int s = it % STAGES7;
                 if (it >= STAGES7) mbar_wait6(empty0 + 8 * s, ((it / STAGES7) - 1) & 1);
-                const u32 base = smem0 + s * STAGE5, bar = full0 + 8 * s;
-                mbar_arrive_expect_tx7(bar, STAGE5);                  // edge boxes count whole: zero-filled
+                const u32 base = smem0 + s * STAGE7, bar = full0 + 8 * s;
+                mbar_arrive_expect_tx7(bar, STAGE7);                  // edge boxes count whole: zero-filled
                 tma_load_2d7(base, map_a, kt * BK5, m0, bar);
                 #pragma unroll
-                for (int nb = 0; nb < BN5 / 64; nb++)
+                for (int nb = 0; nb < BN7 / 64; nb++)
                     tma_load_2d7(base + A_STAGE5 + nb * 8192, map_b, n0 + 64 * nb, kt * BK5, bar);
             }
         }
@@ -132,26 +148,29 @@ __device__ __forceinline__ void gemm_v7(Tout* C, const unsigned char* maps, int 
     const int g = lane >> 2, t = lane & 3;
     const bool leader = (tid & 127) == 0;                       // issues this warpgroup's TMA stores
     constexpr bool staged = sizeof(Tout) == 2;
-    const u32 c_stage = smem0 + STAGES7 * STAGE5 + c * C_WG_STAGE7;
+    const u32 c_stage = smem0 + STAGES7 * STAGE7 + c * C_WG_STAGE7;
     if (staged && leader) tensormap_acquire7(map_c);
     // stmatrix: lanes 8m..8m+7 address the rows of matrix m = (rows +8 (m & 1), n8 block +(m >> 1)).
     const int st_row = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), st_blk = lane >> 4;
     int it = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int m0, n0;
-        tile_origin5(tile, tiles_m, tiles_n, m0, n0);
-        float d[128];
+        tile_origin5<BN7>(tile, tiles_m, tiles_n, m0, n0);
+        float d[BN7 / 2];                                 // 64 x BN7 per warpgroup: BN7 / 2 a thread
         #pragma unroll
-        for (int i = 0; i < 128; i++) d[i] = 0.0f;
+        for (int i = 0; i < BN7 / 2; i++) d[i] = 0.0f;
         for (int kt = 0; kt < ktiles; kt++, it++) {
             const int s = it % STAGES7;
             mbar_wait6(full0 + 8 * s, (it / STAGES7) & 1);
-            const u32 sa = smem0 + s * STAGE5 + c * (64 * 128);
-            const u32 sb = smem0 + s * STAGE5 + A_STAGE5;
+            const u32 sa = smem0 + s * STAGE7 + c * (64 * 128);
+            const u32 sb = smem0 + s * STAGE7 + A_STAGE5;
             wgmma_fence();
             #pragma unroll
             for (int ks = 0; ks < BK5 / 16; ks++)
-                wgmma_m64n256k16(d, smem_desc(sa + 32 * ks, 16, 1024), smem_desc(sb + 2048 * ks, 8192, 1024));
+                if constexpr (BN7 == 256)
+                    wgmma_m64n256k16(d, smem_desc(sa + 32 * ks, 16, 1024), smem_desc(sb + 2048 * ks, 8192, 1024));
+                else
+                    wgmma_m64n192k16(d, smem_desc(sa + 32 * ks, 16, 1024), smem_desc(sb + 2048 * ks, 8192, 1024));
             wgmma_commit();
             wgmma_wait<1>();                 // the previous k-tile's group has retired: its stage is free
             if (kt > 0) mbar_arrive6(empty0 + 8 * ((it - 1) % STAGES7));
@@ -159,11 +178,11 @@ __device__ __forceinline__ void gemm_v7(Tout* C, const unsigned char* maps, int 
         wgmma_wait<0>();
         mbar_arrive6(empty0 + 8 * ((it - 1) % STAGES7));      // the tile's last stage
         #pragma unroll
-        for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
+        for (int i = 0; i < BN7 / 2; i++) asm volatile("" : "+f"(d[i])::"memory");
 
         if constexpr (staged) {
             #pragma unroll
-            for (int h = 0; h < BN5 / EPI_COLS7; h++) {
+            for (int h = 0; h < BN7 / EPI_COLS7; h++) {
                 if (leader) bulk_wait_read<0>();            // the last store has read the buffer ...
                 named_barrier_sync7(1 + c, 128);            // ... before anyone overwrites it
                 #pragma unroll
@@ -185,7 +204,7 @@ __device__ __forceinline__ void gemm_v7(Tout* C, const unsigned char* maps, int 
         } else {                                            // float32 C: v6's stores from registers
             const int row = m0 + c * 64 + warp * 16 + g;
             #pragma unroll
-            for (int j = 0; j < BN5 / 8; j++) {
+            for (int j = 0; j < BN7 / 8; j++) {
                 const int col = n0 + j * 8 + 2 * t;
                 if (col >= N) continue;
                 if (row < M) store2_5<Tout>(C + (size_t)row * N + col, d[4 * j], d[4 * j + 1]);
@@ -196,16 +215,18 @@ __device__ __forceinline__ void gemm_v7(Tout* C, const unsigned char* maps, int 
     if (staged && leader) bulk_wait_done<0>();              // the block's shared memory outlives the stores
 }
 
-#define GEMM_V7_BODY(Tout) gemm_v7<Tout>(C, maps, M, N, K)
+#define GEMM_V7_BODY(Tout, BN) gemm_v7<Tout, BN>(C, maps, M, N, K)
 #else
-#define GEMM_V7_BODY(Tout) __trap()          // not sm_90a: Python never launches this
+#define GEMM_V7_BODY(Tout, BN) __trap()          // not sm_90a: Python never launches this
 #endif
 
-extern "C" __global__ void __launch_bounds__(THREADS7, 1) gemm_forward_kernel_v7_bf16_f32(
-        float* C, const unsigned char* maps, int M, int N, int K) {
-    GEMM_V7_BODY(float);
-}
-extern "C" __global__ void __launch_bounds__(THREADS7, 1) gemm_forward_kernel_v7_bf16_bf16(
-        bf16* C, const unsigned char* maps, int M, int N, int K) {
-    GEMM_V7_BODY(bf16);
-}
+// v7: 128 x 256 blocks; v7n192: 128 x 192 blocks (gpucore/ladder/gemm.py picks).
+#define GEMM_V7_KERNEL(name, Tout, BN)                                                               \
+    extern "C" __global__ void __launch_bounds__(THREADS7, 1) name(Tout* C, const unsigned char* maps, \
+                                                                   int M, int N, int K) {            \
+        GEMM_V7_BODY(Tout, BN);                                                                      \
+    }
+GEMM_V7_KERNEL(gemm_forward_kernel_v7_bf16_f32, float, 256)
+GEMM_V7_KERNEL(gemm_forward_kernel_v7_bf16_bf16, bf16, 256)
+GEMM_V7_KERNEL(gemm_forward_kernel_v7n192_bf16_f32, float, 192)
+GEMM_V7_KERNEL(gemm_forward_kernel_v7n192_bf16_bf16, bf16, 192)
