@@ -15,6 +15,7 @@ kernels_cu/ladder/gemm/:
     wgmma.cu   v5 Hopper wgmma from 128B-swizzled smem; v6 v5 warp-specialized and persistent
     tma.cu     v7 v6 with TMA: one thread loads each stage, C stored through shared memory
                (tensor maps from gpucore/ladder/tma.py)
+    pingpong.cu v8 v7 with ping-pong consumers: one warpgroup's epilogue under the other's math
 """
 from __future__ import annotations
 
@@ -60,44 +61,51 @@ GEMM_VERSIONS = {
     # stores (bf16 C; float32 C is stored as in v6); 128 x 256 blocks, or 128 x 192 where they take
     # fewer waves (_v7_block_n; block width and shared memory per width in V7_SMEM).
     7: ("ladder/gemm/tma", BF16, (128, 256), 384, 4 * (128 * 64 + 64 * 256) * 2 + 2 * 64 * 128 * 2 + 1024),
+    # v8 (ladder/gemm/pingpong.cu): v7's TMA pipeline, but each consumer warpgroup owns whole 128 x 128
+    # tiles and the two take turns, so one writes C while the other multiplies; 6 stages of 32 KB.
+    8: ("ladder/gemm/pingpong", BF16, (128, 128), 384, 6 * (128 * 64 + 64 * 128) * 2 + 2 * 128 * 64 * 2 + 1024),
 }
-VERSION_ARCH = {5: "90a", 6: "90a", 7: "90a"}  # compiled for sm_90a (wgmma); runs on sm_90 devices only
-PERSISTENT_VERSIONS = (6, 7)
-TMA_VERSIONS = (7,)
+VERSION_ARCH = {5: "90a", 6: "90a", 7: "90a", 8: "90a"}  # compiled for sm_90a (wgmma); runs on sm_90 devices only
+PERSISTENT_VERSIONS = (6, 7, 8)
+TMA_VERSIONS = (7, 8)
 # v7's block width -> dynamic shared memory: stages x (A 16 KB + B 64 x BN bf16) + 2 staging buffers
 # of 64 rows x (128 or 64) columns + 1 KB of alignment (kernels_cu/ladder/gemm/tma.cu, V7Config).
 V7_SMEM = {256: 4 * (128 * 64 + 64 * 256) * 2 + 2 * 64 * 128 * 2 + 1024,
            192: 5 * (128 * 64 + 64 * 192) * 2 + 2 * 64 * 64 * 2 + 1024}
 TC_VERSIONS = tuple(v for v, spec in GEMM_VERSIONS.items() if spec[1] == BF16)
-# The bf16 default: the fastest measured on an H200 (2026-11-27): v7 (TMA) 102% of cuBLAS at
-# 4096^3 and 86-100% at the GPT-2 shapes, ahead of v6 (87% / 64-92%) at every one; before it v6,
-# before that v5 (wgmma) 545 TFLOP/s on sm_90; elsewhere v4b (mma.sync) 418; v4 309, v4w 317, v4c 375.
+# The bf16 default: the fastest measured. On sm_90 (H200, 2026-11-27) it depends on K: where a
+# tile has few k-tiles its epilogue weighs, and v8's ping-pong hides it (K = 768: 94-99% of cuBLAS
+# against v7's 86-89%); with long K, v7's 128 x 256 tiles move fewer bytes per FLOP (K >= 3072:
+# 96-104% against v8's 92-95%). Before them: v6, v5 (wgmma) 545 TFLOP/s; elsewhere v4b
+# (mma.sync) 418 TFLOP/s; v4 309, v4w 317, v4c 375.
 GEMM_DEFAULT_BF16 = "4b"
-GEMM_DEFAULT_BF16_SM90 = 7
+GEMM_DEFAULT_BF16_SM90_SHORT_K, GEMM_DEFAULT_BF16_SM90 = 8, 7
+SHORT_K = 1024                 # K up to this takes v8 on sm_90
 _CARVEOUT_SET = set()
 
 
-def _default_bf16_version():
+def _default_bf16_version(K: int):
     if runtime.gpu_available() and runtime.device_arch() == "90":
-        return GEMM_DEFAULT_BF16_SM90
+        return GEMM_DEFAULT_BF16_SM90_SHORT_K if K <= SHORT_K else GEMM_DEFAULT_BF16_SM90
     return GEMM_DEFAULT_BF16
 
 
 def gemm(a, b, out=None, version=None):
     """C (M, N) = A (M, K) @ B (K, N), all row-major, with our own kernels.
 
-    version 1-3: float32 in and out (SIMT). version 4, "4b", "4c", 5, 6, 7 (tensor
-    cores, see GEMM_VERSIONS; 5-7 = wgmma, Hopper only): bfloat16 in, bfloat16
+    version 1-3: float32 in and out (SIMT). version 4, "4b", "4c", 5-8 (tensor
+    cores, see GEMM_VERSIONS; 5-8 = wgmma, Hopper only): bfloat16 in, bfloat16
     (default) or float32 out; need N and K multiples of 8 (16-byte rows for
     cp.async), M any.
-    Default: v7 for bfloat16 on sm_90 (else GEMM_DEFAULT_BF16), 3 for float32.
+    Default: for bfloat16 on sm_90 v8 where K <= 1024, else v7 (elsewhere GEMM_DEFAULT_BF16);
+    3 for float32.
     NumPy inputs run the float64 reference (any version).
     """
     check_array("a", a, ndim=2, max_elements=None)
     check_array("b", b, ndim=2, max_elements=None)
     check_same_dtype(a=a, b=b)
     if version is None:
-        version = _default_bf16_version() if a.dtype == BF16 else 3
+        version = _default_bf16_version(a.shape[1]) if a.dtype == BF16 else 3
     if version not in GEMM_VERSIONS:
         raise ValueError(f"version: must be one of {list(GEMM_VERSIONS)}, got {version!r}")
     family, in_dt, (BM, BN), threads, smem = GEMM_VERSIONS[version]
@@ -134,7 +142,7 @@ def gemm(a, b, out=None, version=None):
         raise ValueError(f"version: gemm version {version} needs an sm_{arch[:-1]} GPU (Hopper), "
                          f"this one is sm_{runtime.device_arch()}")
     suf = f"bf16_{dtypes.kernel_suffix(out.dtype)}" if tc else dtypes.kernel_suffix(a.dtype)
-    if version in TMA_VERSIONS:
+    if version == 7:
         return _gemm_v7(a, b, out, _v7_block_n(M, N, runtime.sm_count()))
     kernel = runtime.get_kernel(family, f"gemm_forward_kernel_v{version}_{suf}", arch=arch)
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
@@ -145,7 +153,8 @@ def gemm(a, b, out=None, version=None):
     block = (threads,) if version != 1 else (BN, BM)
     if tc:
         _max_carveout(kernel)
-    runtime.launch(kernel, grid, block, (out, a, b, np.int32(M), np.int32(N), np.int32(K)), shared_mem=smem)
+    operands = (_tma_maps(a, b, out),) if version in TMA_VERSIONS else (a, b)
+    runtime.launch(kernel, grid, block, (out, *operands, np.int32(M), np.int32(N), np.int32(K)), shared_mem=smem)
     return out
 
 

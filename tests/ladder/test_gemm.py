@@ -1,4 +1,4 @@
-"""The GEMM ladder (gpucore/ladder/gemm.py, kernels_cu/ladder/gemm/): our own C = A @ B, v1..v7.
+"""The GEMM ladder (gpucore/ladder/gemm.py, kernels_cu/ladder/gemm/): our own C = A @ B, v1..v8.
 
 CPU: the reference and the version table. GPU (pytest -m cuda): every version against float64
 on odd shapes, and structured inputs (identity-like, index-coded) that name the first wrong
@@ -31,6 +31,7 @@ def test_gemm_reference(rng):
 
 def test_gemm_default_bf16_is_a_tensor_core_version():
     assert lg.GEMM_DEFAULT_BF16 in lg.TC_VERSIONS
+    assert {lg.GEMM_DEFAULT_BF16_SM90, lg.GEMM_DEFAULT_BF16_SM90_SHORT_K} <= set(lg.TC_VERSIONS)
     for v in lg.TC_VERSIONS:
         family, dt, (BM, BN), threads, smem = lg.GEMM_VERSIONS[v]
         assert dt == BF16 and smem <= 227 * 1024 and threads % 32 == 0, v
@@ -71,7 +72,7 @@ def test_gpu_gemm_simt(rng, version, M, K, N):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("version", [4, "4b", "4c", 5, 6, 7])
+@pytest.mark.parametrize("version", [4, "4b", "4c", 5, 6, 7, 8])
 @pytest.mark.parametrize("out_dtype", [np.float32, BF16])
 @pytest.mark.parametrize("M,K,N", TC_SHAPES)
 def test_gpu_gemm_tc(rng, version, out_dtype, M, K, N):
@@ -84,6 +85,12 @@ def test_v7_block_width_takes_fewer_waves():
     assert lg._v7_block_n(4096, 4096, 132) == 256         # 4 waves of 256 against 6 of 192
     assert lg._v7_block_n(65536, 3072, 132) == 256        # a tie (12 x 256 = 16 x 192): 256
     assert lg._v7_block_n(1, 8, 132) == 192               # one tile either way: the narrower
+
+
+@pytest.mark.cuda
+def test_gpu_gemm_default_takes_ping_pong_for_short_k():
+    want = (8, 7) if runtime.device_arch() == "90" else (lg.GEMM_DEFAULT_BF16,) * 2
+    assert (lg._default_bf16_version(768), lg._default_bf16_version(3072)) == want
 
 
 @pytest.mark.cuda
@@ -108,8 +115,8 @@ def _assert_exact(out, want, what):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("version,out_dtype", [(v, np.float32) for v in (1, 2, 3, 4, "4b", "4c", 5, 6, 7)]
-                         + [(7, BF16)])       # v7 stores bf16 C through shared memory and TMA
+@pytest.mark.parametrize("version,out_dtype", [(v, np.float32) for v in (1, 2, 3, 4, "4b", "4c", 5, 6, 7, 8)]
+                         + [(7, BF16), (8, BF16)])   # v7, v8 store bf16 C through shared memory and TMA
 def test_gpu_gemm_structured(version, out_dtype):
     """Identity-like and index-coded inputs (small integers: exact in bf16 and fp32),
     so a wrong fragment, swizzle or tile offset shows up as a named (row, col)."""

@@ -1,8 +1,9 @@
 /*
  * ladder/gemm/gemm_hopper.cuh -- what the Hopper rungs v5, v6 (wgmma.cu) and v7 (tma.cu) share:
  * the 128 x 256 x 64 block tile and its shared-memory stage sizes, the grouped raster order of
- * the tiles, the C pair stores of the accumulator layout, and the mbarrier wrappers of the
- * warp-specialized rungs (v6, v7). See wgmma.cu's header for the layouts.
+ * the tiles, the C pair stores of the accumulator layout, the mbarrier wrappers of the
+ * warp-specialized rungs (v6-v8), and the TMA copies and fences (v7, v8). See wgmma.cu's header
+ * for the layouts.
  */
 #pragma once
 #include "common.cuh"
@@ -56,3 +57,33 @@ __device__ __forceinline__ void mbar_arrive6(u32 bar) {
 __device__ __forceinline__ void cp_async_mbar_arrive6(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
+
+// ---- TMA (sm_90a): the copies, barriers and fences of the TMA rungs v7 (tma.cu) and v8 (pingpong.cu) ----
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// TMA load of the box at (c0 = inner/column coordinate, c1 = row) of `map` into shared memory at
+// dst, completing `bytes` of transactions on mbarrier `bar` (PTX ISA "cp.async.bulk.tensor").
+__device__ __forceinline__ void tma_load_2d7(u32 dst, const void* map, int c0, int c1, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar)
+                 : "memory");
+}
+// TMA store of shared memory at src to the box at (c0, c1) of `map`, in the thread's bulk group.
+__device__ __forceinline__ void tma_store_2d7(const void* map, int c0, int c1, u32 src) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(map),
+                 "r"(c0), "r"(c1), "r"(src)
+                 : "memory");
+}
+// This thread's arrival on `bar`, which also expects `bytes` of transactions in the current phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx7(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// A tensor map in global memory is read through the tensormap proxy, whose cache may still hold
+// a map an earlier launch left at the same address (the memory pool reuses buffers): acquire
+// the generic-proxy writes (the host's copy) before the first TMA instruction that names it.
+__device__ __forceinline__ void tensormap_acquire7(const void* map) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
+}
+__device__ __forceinline__ void named_barrier_sync7(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
