@@ -197,7 +197,7 @@ _TMA_MAP_CACHE_SIZE = 64
 
 
 def _tma_maps(a, b, out):
-    """v7's tensor maps: A (M, K) in boxes of 128 rows x 64 k, B (K, N) in boxes of 64 k x 64 n,
+    """v7's and v8's tensor maps: A (M, K) in boxes of 128 rows x 64 k, B (K, N) in boxes of 64 k x 64 n,
     C (M, N) in boxes of 64 rows x 64 n (bf16 C only; float32 C gets A's map as a placeholder), all
     with the 128-byte swizzle the kernel's wgmma descriptors and stmatrix addresses assume."""
     from . import tma
