@@ -5,8 +5,7 @@ Run:  PYTHONPATH=. python3 tools/probes/lmhead_dx.py [M]
 kernels_cu/ladder/gemm/lmhead_dx.cu computes dx = dlogits @ W for one head chunk (M x 50304 @
 50304 x 768). "fused" reads the logits and makes dlogits in registers (exp(logit - lse) - onehot,
 scaled, bf16); "control" reads a dlogits the classifier wrote, through the same register path.
-Each comes "overlap" (A of the next k-tile made while this one's wgmmas run; ptxas serializes the
-wgmmas for it, C7513) and "serial" (A made only after this warpgroup's wgmmas retired). Printed:
+Printed:
 each against cuBLAS gemmEx on the classifier's dlogits (max |diff| / max |ref|), then timings in
 alternation with gemmEx, v7 (128 x 192, A from shared memory) and the classifier itself.
 """
@@ -54,7 +53,7 @@ def variant(name, a):
 
 
 rows = []
-for name in ("fused_serial", "fused_overlap", "control_serial", "control_overlap"):
+for name in ("fused", "control"):
     out, fn = variant(name, logits if name.startswith("fused") else dlogits)
     fn()
     err = float(cp.abs(out.astype(cp.float32) - ref.astype(cp.float32)).max()) / refmax
