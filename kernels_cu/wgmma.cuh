@@ -263,24 +263,3 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss_kmn(float* d, u64 desc_a, u6
         : "l"(desc_a), "l"(desc_b));
 }
 #endif
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// d (64 x 192 per warpgroup, f32) += A (64 x 16, registers: the mma.sync A fragment, header) @ B (16 x
-// 192, N-major, shared memory), always accumulating (the LM head dx experiment, ladder/gemm/lmhead_dx.cu).
-__device__ __forceinline__ void wgmma_m64n192k16_rs_mn(float* d, const u32 (&a)[4], u64 desc_b) {
-    asm volatile(
-        "{\n"
-        "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "
-        "{%96, %97, %98, %99}, %100, 1, 1, 1, 1;\n"
-        "}\n"
-        : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56),
-          WG_D8(64), WG_D8(72), WG_D8(80), WG_D8(88)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-#endif
