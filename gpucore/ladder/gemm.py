@@ -43,6 +43,10 @@ def gemm_reference(a, b, out_dtype=None):
 #    3 stages; v4b a 128x256 block of 8 warps (1 block/SM), v4c a 128x128 block of 4 warps
 #    (2 blocks/SM). See the header of ladder/gemm/tc2.cu for why.
 # v5 (ladder/gemm/wgmma.cu): Hopper warpgroup MMA; see its header.
+# v7's block width -> dynamic shared memory: stages x (A 16 KB + B 64 x BN bf16) + 2 staging buffers
+# of 64 rows x (128 or 64) columns + 1 KB of alignment (kernels_cu/ladder/gemm/tma.cu, V7Config).
+V7_SMEM = {256: 4 * (128 * 64 + 64 * 256) * 2 + 2 * 64 * 128 * 2 + 1024,
+           192: 5 * (128 * 64 + 64 * 192) * 2 + 2 * 64 * 64 * 2 + 1024}
 GEMM_VERSIONS = {
     1: ("ladder/gemm/simt", F32, (16, 16), 256, 0),
     2: ("ladder/gemm/simt", F32, (32, 32), 1024, 0),
@@ -60,7 +64,7 @@ GEMM_VERSIONS = {
     # v7 (ladder/gemm/tma.cu): v6's stages loaded by TMA, C leaving through a staging buffer by TMA
     # stores (bf16 C; float32 C is stored as in v6); 128 x 256 blocks, or 128 x 192 where they take
     # fewer waves (_v7_block_n; block width and shared memory per width in V7_SMEM).
-    7: ("ladder/gemm/tma", BF16, (128, 256), 384, 4 * (128 * 64 + 64 * 256) * 2 + 2 * 64 * 128 * 2 + 1024),
+    7: ("ladder/gemm/tma", BF16, (128, 256), 384, V7_SMEM[256]),
     # v8 (ladder/gemm/pingpong.cu): v7's TMA pipeline, but each consumer warpgroup owns whole 128 x 128
     # tiles and the two take turns, so one writes C while the other multiplies; 6 stages of 32 KB.
     8: ("ladder/gemm/pingpong", BF16, (128, 128), 384, 6 * (128 * 64 + 64 * 128) * 2 + 2 * 128 * 64 * 2 + 1024),
@@ -68,10 +72,6 @@ GEMM_VERSIONS = {
 VERSION_ARCH = {5: "90a", 6: "90a", 7: "90a", 8: "90a"}  # compiled for sm_90a (wgmma); runs on sm_90 devices only
 PERSISTENT_VERSIONS = (6, 7, 8)
 TMA_VERSIONS = (7, 8)
-# v7's block width -> dynamic shared memory: stages x (A 16 KB + B 64 x BN bf16) + 2 staging buffers
-# of 64 rows x (128 or 64) columns + 1 KB of alignment (kernels_cu/ladder/gemm/tma.cu, V7Config).
-V7_SMEM = {256: 4 * (128 * 64 + 64 * 256) * 2 + 2 * 64 * 128 * 2 + 1024,
-           192: 5 * (128 * 64 + 64 * 192) * 2 + 2 * 64 * 64 * 2 + 1024}
 TC_VERSIONS = tuple(v for v, spec in GEMM_VERSIONS.items() if spec[1] == BF16)
 # The bf16 default: the fastest measured. On sm_90 (H200, 2026-11-27) it depends on K: where a
 # tile has few k-tiles its epilogue weighs, and v8's ping-pong hides it (K = 768: 94-99% of cuBLAS
@@ -108,7 +108,7 @@ def gemm(a, b, out=None, version=None):
         version = _default_bf16_version(a.shape[1]) if a.dtype == BF16 else 3
     if version not in GEMM_VERSIONS:
         raise ValueError(f"version: must be one of {list(GEMM_VERSIONS)}, got {version!r}")
-    family, in_dt, (BM, BN), threads, smem = GEMM_VERSIONS[version]
+    in_dt = GEMM_VERSIONS[version][1]
     M, K = a.shape
     if b.shape[0] != K:
         raise ValueError(f"b: inner dimension {b.shape[0]} differs from a's {K} (shapes {a.shape} @ {b.shape})")
@@ -141,29 +141,34 @@ def gemm(a, b, out=None, version=None):
     if arch is not None and runtime.device_arch() != arch[:-1]:
         raise ValueError(f"version: gemm version {version} needs an sm_{arch[:-1]} GPU (Hopper), "
                          f"this one is sm_{runtime.device_arch()}")
+    return _launch(version, a, b, out)
+
+
+def _launch(version, a, b, out, block_n=None):
+    """Launch gemm `version` on checked inputs. v7's block width is block_n, else _v7_block_n's pick."""
+    family, _, (BM, BN), threads, smem = GEMM_VERSIONS[version]
+    (M, K), N = a.shape, b.shape[1]
+    tc = version in TC_VERSIONS
     suf = f"bf16_{dtypes.kernel_suffix(out.dtype)}" if tc else dtypes.kernel_suffix(a.dtype)
+    name = f"v{version}"
     if version == 7:
-        return _gemm_v7(a, b, out, _v7_block_n(M, N, runtime.sm_count()))
-    kernel = runtime.get_kernel(family, f"gemm_forward_kernel_v{version}_{suf}", arch=arch)
+        BN = block_n or _v7_block_n(M, N, runtime.sm_count())
+        smem, name = V7_SMEM[BN], ("v7" if BN == 256 else f"v7n{BN}")
+    kernel = runtime.get_kernel(family, f"gemm_forward_kernel_{name}_{suf}", arch=VERSION_ARCH.get(version))
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
     # v4 rasterises its own 1-D grid (grouped along M for L2 reuse); the others are 2-D.
     grid = (tiles_m * tiles_n,) if tc else (tiles_n, tiles_m)
     if version in PERSISTENT_VERSIONS:      # one block per SM walks the tiles
         grid = (min(tiles_m * tiles_n, runtime.sm_count()),)
     block = (threads,) if version != 1 else (BN, BM)
-    if tc:
-        _max_carveout(kernel)
+    if tc and kernel not in _CARVEOUT_SET:
+        # Ask for the largest shared-memory carveout once per kernel: v4c's two 96 KB blocks
+        # per SM need 192 KB of the 228 KB unified L1/shared array, v7's one block up to 225 KB.
+        kernel.preferred_shared_memory_carveout = 100
+        _CARVEOUT_SET.add(kernel)
     operands = (_tma_maps(a, b, out),) if version in TMA_VERSIONS else (a, b)
     runtime.launch(kernel, grid, block, (out, *operands, np.int32(M), np.int32(N), np.int32(K)), shared_mem=smem)
     return out
-
-
-def _max_carveout(kernel):
-    """Ask for the largest shared-memory carveout, once per kernel: v4c's two 96 KB blocks per SM
-    need 192 KB of the 228 KB unified L1/shared array, v7's one block up to 225 KB."""
-    if kernel not in _CARVEOUT_SET:
-        kernel.preferred_shared_memory_carveout = 100
-        _CARVEOUT_SET.add(kernel)
 
 
 def _v7_block_n(M: int, N: int, sms: int) -> int:
@@ -177,16 +182,8 @@ def _v7_block_n(M: int, N: int, sms: int) -> int:
 
 
 def _gemm_v7(a, b, out, block_n: int):
-    """Launch v7 with 128 x block_n blocks (checked inputs; gemm() picks block_n, tests force each)."""
-    (M, K), N = a.shape, b.shape[1]
-    name = "v7" if block_n == 256 else f"v7n{block_n}"
-    kernel = runtime.get_kernel("ladder/gemm/tma", f"gemm_forward_kernel_{name}_bf16_{dtypes.kernel_suffix(out.dtype)}",
-                                arch="90a")
-    _max_carveout(kernel)
-    grid = (min(-(-M // 128) * -(-N // block_n), runtime.sm_count()),)
-    runtime.launch(kernel, grid, (384,), (out, _tma_maps(a, b, out), np.int32(M), np.int32(N), np.int32(K)),
-                   shared_mem=V7_SMEM[block_n])
-    return out
+    """v7 with 128 x block_n blocks (checked inputs; gemm() picks block_n, tests force each)."""
+    return _launch(7, a, b, out, block_n)
 
 
 # (a, b, out pointers and shapes, out dtype) -> the three maps in device memory. A map depends on
