@@ -21,13 +21,12 @@ Rows printed (--version all, the default):
   gemm v1..v3 fp32             the ladder (gpucore/ladder/gemm.py) vs cuBLAS fp32 (SGEMM, no
                                TF32) at 4096^3; v3 must reach 15 TFLOP/s, so its target is
                                15 / cuBLAS-fp32 TFLOP/s
-  gemm v4 / v4b / v4c / v5-v9 vs cuBLAS bf16 on the same NN layout    target 50% (4096^3)
+  gemm v4 / v4b / v4c / v5-v8 vs cuBLAS bf16 on the same NN layout    target 50% (4096^3)
                                (v4b, v4c: 64x64 warps with register-double-buffered fragments;
                                v5: Hopper wgmma, skipped on other GPUs; v6: v5 warp-specialized,
                                producer warpgroup + mbarriers; v7: v6 with TMA loads and stores;
-                               v8: v7 with ping-pong consumer warpgroups; v9: v8 in 2-block
-                               clusters, B multicast by TMA)
-Options: --version all|train|1|2|3|4|4b|4c|5|6|7|8|9 (comma lists work), --opt shapes=MxKxN,...
+                               v8: v7 with ping-pong consumer warpgroups)
+Options: --version all|train|1|2|3|4|4b|4c|5|6|7|8 (comma lists work), --opt shapes=MxKxN,...
 v1/v2 run at 4096^3 only (at the GPT-2 shapes they take seconds per call).
 """
 from __future__ import annotations
@@ -54,7 +53,7 @@ def _parse_shapes(shapes):
 
 def _parse_versions(version):
     if version in (None, "all"):
-        return ["train", 1, 2, 3, 4, "4b", "4c", 5, 6, 7, 8, 9]
+        return ["train", 1, 2, 3, 4, "4b", "4c", 5, 6, 7, 8]
     out = []
     for v in str(version).split(","):
         v = v.strip()

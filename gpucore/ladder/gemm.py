@@ -16,7 +16,6 @@ kernels_cu/ladder/gemm/:
     tma.cu     v7 v6 with TMA: one thread loads each stage, C stored through shared memory
                (tensor maps from gpucore/ladder/tma.py)
     pingpong.cu v8 v7 with ping-pong consumers: one warpgroup's epilogue under the other's math
-    cluster.cu v9 v8 in clusters of 2 blocks that share B: each loads half, TMA multicasts it to both
 """
 from __future__ import annotations
 
@@ -69,13 +68,10 @@ GEMM_VERSIONS = {
     # v8 (ladder/gemm/pingpong.cu): v7's TMA pipeline, but each consumer warpgroup owns whole 128 x 128
     # tiles and the two take turns, so one writes C while the other multiplies; 6 stages of 32 KB.
     8: ("ladder/gemm/pingpong", BF16, (128, 128), 384, 6 * (128 * 64 + 64 * 128) * 2 + 2 * 128 * 64 * 2 + 1024),
-    # v9 (ladder/gemm/cluster.cu): v8 run by clusters of 2 blocks on the two 128 x 128 tiles of a 256 x 128
-    # pair; each block loads half of the pair's B k-tile and TMA multicasts it into both (v8's shared memory).
-    9: ("ladder/gemm/cluster", BF16, (128, 128), 384, 6 * (128 * 64 + 64 * 128) * 2 + 2 * 128 * 64 * 2 + 1024),
 }
-VERSION_ARCH = {5: "90a", 6: "90a", 7: "90a", 8: "90a", 9: "90a"}  # sm_90a (wgmma); runs on sm_90 devices only
-PERSISTENT_VERSIONS = (6, 7, 8, 9)
-TMA_VERSIONS = (7, 8, 9)
+VERSION_ARCH = {5: "90a", 6: "90a", 7: "90a", 8: "90a"}  # compiled for sm_90a (wgmma); runs on sm_90 devices only
+PERSISTENT_VERSIONS = (6, 7, 8)
+TMA_VERSIONS = (7, 8)
 TC_VERSIONS = tuple(v for v, spec in GEMM_VERSIONS.items() if spec[1] == BF16)
 # The bf16 default: the fastest measured. On sm_90 (H200, 2026-11-27) it depends on K: where a
 # tile has few k-tiles its epilogue weighs, and v8's ping-pong hides it (K = 768: 94-99% of cuBLAS
@@ -97,8 +93,8 @@ def _default_bf16_version(K: int):
 def gemm(a, b, out=None, version=None):
     """C (M, N) = A (M, K) @ B (K, N), all row-major, with our own kernels.
 
-    version 1-3: float32 in and out (SIMT). version 4, "4b", "4c", 5-9 (tensor
-    cores, see GEMM_VERSIONS; 5-9 = wgmma, Hopper only): bfloat16 in, bfloat16
+    version 1-3: float32 in and out (SIMT). version 4, "4b", "4c", 5-8 (tensor
+    cores, see GEMM_VERSIONS; 5-8 = wgmma, Hopper only): bfloat16 in, bfloat16
     (default) or float32 out; need N and K multiples of 8 (16-byte rows for
     cp.async), M any.
     Default: for bfloat16 on sm_90 v8 where K <= 1024, else v7 (elsewhere GEMM_DEFAULT_BF16);
@@ -148,9 +144,8 @@ def gemm(a, b, out=None, version=None):
     return _launch(version, a, b, out)
 
 
-def _launch(version, a, b, out, block_n=None, clusters=None):
-    """Launch gemm `version` on checked inputs. v7's block width is block_n, else _v7_block_n's pick;
-    v9 runs `clusters` clusters of 2 blocks (default: one block an SM)."""
+def _launch(version, a, b, out, block_n=None):
+    """Launch gemm `version` on checked inputs. v7's block width is block_n, else _v7_block_n's pick."""
     family, _, (BM, BN), threads, smem = GEMM_VERSIONS[version]
     (M, K), N = a.shape, b.shape[1]
     tc = version in TC_VERSIONS
@@ -163,10 +158,7 @@ def _launch(version, a, b, out, block_n=None, clusters=None):
     tiles_m, tiles_n = -(-M // BM), -(-N // BN)
     # v4 rasterises its own 1-D grid (grouped along M for L2 reuse); the others are 2-D.
     grid = (tiles_m * tiles_n,) if tc else (tiles_n, tiles_m)
-    if version == 9:                        # clusters of 2 blocks walk pairs of tile rows
-        pairs = -(-tiles_m // 2) * tiles_n
-        grid = (2 * min(pairs, clusters or runtime.sm_count() // 2),)
-    elif version in PERSISTENT_VERSIONS:    # one block per SM walks the tiles
+    if version in PERSISTENT_VERSIONS:      # one block per SM walks the tiles
         grid = (min(tiles_m * tiles_n, runtime.sm_count()),)
     block = (threads,) if version != 1 else (BN, BM)
     if tc and kernel not in _CARVEOUT_SET:
@@ -194,13 +186,6 @@ def _gemm_v7(a, b, out, block_n: int):
     return _launch(7, a, b, out, block_n)
 
 
-def _gemm_v9(a, b, out, clusters: int):
-    """v9 on `clusters` clusters (checked inputs): fewer than SMs / 2 makes each walk more pairs."""
-    if clusters < 1:
-        raise ValueError(f"clusters: must be >= 1, got {clusters}")
-    return _launch(9, a, b, out, clusters=clusters)
-
-
 # (a, b, out pointers and shapes, out dtype) -> the three maps in device memory. A map depends on
 # nothing else, so a hit is always right; the cache spares the host-to-device copy per call (a
 # pageable copy waits for the GPU, which would leave gaps between timed calls).
@@ -209,7 +194,7 @@ _TMA_MAP_CACHE_SIZE = 64
 
 
 def _tma_maps(a, b, out):
-    """v7's, v8's and v9's tensor maps: A (M, K) in boxes of 128 rows x 64 k, B (K, N) in boxes of 64 k x 64 n,
+    """v7's and v8's tensor maps: A (M, K) in boxes of 128 rows x 64 k, B (K, N) in boxes of 64 k x 64 n,
     C (M, N) in boxes of 64 rows x 64 n (bf16 C only; float32 C gets A's map as a placeholder), all
     with the 128-byte swizzle the kernel's wgmma descriptors and stmatrix addresses assume."""
     from . import tma

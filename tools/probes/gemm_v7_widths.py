@@ -1,4 +1,4 @@
-"""Probe: gemm v7 (TMA) at each block width, v8, v9 and v6 against cuBLAS, at the ladder's and the LM head's shapes.
+"""Probe: gemm v7 (TMA) at each block width against v6 and cuBLAS, at the ladder's and the LM head's shapes.
 
 Run:  PYTHONPATH=. python3 tools/probes/gemm_v7_widths.py [MxKxN ...]
 
@@ -46,10 +46,6 @@ def main(shapes):
         fns.append(lambda: gpucore.gemm(a, b, out=c8, version=8))
         outs.append(c8)
         names.append("v8 ping-pong")
-        c9 = cp.zeros((M, N), bf16)
-        fns.append(lambda: gpucore.gemm(a, b, out=c9, version=9))
-        outs.append(c9)
-        names.append("v9 clusters")
         c6 = cp.zeros((M, N), bf16)
         fns.append(lambda: gpucore.gemm(a, b, out=c6, version=6))
         outs.append(c6)
