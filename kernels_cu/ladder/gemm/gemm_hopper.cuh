@@ -1,7 +1,7 @@
 /*
- * ladder/gemm/gemm_hopper.cuh -- what the Hopper rungs v5, v6 (wgmma.cu) and v7 (tma.cu) share:
- * the 128 x 256 x 64 block tile and its shared-memory stage sizes, the grouped raster order of
- * the tiles, the C pair stores of the accumulator layout, the mbarrier wrappers of the
+ * ladder/gemm/gemm_hopper.cuh -- what the Hopper rungs v5, v6 (wgmma.cu), v7 (tma.cu) and v8
+ * (pingpong.cu) share: the 128 x 256 x 64 block tile and its shared-memory stage sizes, the grouped
+ * raster order of the tiles, the accumulator's stores to C from registers, the mbarrier wrappers of the
  * warp-specialized rungs (v6-v8), and the TMA copies and fences (v7, v8). See wgmma.cu's header
  * for the layouts.
  */
@@ -28,6 +28,20 @@ __device__ __forceinline__ void store2_5<float>(float* p, float x, float y) {
 template <>
 __device__ __forceinline__ void store2_5<bf16>(bf16* p, float x, float y) {
     *reinterpret_cast<u32*>(p) = pack_bf16x2(x, y);
+}
+
+// A warpgroup's 64 x COLS wgmma accumulator d, straight from registers into C (M, N) at column n0:
+// the thread holds rows `row` and row + 8 (row = the tile's first row + 16 warp + lane / 4) of each
+// n8 block j at columns n0 + 8 j + 2 (lane % 4) (t). Edges: N % 8 == 0, so col < N implies col + 1 < N.
+template <typename Tout, int COLS>
+__device__ __forceinline__ void store_acc_rows5(Tout* C, const float* d, int row, int n0, int t, int M, int N) {
+    #pragma unroll
+    for (int j = 0; j < COLS / 8; j++) {
+        const int col = n0 + j * 8 + 2 * t;
+        if (col >= N) continue;
+        if (row < M) store2_5<Tout>(C + (size_t)row * N + col, d[4 * j], d[4 * j + 1]);
+        if (row + 8 < M) store2_5<Tout>(C + (size_t)(row + 8) * N + col, d[4 * j + 2], d[4 * j + 3]);
+    }
 }
 
 // Tile `pid` of a (tiles_m x tiles_n) grid of BM5 x BN tiles in grouped raster order: groups of

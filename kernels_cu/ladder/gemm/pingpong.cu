@@ -157,18 +157,8 @@ __device__ __forceinline__ void gemm_v8(Tout* C, const unsigned char* maps, int 
                 }
             }
         } else {                                                // float32 C: stores from registers
-            #pragma unroll
-            for (int half = 0; half < 2; half++) {
-                const float* d = half ? d1 : d0;
-                const int row = m0 + 64 * half + warp * 16 + g;
-                #pragma unroll
-                for (int j = 0; j < BN8 / 8; j++) {
-                    const int col = n0 + j * 8 + 2 * t;
-                    if (col >= N) continue;
-                    if (row < M) store2_5<Tout>(C + (size_t)row * N + col, d[4 * j], d[4 * j + 1]);
-                    if (row + 8 < M) store2_5<Tout>(C + (size_t)(row + 8) * N + col, d[4 * j + 2], d[4 * j + 3]);
-                }
-            }
+            store_acc_rows5<Tout, BN8>(C, d0, m0 + warp * 16 + g, n0, t, M, N);
+            store_acc_rows5<Tout, BN8>(C, d1, m0 + 64 + warp * 16 + g, n0, t, M, N);
         }
     }
     if (staged && leader) bulk_wait_done<0>();

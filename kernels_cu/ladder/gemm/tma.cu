@@ -177,14 +177,7 @@ __device__ __forceinline__ void gemm_v7(Tout* C, const unsigned char* maps, int 
                 }
             }
         } else {                                            // float32 C: v6's stores from registers
-            const int row = m0 + c * 64 + warp * 16 + g;
-            #pragma unroll
-            for (int j = 0; j < BN7 / 8; j++) {
-                const int col = n0 + j * 8 + 2 * t;
-                if (col >= N) continue;
-                if (row < M) store2_5<Tout>(C + (size_t)row * N + col, d[4 * j], d[4 * j + 1]);
-                if (row + 8 < M) store2_5<Tout>(C + (size_t)(row + 8) * N + col, d[4 * j + 2], d[4 * j + 3]);
-            }
+            store_acc_rows5<Tout, BN7>(C, d, m0 + c * 64 + warp * 16 + g, n0, t, M, N);
         }
     }
     if (staged && leader) bulk_wait_done<0>();              // the block's shared memory outlives the stores

@@ -117,14 +117,7 @@ __device__ __forceinline__ void gemm_v5(Tout* C, const bf16* A, const bf16* B, i
     cp_async_wait<0>();
 
     const int g = lane >> 2, t = lane & 3;
-    const int row = m0 + wg * 64 + (warp & 3) * 16 + g;
-    #pragma unroll
-    for (int j = 0; j < BN5 / 8; j++) {
-        const int col = n0 + j * 8 + 2 * t;
-        if (col >= N) continue;              // N % 8 == 0: col < N implies col + 1 < N
-        if (row < M) store2_5<Tout>(C + (size_t)row * N + col, d[4 * j], d[4 * j + 1]);
-        if (row + 8 < M) store2_5<Tout>(C + (size_t)(row + 8) * N + col, d[4 * j + 2], d[4 * j + 3]);
-    }
+    store_acc_rows5<Tout, BN5>(C, d, m0 + wg * 64 + (warp & 3) * 16 + g, n0, t, M, N);
 }
 
 #define GEMM_V5_BODY(Tout) gemm_v5<Tout>(C, A, B, M, N, K)
@@ -274,14 +267,7 @@ __device__ __forceinline__ void gemm_v6(Tout* C, const bf16* A, const bf16* B, i
         for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
 
         // Epilogue straight from the accumulators; meanwhile the producer fills the next tile's stages.
-        const int row = m0 + c * 64 + warp * 16 + g;
-        #pragma unroll
-        for (int j = 0; j < BN5 / 8; j++) {
-            const int col = n0 + j * 8 + 2 * t;
-            if (col >= N) continue;
-            if (row < M) store2_5<Tout>(C + (size_t)row * N + col, d[4 * j], d[4 * j + 1]);
-            if (row + 8 < M) store2_5<Tout>(C + (size_t)(row + 8) * N + col, d[4 * j + 2], d[4 * j + 3]);
-        }
+        store_acc_rows5<Tout, BN5>(C, d, m0 + c * 64 + warp * 16 + g, n0, t, M, N);
     }
 }
 
