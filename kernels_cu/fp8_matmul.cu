@@ -43,41 +43,59 @@
 #include "gelu_math.cuh"               // gelu_f, cvt_rn_bf16x2
 #include "ladder/gemm/gemm_hopper.cuh" // raster order, mbarriers, TMA copies and stores
 
-// Measurement switches (tools/probes/fp8_gelu_fused.py passes -D...; the defaults are the kernel):
-//   FG_GELU_MATH 0: x8 = E4M3(h * scale) (no GELU), FG_X8T 0: no x8T, FG_X8_STORE 0: no x8 stores,
-//   FG_OWN_T 1: x8T in a buffer of its own (4 stages instead of 5), so it need not wait for h's last store.
-#ifndef FG_GELU_MATH
-#define FG_GELU_MATH 1
-#endif
-#ifndef FG_X8T
-#define FG_X8T 1
-#endif
-#ifndef FG_X8_STORE
-#define FG_X8_STORE 1
-#endif
-#ifndef FG_OWN_T
-#define FG_OWN_T 0
-#endif
-
 #define FG_BM 128
 #define FG_BN 128
 #define FG_BK 128                              // bytes = E4M3 elements: one 128B-swizzled row
-#define FG_STAGES (FG_OWN_T ? 4 : 5)
-#define FG_THREADS 384
+#define FG_STAGES 4
+#define FG_THREADS 640                         // producer, 2 MMA, 2 epilogue warpgroups
+// Registers: 640 threads launch with 96 each (ptxas, __launch_bounds__(640, 1)). setmaxnreg moves them
+// between warpgroups but only within what the block was given: the producer's 96 -> 24 and the epilogue
+// warpgroups' 96 -> 56 free 9216 + 10240, the MMA warpgroups' 96 -> 168 take 18432 of them. An .inc that
+// asks for more than the others freed waits forever (the first build asked 176 + 64: a hang).
 #define FG_A_BYTES (FG_BM * FG_BK)             // 16 KB
 #define FG_STAGE (2 * FG_A_BYTES)              // 32 KB: A and B
-#define FG_STAGING (FG_BM * 64 * 2)            // 16 KB: an h round (128 x 64 bf16), then the x8T tile
+#define FG_HBUF (FG_BM * FG_BN * 2)            // 32 KB: an h tile as 4 boxes of 64 x 64 bf16; then x8T
 #define FG_X8 (FG_BM * FG_BN)                  // 16 KB
-#define FG_PER_CONSUMER (FG_STAGING + FG_X8 + (FG_OWN_T ? FG_X8 : 0))
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// One element pair's GELU bytes: the bf16 pair h (lo first) -> GELU -> bf16 -> scaled E4M3 pair; the
-// |g| bits folded into mbits (both halves) unless keep is false (outside (M, N)).
-__device__ __forceinline__ u32 gelu_e4m3_pair(u32 h, float s, u32& mbits, bool keep) {
-    const u32 g = FG_GELU_MATH ? cvt_rn_bf16x2(gelu_f<false>(__uint_as_float(h << 16)), gelu_f<false>(__uint_as_float(h & 0xffff0000u))) : h;
-    if (keep) mbits = __vmaxu2(mbits, g & 0x7fff7fffu);
-    return cvt_fp8x2<E4M3>(__uint_as_float(g << 16) * s, __uint_as_float(g & 0xffff0000u) * s);
+// 8 bf16 of h (a 16-byte pack) -> their GELU's E4M3 bytes (scaled), |g| bits into mbits for the
+// elements whose bit in `keep` is set (all of them inside the matrix).
+__device__ __forceinline__ uint2 gelu_e4m3_8(uint4 hp, float s, u32& mbits, u32 keep) {
+    const u32 w[4] = {hp.x, hp.y, hp.z, hp.w};
+    u32 o[2];
+    #pragma unroll
+    for (int i = 0; i < 4; i += 2) {
+        u32 g[2];
+        #pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const u32 h = w[i + k];
+            g[k] = cvt_rn_bf16x2(gelu_f<false>(__uint_as_float(h << 16)), gelu_f<false>(__uint_as_float(h & 0xffff0000u)));
+            const u32 m = ((keep >> (2 * (i + k))) & 1 ? 0x0000ffffu : 0u) | ((keep >> (2 * (i + k) + 1)) & 1 ? 0xffff0000u : 0u);
+            mbits = __vmaxu2(mbits, g[k] & 0x7fff7fffu & m);
+        }
+        o[i / 2] = (u32)cvt_fp8x2<E4M3>(__uint_as_float(g[0] << 16) * s, __uint_as_float(g[0] & 0xffff0000u) * s) |
+                   ((u32)cvt_fp8x2<E4M3>(__uint_as_float(g[1] << 16) * s, __uint_as_float(g[1] & 0xffff0000u) * s) << 16);
+    }
+    return make_uint2(o[0], o[1]);
+}
+
+// The x8 tile's 4 x 4 byte block (row block R4, word column W) into the x8T tile, both 128 x 128 bytes,
+// 128B-swizzled: 4 word loads, fp8_cast.cuh's byte permutes, 4 word stores (x8T rows 4 W.., word R4).
+__device__ __forceinline__ void transpose_block4(u32 src, u32 dst, int W, int R4) {
+    u32 w0, w1, w2, w3;
+    const int r = 4 * R4;                      // rows r..r+3 share (r & 7) >> 2; the swizzle uses row & 7
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(w0) : "r"(src + (r + 0) * 128 + (((W >> 2) ^ ((r + 0) & 7)) << 4) + 4 * (W & 3)) : "memory");
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(w1) : "r"(src + (r + 1) * 128 + (((W >> 2) ^ ((r + 1) & 7)) << 4) + 4 * (W & 3)) : "memory");
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(w2) : "r"(src + (r + 2) * 128 + (((W >> 2) ^ ((r + 2) & 7)) << 4) + 4 * (W & 3)) : "memory");
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(w3) : "r"(src + (r + 3) * 128 + (((W >> 2) ^ ((r + 3) & 7)) << 4) + 4 * (W & 3)) : "memory");
+    const u32 lo01 = __byte_perm(w0, w1, 0x5140), lo23 = __byte_perm(w2, w3, 0x5140);
+    const u32 hi01 = __byte_perm(w0, w1, 0x7362), hi23 = __byte_perm(w2, w3, 0x7362);
+    const int c = 4 * W;                       // x8T rows c..c+3
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dst + (c + 0) * 128 + (((R4 >> 2) ^ ((c + 0) & 7)) << 4) + 4 * (R4 & 3)), "r"(__byte_perm(lo01, lo23, 0x5410)) : "memory");
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dst + (c + 1) * 128 + (((R4 >> 2) ^ ((c + 1) & 7)) << 4) + 4 * (R4 & 3)), "r"(__byte_perm(lo01, lo23, 0x7632)) : "memory");
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dst + (c + 2) * 128 + (((R4 >> 2) ^ ((c + 2) & 7)) << 4) + 4 * (R4 & 3)), "r"(__byte_perm(hi01, hi23, 0x5410)) : "memory");
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dst + (c + 3) * 128 + (((R4 >> 2) ^ ((c + 3) & 7)) << 4) + 4 * (R4 & 3)), "r"(__byte_perm(hi01, hi23, 0x7632)) : "memory");
 }
 
 template <bool GELU_OUT>
@@ -85,9 +103,12 @@ __device__ __forceinline__ void fp8_matmul_gelu(bf16* out, const float* a_scale_
                                                 const bf16* bias, const float* gelu_scale, float* amax,
                                                 const unsigned char* maps, int M, int N, int K) {
     extern __shared__ unsigned char smem_fg[];
-    __shared__ __align__(8) unsigned long long bars_fg[2 * FG_STAGES + 2];   // full[S], empty[S], mdone[2]
+    // full[S], empty[S], mdone[2], hfull[2], hempty[2]
+    __shared__ __align__(8) unsigned long long bars_fg[2 * FG_STAGES + 6];
     const u32 smem0 = (smem_u32_asm(smem_fg) + 1023u) & ~1023u;
     const u32 full0 = smem_u32_asm(bars_fg), empty0 = full0 + 8 * FG_STAGES, mdone0 = empty0 + 8 * FG_STAGES;
+    const u32 hfull0 = mdone0 + 16, hempty0 = hfull0 + 16;
+    const u32 hbuf0 = smem0 + FG_STAGES * FG_STAGE, x8buf0 = hbuf0 + 2 * FG_HBUF;
     const void* map_a = maps;
     const void* map_b = maps + 128;
     const void* map_h = maps + 256;
@@ -104,14 +125,17 @@ __device__ __forceinline__ void fp8_matmul_gelu(bf16* out, const float* a_scale_
             mbar_init6(full0 + 8 * s, 1);
             mbar_init6(empty0 + 8 * s, 128);
         }
-        mbar_init6(mdone0, 128);
-        mbar_init6(mdone0 + 8, 128);
+        for (int e = 0; e < 2; e++) {
+            mbar_init6(mdone0 + 8 * e, 128);
+            mbar_init6(hfull0 + 8 * e, 128);
+            mbar_init6(hempty0 + 8 * e, 1);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
     if (wg == 0) {                                                    // ---- producer ----
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (tid != 0) return;
         tensormap_acquire7(map_a);
         tensormap_acquire7(map_b);
@@ -130,13 +154,86 @@ __device__ __forceinline__ void fp8_matmul_gelu(bf16* out, const float* a_scale_
         }
         return;
     }
-
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");     // ---- consumers ----
-    const int c = wg - 1, lane = tid & 31, warp = (tid >> 5) & 3;
-    const int g = lane >> 2, t = lane & 3;
+    const int lane = tid & 31, warp = (tid >> 5) & 3;
     const bool leader = (tid & 127) == 0;
-    const u32 stg = smem0 + FG_STAGES * FG_STAGE + c * FG_PER_CONSUMER, x8s = stg + FG_STAGING;
-    const u32 x8ts = FG_OWN_T ? x8s + FG_X8 : stg;                      // where the x8T tile is staged
+
+    if (wg <= 2) {                                                    // ---- MMA warpgroups ----
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 168;\n");
+        const int c = wg - 1, t = lane & 3;
+        const u32 hbuf = hbuf0 + c * FG_HBUF;
+        const int st_row = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), st_blk = lane >> 4;
+        const float ab = *a_scale_inv * *b_scale_inv;
+        for (int i = c; blockIdx.x + i * gridDim.x < tiles; i += 2) {
+            int m0, n0;
+            tile_origin5<FG_BN>(blockIdx.x + i * gridDim.x, tiles_m, tiles_n, m0, n0);
+            u32 bias2[FG_BN / 8];                                   // this thread's bias pairs, loaded early
+            #pragma unroll
+            for (int j = 0; j < FG_BN / 8; j++) {
+                const int col = n0 + 8 * j + 2 * t;
+                bias2[j] = (bias != nullptr && col < N) ? __ldg(reinterpret_cast<const unsigned int*>(bias + col)) : 0u;
+            }
+            if (i > 0) mbar_wait6(mdone0 + 8 * (1 - c), (((i - 1) - (1 - c)) / 2) & 1);
+            float d0[64], d1[64];                                   // rows 0-63 and 64-127 of the tile
+            #pragma unroll
+            for (int r = 0; r < 64; r++) { d0[r] = 0.0f; d1[r] = 0.0f; }
+            int it = i * ktiles;
+            for (int kt = 0; kt < ktiles; kt++, it++) {
+                const int s = it % FG_STAGES;
+                mbar_wait6(full0 + 8 * s, (it / FG_STAGES) & 1);
+                const u32 sa = smem0 + s * FG_STAGE, sb = sa + FG_A_BYTES;
+                wgmma_fence();
+                #pragma unroll
+                for (int ks = 0; ks < FG_BK / 32; ks++) {
+                    const u64 db = smem_desc(sb + 32 * ks, 16, 1024);
+                    wgmma_m64n128k32_e4m3(d0, smem_desc(sa + 32 * ks, 16, 1024), db);
+                    wgmma_m64n128k32_e4m3(d1, smem_desc(sa + 8192 + 32 * ks, 16, 1024), db);
+                }
+                wgmma_commit();
+                wgmma_wait<1>();
+                if (kt > 0) mbar_arrive6(empty0 + 8 * ((it - 1) % FG_STAGES));
+            }
+            mbar_arrive6(mdone0 + 8 * c);               // all of this tile's math issued: the other may start
+            wgmma_wait<0>();
+            mbar_arrive6(empty0 + 8 * ((it - 1) % FG_STAGES));
+            #pragma unroll
+            for (int r = 0; r < 64; r++) {
+                asm volatile("" : "+f"(d0[r])::"memory");
+                asm volatile("" : "+f"(d1[r])::"memory");
+            }
+            // h into this warpgroup's buffer, once its epilogue warpgroup has finished the last one
+            const int k = i / 2;
+            if (k > 0) mbar_wait6(hempty0 + 8 * c, (k - 1) & 1);
+            #pragma unroll
+            for (int h = 0; h < FG_BN / 64; h++) {                 // column blocks of 64: boxes (h, 0), (h, 1)
+                #pragma unroll
+                for (int p = 0; p < 4; p++) {                       // n8 blocks j, j + 1
+                    const int j = 8 * h + 2 * p;
+                    u32 hv[2][4];
+                    #pragma unroll
+                    for (int b = 0; b < 2; b++) {
+                        const float b0 = __uint_as_float(bias2[j + b] << 16), b1 = __uint_as_float(bias2[j + b] & 0xffff0000u);
+                        const int q = 4 * (j + b);
+                        hv[0][2 * b] = cvt_rn_bf16x2(fmaf(d0[q], ab, b0), fmaf(d0[q + 1], ab, b1));
+                        hv[0][2 * b + 1] = cvt_rn_bf16x2(fmaf(d0[q + 2], ab, b0), fmaf(d0[q + 3], ab, b1));
+                        hv[1][2 * b] = cvt_rn_bf16x2(fmaf(d1[q], ab, b0), fmaf(d1[q + 1], ab, b1));
+                        hv[1][2 * b + 1] = cvt_rn_bf16x2(fmaf(d1[q + 2], ab, b0), fmaf(d1[q + 3], ab, b1));
+                    }
+                    const int jl = 2 * p + st_blk;
+                    const u32 off = hbuf + h * 16384 + st_row * 128 + (((jl & 7) ^ (st_row & 7)) << 4);
+                    stmatrix_x4(off, hv[0][0], hv[0][1], hv[0][2], hv[0][3]);
+                    stmatrix_x4(off + 8192, hv[1][0], hv[1][1], hv[1][2], hv[1][3]);
+                }
+            }
+            fence_proxy_async();                                    // for the TMA store that reads it
+            mbar_arrive6(hfull0 + 8 * c);
+        }
+        return;
+    }
+
+    // ---- epilogue warpgroups: e takes MMA warpgroup e's tiles ----
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+    const int e = wg - 3, te = tid & 127;
+    const u32 hbuf = hbuf0 + e * FG_HBUF, x8buf = x8buf0 + e * FG_X8;
     if (leader) {
         tensormap_acquire7(map_h);
         if (GELU_OUT) {
@@ -144,136 +241,49 @@ __device__ __forceinline__ void fp8_matmul_gelu(bf16* out, const float* a_scale_
             tensormap_acquire7(map_x8t);
         }
     }
-    const int st_row = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), st_blk = lane >> 4;
-    const float ab = *a_scale_inv * *b_scale_inv, gs = GELU_OUT ? *gelu_scale : 0.0f;
+    const float gs = GELU_OUT ? *gelu_scale : 0.0f;
     u32 mbits = 0;
-    for (int i = c; blockIdx.x + i * gridDim.x < tiles; i += 2) {
+    for (int i = e; blockIdx.x + i * gridDim.x < tiles; i += 2) {
         int m0, n0;
         tile_origin5<FG_BN>(blockIdx.x + i * gridDim.x, tiles_m, tiles_n, m0, n0);
-        // the tile's bias pairs (columns n0 + 8 j + 2 t, + 1), loaded now: 16 dependent L2 reads in the
-        // epilogue, with one warp a scheduler to hide them, cost more than the GELU's arithmetic
-        u32 bias2[FG_BN / 8];
-        #pragma unroll
-        for (int j = 0; j < FG_BN / 8; j++) {
-            const int col = n0 + 8 * j + 2 * t;
-            bias2[j] = (bias != nullptr && col < N) ? __ldg(reinterpret_cast<const unsigned int*>(bias + col)) : 0u;
-        }
-        if (i > 0) mbar_wait6(mdone0 + 8 * (1 - c), (((i - 1) - (1 - c)) / 2) & 1);
-        float d0[64], d1[64];                                   // rows 0-63 and 64-127 of the tile
-        #pragma unroll
-        for (int r = 0; r < 64; r++) { d0[r] = 0.0f; d1[r] = 0.0f; }
-        int it = i * ktiles;
-        for (int kt = 0; kt < ktiles; kt++, it++) {
-            const int s = it % FG_STAGES;
-            mbar_wait6(full0 + 8 * s, (it / FG_STAGES) & 1);
-            const u32 sa = smem0 + s * FG_STAGE, sb = sa + FG_A_BYTES;
-            wgmma_fence();
+        mbar_wait6(hfull0 + 8 * e, (i / 2) & 1);
+        if (leader) {                                                 // h leaves from the buffer as it is
             #pragma unroll
-            for (int ks = 0; ks < FG_BK / 32; ks++) {
-                const u64 db = smem_desc(sb + 32 * ks, 16, 1024);
-                wgmma_m64n128k32_e4m3(d0, smem_desc(sa + 32 * ks, 16, 1024), db);
-                wgmma_m64n128k32_e4m3(d1, smem_desc(sa + 8192 + 32 * ks, 16, 1024), db);
-            }
-            wgmma_commit();
-            wgmma_wait<1>();
-            if (kt > 0) mbar_arrive6(empty0 + 8 * ((it - 1) % FG_STAGES));
+            for (int b = 0; b < 4; b++) tma_store_2d7(map_h, n0 + 64 * (b >> 1), m0 + 64 * (b & 1), hbuf + 8192 * b);
+            bulk_commit();
         }
-        mbar_arrive6(mdone0 + 8 * c);                   // all of this tile's math issued: the other may start
-        wgmma_wait<0>();
-        mbar_arrive6(empty0 + 8 * ((it - 1) % FG_STAGES));
-        #pragma unroll
-        for (int r = 0; r < 64; r++) {
-            asm volatile("" : "+f"(d0[r])::"memory");
-            asm volatile("" : "+f"(d1[r])::"memory");
-        }
-
-        // ---- epilogue ----
-        const bool inside = m0 + FG_BM <= M && n0 + FG_BN <= N;     // else: amax only of elements inside
-        const int r_lo = m0 + warp * 16 + g;                          // rows r_lo, +8 (d0), +64, +72 (d1)
-        if (leader) bulk_wait_read<0>();                              // the last tile's stores have read
-        named_barrier_sync7(1 + c, 128);
-        #pragma unroll
-        for (int h = 0; h < FG_BN / 64; h++) {                        // rounds of 64 columns
-            if (h > 0) {
-                if (leader) bulk_wait_read<0>();
-                named_barrier_sync7(1 + c, 128);
+        if (GELU_OUT) {
+            // 16 packs of 8 columns a thread: pack q = 128 it + te is row q / 16, columns 8 (q % 16) ..
+            #pragma unroll 4
+            for (int it = 0; it < 16; it++) {
+                const int q = 128 * it + te, r = q >> 4, cc = q & 15;
+                const int rr = r & 63, cl = cc & 7;
+                uint4 hp;
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(hp.x), "=r"(hp.y), "=r"(hp.z), "=r"(hp.w)
+                             : "r"(hbuf + ((cc >> 3) * 2 + (r >> 6)) * 8192 + rr * 128 + ((cl ^ (rr & 7)) << 4)) : "memory");
+                u32 keep = 0xffu;                                     // elements inside (M, N), for the amax
+                if (m0 + r >= M) keep = 0;
+                else if (n0 + 8 * cc + 8 > N) keep = n0 + 8 * cc >= N ? 0u : 0xffu >> (n0 + 8 * cc + 8 - N);
+                const uint2 b8 = gelu_e4m3_8(hp, gs, mbits, keep);
+                asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(x8buf + r * 128 + ((((cc >> 1) ^ (r & 7))) << 4) + 8 * (cc & 1)),
+                             "r"(b8.x), "r"(b8.y) : "memory");
             }
-            #pragma unroll
-            for (int p = 0; p < 4; p++) {                             // n8 blocks j, j + 1
-                const int j = 8 * h + 2 * p;
-                u32 hv[2][4];                                         // [d0 / d1][2 (block j / j+1) + (row g / g+8)]
-                #pragma unroll
-                for (int b = 0; b < 2; b++) {
-                    const int col = n0 + 8 * (j + b) + 2 * t;
-                    const float b0 = __uint_as_float(bias2[j + b] << 16), b1 = __uint_as_float(bias2[j + b] & 0xffff0000u);
-                    const int q = 4 * (j + b);
-                    hv[0][2 * b] = cvt_rn_bf16x2(fmaf(d0[q], ab, b0), fmaf(d0[q + 1], ab, b1));
-                    hv[0][2 * b + 1] = cvt_rn_bf16x2(fmaf(d0[q + 2], ab, b0), fmaf(d0[q + 3], ab, b1));
-                    hv[1][2 * b] = cvt_rn_bf16x2(fmaf(d1[q], ab, b0), fmaf(d1[q + 1], ab, b1));
-                    hv[1][2 * b + 1] = cvt_rn_bf16x2(fmaf(d1[q + 2], ab, b0), fmaf(d1[q + 3], ab, b1));
-                    // GELU's E4M3 pairs of the rows g, g + 8 (+ 64), then a 4-byte word of one row each
-                    const bool colin = inside || col < N;
-                    #pragma unroll
-                    for (int half = 0; half < (GELU_OUT ? 2 : 0); half++) {
-                        const int rb = r_lo + 64 * half;
-                        const u32 e_g = gelu_e4m3_pair(hv[half][2 * b], gs, mbits, colin && (inside || rb < M));
-                        const u32 e_g8 = gelu_e4m3_pair(hv[half][2 * b + 1], gs, mbits, colin && (inside || rb + 8 < M));
-                        // lane t even stores row g (its pair, then the neighbour's), t odd row g + 8
-                        const u32 recv = __shfl_xor_sync(0xffffffffu, (t & 1) ? e_g : e_g8, 1);
-                        const u32 word = (t & 1) ? (recv | (e_g8 << 16)) : (e_g | (recv << 16));
-                        const int row = warp * 16 + g + 8 * (t & 1) + 64 * half;
-                        const int bc = 8 * (j + b) + 4 * (t >> 1);    // byte column in the tile
-                        if (FG_X8_STORE) asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(x8s + row * 128 + ((((bc >> 4) ^ (row & 7))) << 4) + (bc & 15)),
-                                     "r"(word) : "memory");
-                    }
-                }
-                // h: v8's stmatrix of blocks j, j + 1 into the round's swizzled 64-column buffer
-                const int jl = 2 * p + st_blk;
-                const u32 off = st_row * 128 + (((jl & 7) ^ (st_row & 7)) << 4);
-                stmatrix_x4(stg + off, hv[0][0], hv[0][1], hv[0][2], hv[0][3]);
-                stmatrix_x4(stg + 8192 + off, hv[1][0], hv[1][1], hv[1][2], hv[1][3]);
-            }
+            // x8T goes into the h buffer once every h read is done and the h store has read it
+            if (leader) bulk_wait_read<0>();
+            named_barrier_sync7(1 + e, 128);
+            #pragma unroll 2            // fully unrolled, the 32 loads go first and spill at 64 registers
+            for (int k = 0; k < 8; k++) transpose_block4(x8buf, hbuf, lane, lane ^ (8 * warp + k));
             fence_proxy_async();
-            named_barrier_sync7(1 + c, 128);
+            named_barrier_sync7(1 + e, 128);
             if (leader) {
-                tma_store_2d7(map_h, n0 + 64 * h, m0, stg);
-                tma_store_2d7(map_h, n0 + 64 * h, m0 + 64, stg + 8192);
+                tma_store_2d7(map_x8, n0, m0, x8buf);
+                tma_store_2d7(map_x8t, m0, n0, hbuf);
                 bulk_commit();
             }
         }
-        if (!GELU_OUT) continue;
-        // x8 is complete (the last barrier); x8T goes into the staging buffer once h's last round has left it
-        if (!FG_OWN_T && FG_X8T) {
-            if (leader) bulk_wait_read<0>();
-            named_barrier_sync7(1 + c, 128);
-        }
-        #pragma unroll
-        for (int k = 0; k < (FG_X8T ? 8 : 0); k++) {
-            const int W = lane, R4 = lane ^ (8 * warp + k);           // word column, row block of x8
-            u32 w[4];
-            #pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int row = 4 * R4 + q;
-                asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(w[q])
-                             : "r"(x8s + row * 128 + ((((W >> 2) ^ (row & 7))) << 4) + 4 * (W & 3)) : "memory");
-            }
-            const u32 lo01 = __byte_perm(w[0], w[1], 0x5140), lo23 = __byte_perm(w[2], w[3], 0x5140);
-            const u32 hi01 = __byte_perm(w[0], w[1], 0x7362), hi23 = __byte_perm(w[2], w[3], 0x7362);
-            const u32 o[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
-                              __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
-            #pragma unroll
-            for (int q = 0; q < 4; q++) {                             // x8T row 4 W + q, word R4
-                const int row = 4 * W + q;
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(x8ts + row * 128 + ((((R4 >> 2) ^ (row & 7))) << 4) + 4 * (R4 & 3)),
-                             "r"(o[q]) : "memory");
-            }
-        }
-        fence_proxy_async();
-        named_barrier_sync7(1 + c, 128);
-        if (leader) {
-            if (FG_X8_STORE) tma_store_2d7(map_x8, n0, m0, x8s);
-            if (FG_X8T) tma_store_2d7(map_x8t, m0, n0, x8ts);
-            bulk_commit();
+        if (leader) {                                                 // the buffers are free again
+            bulk_wait_read<0>();
+            mbar_arrive6(hempty0 + 8 * e);
         }
     }
     if (leader) bulk_wait_done<0>();

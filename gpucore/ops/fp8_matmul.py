@@ -23,8 +23,8 @@ from .fp8 import _check_scalar, _require_fp8, fp8_gelu_quantize, fp8_matmul_refe
 BF16 = dtypes.bfloat16
 U8 = np.dtype(np.uint8)
 TILE = 128                      # the kernel's block tile: 128 x 128 outputs, k-tiles of 128 bytes
-THREADS = 384                   # a producer warpgroup (one thread issues the TMA loads), two consumers
-SMEM = 5 * 32768 + 2 * (16384 + 16384) + 1024   # 5 stages, per consumer staging + x8 tile, alignment
+THREADS = 640                   # warpgroups: the producer (one thread issues the TMA loads), 2 MMA, 2 epilogue
+SMEM = 4 * 32768 + 2 * 32768 + 2 * 16384 + 1024   # 4 stages, 2 h buffers, 2 x8 tiles, alignment
 
 
 def fp8_matmul_gelu_fits(M: int, N: int, K: int) -> bool:

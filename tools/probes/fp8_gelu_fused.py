@@ -15,7 +15,6 @@ import numpy as np
 import gpucore
 from gpucore.bench import time_interleaved
 from gpucore.ops.fp8 import fp8_gelu_quantize, fp8_matmul
-from gpucore.ops import fp8_matmul as fm
 from gpucore.ops.fp8_matmul import fp8_matmul_bias, fp8_matmul_gelu
 
 rng = np.random.default_rng(0)
@@ -47,15 +46,6 @@ for name, M, N, K, layers in (("d12", 65536, 3072, 768, 12), ("d48", 16384, 6400
             fn()
         cp.cuda.get_current_stream().synchronize()
         break
-    variants = {"own x8T buffer (4 stages)": ["-DFG_OWN_T=1"], "no GELU math": ["-DFG_GELU_MATH=0"],
-                "no x8T": ["-DFG_X8T=0"], "no x8T, no x8 stores": ["-DFG_X8T=0", "-DFG_X8_STORE=0"]}
-
-    def variant(opts):
-        return lambda: fm._launch("fp8_matmul_gelu_kernel", a8, b8, sa, sb, bias, gs, amax, h, x8, x8t, options=opts)
-
-    vs = time_interleaved([variant(o) for o in variants.values()] + [fused])
-    for (label, _), t in zip(variants.items(), vs):
-        print(f"  {name} variant {label}: {t:.4f} ms (default {vs[-1]:.4f})")
     ms = time_interleaved([two_pass, fused, gemm_only, ours_gemm_only])
     tf = 2.0 * M * N * K / 1e9
     print(f"{name} {M} x {N} x {K}: cuBLASLt GEMM alone {ms[2]:.4f} ms ({tf / ms[2]:.0f} TFLOP/s), ours (h only) "
