@@ -263,22 +263,3 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss_kmn(float* d, u64 desc_a, u6
         : "l"(desc_a), "l"(desc_b));
 }
 #endif
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// d (64 x 128 per warpgroup, f32) += A (64 x 32, E4M3, K-major) @ B (128 x 32, E4M3, K-major)^T, from
-// shared memory, always accumulating (fp8_matmul.cu). FP8 wgmma takes only K-major operands (no
-// transpose immediates); a k-step of 32 bytes moves the descriptors as bf16's k-step of 16 does.
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, u64 desc_a, u64 desc_b) {
-    asm volatile(
-        "{\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, 1, 1, 1;\n"
-        "}\n"
-        : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56)
-        : "l"(desc_a), "l"(desc_b));
-}
-#endif
