@@ -61,9 +61,6 @@ class Settings:
     fp8_lm_head: bool = True              # the LM head's logits and dlnf GEMMs in FP8 too
     fp8_lm_head_dwte: bool = True         # with fp8_lm_head, its dwte GEMM too (dlogits8, lnf8 transposed per chunk)
     fp8_fast_accum_dgrad: bool = True     # the linears' dx GEMMs (K <= 4C) on Hopper's fast FP8 accumulation too
-    fp8_own_gemm: str = "bias"            # sm_90 fast-accumulation FP8 GEMMs (no +=, residual or GELU) on our kernel
-                                          # (kernels_cu/fp8_matmul.cu) instead of cuBLASLt: "bias" (those with a
-                                          # bias: the forward linears, where it won), "all", "off"
     # ---- data parallel (gpucore/distributed/reducer.py)
     dp_overlap: bool = False              # True: reduce each layer's gradients while the backward runs (no CUDA graph)
 

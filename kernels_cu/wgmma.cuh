@@ -263,25 +263,3 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss_kmn(float* d, u64 desc_a, u6
         : "l"(desc_a), "l"(desc_b));
 }
 #endif
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// d (64 x 128 per warpgroup, f32) += A (64 x 32 FP8, K-major: E5M2 if A_E5M2, else E4M3) @ B (128 x 32
-// E4M3, K-major)^T, from shared memory, always accumulating (fp8_matmul.cu). FP8 wgmma takes only
-// K-major operands (no transpose immediates); a k32 step moves the descriptors 32 bytes, as bf16's k16 does.
-#define WG_F8_M64N128K32(TYPES)                                                                           \
-    asm volatile("{\n"                                                                                    \
-                 "wgmma.mma_async.sync.aligned.m64n128k32.f32." TYPES " {"                                \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                 \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "       \
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "       \
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "       \
-                 "%64, %65, 1, 1, 1;\n}\n"                                                                \
-                 : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56)   \
-                 : "l"(desc_a), "l"(desc_b))
-template <bool A_E5M2>
-__device__ __forceinline__ void wgmma_m64n128k32_f8(float* d, u64 desc_a, u64 desc_b) {
-    if (A_E5M2) WG_F8_M64N128K32("e5m2.e4m3");
-    else WG_F8_M64N128K32("e4m3.e4m3");
-}
-#undef WG_F8_M64N128K32
-#endif

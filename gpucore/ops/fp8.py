@@ -30,7 +30,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .. import cublas, dtypes, runtime, settings
+from .. import cublas, dtypes, runtime
 from .. import profiler
 from ._common import check_array, overlaps
 from .add import add
@@ -586,9 +586,6 @@ def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=
             raise ValueError("residual: not with accumulate=True or gelu_out")
         if overlaps(xp, residual, out):
             raise ValueError("residual: must not overlap out (accumulate=True adds into out itself)")
-    own = settings.current().fp8_own_gemm
-    if own not in ("bias", "all", "off"):
-        raise ValueError(f"settings.fp8_own_gemm: expected 'bias', 'all' or 'off', got {own!r}")
     if xp is np:
         r = fp8_matmul_reference(a8, b8, a_fmt, b_fmt, _host_scalar(a_scale_inv), _host_scalar(b_scale_inv), bias)
         r = r + (out.astype(np.float64) if accumulate else 0)
@@ -607,10 +604,6 @@ def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=
             return out
         except RuntimeError:
             pass          # no FP8 algorithm with the GELU epilogue here: the GEMM, then the gelu kernel
-    if (fast_accum and not accumulate and gelu_out is None and residual is None and b_fmt == "e4m3"
-            and (own == "all" or (own == "bias" and bias is not None)) and runtime.device_arch() == "90"):
-        _our_fp8_gemm(a8, b8, a_fmt, a_scale_inv, b_scale_inv, bias, out)
-        return out
     if residual is not None:
         try:
             cublas.lt_fp8_gemm(a8, b8, out, M, N, K, a_fmt, b_fmt, a_scale_inv, b_scale_inv, beta=1.0, bias=bias,
@@ -625,54 +618,3 @@ def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=
     if residual is not None:
         add(out, residual, out=out)
     return out
-
-
-# ------------------------------------------------------------ our FP8 GEMM (sm_90)
-
-OUR_THREADS = 384               # kernels_cu/fp8_matmul.cu: a producer warpgroup, two consumer warpgroups
-OUR_SMEM = 6 * 32768 + 2 * 16384 + 1024   # 6 stages, a staging buffer per consumer, alignment
-OUR_TILE = 128
-
-
-def _our_fp8_gemm(a8, b8, a_fmt, a_scale_inv, b_scale_inv, bias, out):
-    """out = a8 @ b8^T * scales [+ bias] by kernels_cu/fp8_matmul.cu (fast accumulation; b8 E4M3; checked
-    arguments, M, N, K multiples of 16)."""
-    for name, arr in (("a8", a8), ("b8", b8), ("out", out)):
-        if arr.data.ptr % 16:
-            raise ValueError(f"{name}: must be 16-byte aligned for the FP8 GEMM")
-    (M, K), N = a8.shape, b8.shape[0]
-    tiles = -(-M // OUR_TILE) * -(-N // OUR_TILE)
-    kernel = runtime.get_kernel("fp8_matmul", f"fp8_matmul_tn_kernel_{a_fmt}", arch="90a")
-    runtime.launch(kernel, (min(tiles, runtime.sm_count()),), (OUR_THREADS,),
-                   (out, a_scale_inv, b_scale_inv, np.uint64(0) if bias is None else bias, _our_maps(a8, b8, out),
-                    np.int32(M), np.int32(N), np.int32(K)), shared_mem=OUR_SMEM)
-
-
-# (device, pointers, shapes) -> (the three tensor maps in device memory, their pinned host bytes). The
-# copy is a cudaMemcpyAsync from pinned memory on the current stream, so a first call inside a CUDA
-# graph's capture records it as a node (a pageable copy would break the capture); the pinned bytes stay
-# alive with the entry, and entries are never dropped while a graph may replay them (a training run
-# meets a fixed set of buffers; the cap only guards against a leak).
-_OUR_MAPS: dict[tuple, tuple] = {}
-_OUR_MAPS_CAP = 4096
-
-
-def _our_maps(a8, b8, out):
-    from ..ladder import tma
-    cp = runtime.cupy
-    (M, K), N = a8.shape, b8.shape[0]
-    key = (cp.cuda.runtime.getDevice(), a8.data.ptr, b8.data.ptr, out.data.ptr, M, N, K)
-    hit = _OUR_MAPS.get(key)
-    if hit is None:
-        if len(_OUR_MAPS) >= _OUR_MAPS_CAP:
-            raise RuntimeError(f"fp8_matmul: more than {_OUR_MAPS_CAP} distinct operand sets; the TMA map "
-                               "cache is for a training run's fixed buffers")
-        raw = (tma.encode_2d(a8.data.ptr, U8, M, K, 128, 128) + tma.encode_2d(b8.data.ptr, U8, N, K, 128, 128)
-               + tma.encode_2d(out.data.ptr, dtypes.bfloat16, M, N, 64, 64))
-        host = cp.cuda.alloc_pinned_memory(len(raw))
-        np.frombuffer(host, np.uint8, len(raw))[:] = np.frombuffer(raw, np.uint8)
-        dev = cp.empty(len(raw), np.uint8)
-        cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ptr, len(raw), cp.cuda.runtime.memcpyHostToDevice,
-                                    cp.cuda.get_current_stream().ptr)
-        hit = _OUR_MAPS[key] = (dev, host)
-    return hit[0]
