@@ -73,10 +73,10 @@ VERSION_ARCH = {5: "90a", 6: "90a", 7: "90a", 8: "90a"}  # compiled for sm_90a (
 PERSISTENT_VERSIONS = (6, 7, 8)
 TMA_VERSIONS = (7, 8)
 TC_VERSIONS = tuple(v for v, spec in GEMM_VERSIONS.items() if spec[1] == BF16)
-# The bf16 default: the fastest measured. On sm_90 (H200, 2026-11-27) it depends on K: where a
-# tile has few k-tiles its epilogue weighs, and v8's ping-pong hides it (K = 768: 94-99% of cuBLAS
-# against v7's 86-89%); with long K, v7's 128 x 256 tiles move fewer bytes per FLOP (K >= 3072:
-# 96-104% against v8's 92-95%). Before them: v6, v5 (wgmma) 545 TFLOP/s; elsewhere v4b
+# The bf16 default: the fastest measured. On sm_90 (H200, 2026-11-27, C rounded by cvt.rn.bf16x2) it
+# depends on K: where a tile has few k-tiles its epilogue weighs, and v8's ping-pong hides it (K = 768:
+# 106-114% of gemmEx against v7's 97-104%); with long K, v7's 128 x 256 tiles move fewer bytes per
+# FLOP (K >= 3072: 97-101% against v8's 93-94%). Before them: v6, v5 (wgmma) 545 TFLOP/s; elsewhere v4b
 # (mma.sync) 418 TFLOP/s; v4 309, v4w 317, v4c 375.
 GEMM_DEFAULT_BF16 = "4b"
 GEMM_DEFAULT_BF16_SM90_SHORT_K, GEMM_DEFAULT_BF16_SM90 = 8, 7

@@ -7,6 +7,7 @@
  */
 #pragma once
 #include "common.cuh"
+#include "fast_packs.cuh"   // cvt_rn_bf16x2: C's bf16 rounding in one instruction a pair
 
 #define BM5 128
 #define BN5 256
@@ -27,7 +28,7 @@ __device__ __forceinline__ void store2_5<float>(float* p, float x, float y) {
 }
 template <>
 __device__ __forceinline__ void store2_5<bf16>(bf16* p, float x, float y) {
-    *reinterpret_cast<u32*>(p) = pack_bf16x2(x, y);
+    *reinterpret_cast<u32*>(p) = cvt_rn_bf16x2(x, y);
 }
 
 // A warpgroup's 64 x COLS wgmma accumulator d, straight from registers into C (M, N) at column n0:

@@ -141,12 +141,12 @@ __device__ __forceinline__ void gemm_v8(Tout* C, const unsigned char* maps, int 
                 for (int p = 0; p < 4; p++) {                   // n8 blocks j, j + 1 of this round
                     const int j = 8 * h + 2 * p, jl = 2 * p + st_blk;
                     const u32 off = st_row * 128 + (((jl & 7) ^ (st_row & 7)) << 4);
-                    stmatrix_x4(c_stage + off, pack_bf16x2(d0[4 * j], d0[4 * j + 1]),
-                                pack_bf16x2(d0[4 * j + 2], d0[4 * j + 3]), pack_bf16x2(d0[4 * j + 4], d0[4 * j + 5]),
-                                pack_bf16x2(d0[4 * j + 6], d0[4 * j + 7]));
-                    stmatrix_x4(c_stage + 8192 + off, pack_bf16x2(d1[4 * j], d1[4 * j + 1]),
-                                pack_bf16x2(d1[4 * j + 2], d1[4 * j + 3]), pack_bf16x2(d1[4 * j + 4], d1[4 * j + 5]),
-                                pack_bf16x2(d1[4 * j + 6], d1[4 * j + 7]));
+                    stmatrix_x4(c_stage + off, cvt_rn_bf16x2(d0[4 * j], d0[4 * j + 1]),
+                                cvt_rn_bf16x2(d0[4 * j + 2], d0[4 * j + 3]), cvt_rn_bf16x2(d0[4 * j + 4], d0[4 * j + 5]),
+                                cvt_rn_bf16x2(d0[4 * j + 6], d0[4 * j + 7]));
+                    stmatrix_x4(c_stage + 8192 + off, cvt_rn_bf16x2(d1[4 * j], d1[4 * j + 1]),
+                                cvt_rn_bf16x2(d1[4 * j + 2], d1[4 * j + 3]), cvt_rn_bf16x2(d1[4 * j + 4], d1[4 * j + 5]),
+                                cvt_rn_bf16x2(d1[4 * j + 6], d1[4 * j + 7]));
                 }
                 fence_proxy_async();
                 named_barrier_sync7(1 + c, 128);

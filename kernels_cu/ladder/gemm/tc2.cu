@@ -47,6 +47,7 @@
  */
 #include "common.cuh"
 #include "ptx.cuh"      // smem_u32_asm, cp.async, ldmatrix, mma.sync
+#include "fast_packs.cuh"  // cvt_rn_bf16x2
 
 #define BK2 64
 #define GROUP_M2 8
@@ -59,7 +60,7 @@ __device__ __forceinline__ void store2<float>(float* p, float x, float y) {
 }
 template <>
 __device__ __forceinline__ void store2<bf16>(bf16* p, float x, float y) {
-    *reinterpret_cast<u32*>(p) = pack_bf16x2(x, y);
+    *reinterpret_cast<u32*>(p) = cvt_rn_bf16x2(x, y);
 }
 
 template <typename Tout, int BM, int BN, int WARPS_M, int WARPS_N, int STAGES>

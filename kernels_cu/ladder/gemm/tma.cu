@@ -164,8 +164,8 @@ __device__ __forceinline__ void gemm_v7(Tout* C, const unsigned char* maps, int 
                 for (int p = 0; p < EPI_COLS7 / 16; p++) {  // n8 blocks j, j + 1 of this round
                     const int j = h * (EPI_COLS7 / 8) + 2 * p, jl = 2 * p + st_blk;
                     const u32 addr = c_stage + (jl >> 3) * 8192 + st_row * 128 + (((jl & 7) ^ (st_row & 7)) << 4);
-                    stmatrix_x4(addr, pack_bf16x2(d[4 * j], d[4 * j + 1]), pack_bf16x2(d[4 * j + 2], d[4 * j + 3]),
-                                pack_bf16x2(d[4 * j + 4], d[4 * j + 5]), pack_bf16x2(d[4 * j + 6], d[4 * j + 7]));
+                    stmatrix_x4(addr, cvt_rn_bf16x2(d[4 * j], d[4 * j + 1]), cvt_rn_bf16x2(d[4 * j + 2], d[4 * j + 3]),
+                                cvt_rn_bf16x2(d[4 * j + 4], d[4 * j + 5]), cvt_rn_bf16x2(d[4 * j + 6], d[4 * j + 7]));
                 }
                 fence_proxy_async();                        // st.shared -> the TMA store's async-proxy read
                 named_barrier_sync7(1 + c, 128);
