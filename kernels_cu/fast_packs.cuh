@@ -1,6 +1,6 @@
 /*
  * fast_packs.cuh -- lean per-element arithmetic for memory-bound row kernels
- * (softmax v3, classifier v3, encoder dwte v3, layernorm v2).
+ * (softmax v3, classifier v3, encoder dwte v3, layernorm v2) and the GEMM ladder's C stores.
  *
  * Why: without -use_fast_math, __expf compiles to MUFU.EX2 wrapped in a
  * denormal fix-up (FSETP + 2 predicated FMUL), float_to_bf16 is ~8 integer
@@ -50,6 +50,19 @@ __device__ __forceinline__ u32 cvt_rn_bf16x2(float lo, float hi) {
     u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+}
+
+// Two adjacent outputs (p 8-byte aligned for float, 4-byte for bf16): a float2, or a bf16 pair rounded
+// by cvt_rn_bf16x2 (the GEMM ladder's C stores: one instruction where float_to_bf16 twice is ~10).
+template <typename T>
+__device__ __forceinline__ void store_pair_rn(T* p, float x, float y);
+template <>
+__device__ __forceinline__ void store_pair_rn<float>(float* p, float x, float y) {
+    *reinterpret_cast<float2*>(p) = make_float2(x, y);
+}
+template <>
+__device__ __forceinline__ void store_pair_rn<bf16>(bf16* p, float x, float y) {
+    *reinterpret_cast<u32*>(p) = cvt_rn_bf16x2(x, y);
 }
 
 // Raw 16-byte packs: bf16 pairs (low half = first element) or fp32 words.

@@ -7,7 +7,7 @@
  */
 #pragma once
 #include "common.cuh"
-#include "fast_packs.cuh"   // cvt_rn_bf16x2: C's bf16 rounding in one instruction a pair
+#include "fast_packs.cuh"   // store_pair_rn, cvt_rn_bf16x2: C's bf16 rounding in one instruction a pair
 
 #define BM5 128
 #define BN5 256
@@ -20,17 +20,6 @@
 // v5/v6 dynamic shared memory: STAGES5 * 48 KB + 1 KB to round the base up to 1024 (= 197632;
 // gpucore/ladder/gemm.py GEMM_VERSIONS must agree).
 
-template <typename Tout>
-__device__ __forceinline__ void store2_5(Tout* p, float x, float y);
-template <>
-__device__ __forceinline__ void store2_5<float>(float* p, float x, float y) {
-    *reinterpret_cast<float2*>(p) = make_float2(x, y);
-}
-template <>
-__device__ __forceinline__ void store2_5<bf16>(bf16* p, float x, float y) {
-    *reinterpret_cast<u32*>(p) = cvt_rn_bf16x2(x, y);
-}
-
 // A warpgroup's 64 x COLS wgmma accumulator d, straight from registers into C (M, N) at column n0:
 // the thread holds rows `row` and row + 8 (row = the tile's first row + 16 warp + lane / 4) of each
 // n8 block j at columns n0 + 8 j + 2 (lane % 4) (t). Edges: N % 8 == 0, so col < N implies col + 1 < N.
@@ -40,8 +29,8 @@ __device__ __forceinline__ void store_acc_rows5(Tout* C, const float* d, int row
     for (int j = 0; j < COLS / 8; j++) {
         const int col = n0 + j * 8 + 2 * t;
         if (col >= N) continue;
-        if (row < M) store2_5<Tout>(C + (size_t)row * N + col, d[4 * j], d[4 * j + 1]);
-        if (row + 8 < M) store2_5<Tout>(C + (size_t)(row + 8) * N + col, d[4 * j + 2], d[4 * j + 3]);
+        if (row < M) store_pair_rn<Tout>(C + (size_t)row * N + col, d[4 * j], d[4 * j + 1]);
+        if (row + 8 < M) store_pair_rn<Tout>(C + (size_t)(row + 8) * N + col, d[4 * j + 2], d[4 * j + 3]);
     }
 }
 

@@ -47,21 +47,10 @@
  */
 #include "common.cuh"
 #include "ptx.cuh"      // smem_u32_asm, cp.async, ldmatrix, mma.sync
-#include "fast_packs.cuh"  // cvt_rn_bf16x2
+#include "fast_packs.cuh"  // store_pair_rn: C's pairs, bf16 rounded in one instruction
 
 #define BK2 64
 #define GROUP_M2 8
-
-template <typename Tout>
-__device__ __forceinline__ void store2(Tout* p, float x, float y);
-template <>
-__device__ __forceinline__ void store2<float>(float* p, float x, float y) {
-    *reinterpret_cast<float2*>(p) = make_float2(x, y);       // col even, N % 8 == 0: 8-byte aligned
-}
-template <>
-__device__ __forceinline__ void store2<bf16>(bf16* p, float x, float y) {
-    *reinterpret_cast<u32*>(p) = cvt_rn_bf16x2(x, y);
-}
 
 template <typename Tout, int BM, int BN, int WARPS_M, int WARPS_N, int STAGES>
 __device__ __forceinline__ void gemm_v4b(Tout* C, const bf16* A, const bf16* B,   // (M,N) (M,K) (K,N)
@@ -190,8 +179,8 @@ __device__ __forceinline__ void gemm_v4b(Tout* C, const bf16* A, const bf16* B, 
         for (int j = 0; j < NT; j++) {
             const int row = m0 + wm0 + i * 16 + g, col = n0 + wn0 + j * 8 + 2 * t;
             if (col >= N) continue;         // N % 8 == 0: col < N implies col + 1 < N
-            if (row < M) store2<Tout>(C + (size_t)row * N + col, acc[i][j][0], acc[i][j][1]);
-            if (row + 8 < M) store2<Tout>(C + (size_t)(row + 8) * N + col, acc[i][j][2], acc[i][j][3]);
+            if (row < M) store_pair_rn<Tout>(C + (size_t)row * N + col, acc[i][j][0], acc[i][j][1]);
+            if (row + 8 < M) store_pair_rn<Tout>(C + (size_t)(row + 8) * N + col, acc[i][j][2], acc[i][j][3]);
         }
     }
 }
