@@ -10,9 +10,10 @@
  *         grouped raster order; one block per SM (225 KB of shared memory).
  *
  * Why: v7's two consumer warpgroups share each 128 x 256 tile, so both finish its math together
- * and both write C while the tensor cores idle; at K = 768 (12 k-tiles a tile) that held v7 at
- * 85-89% of cuBLAS (tools/notes/matmul.md). Here each consumer warpgroup owns whole 128 x 128 tiles
- * (2 x wgmma.m64n128k16 per k-step, the same 128 accumulators a thread): the block's tiles
+ * and both write C while the tensor cores idle; at K = 768 (12 k-tiles a tile) that holds v7 at
+ * 97-104% of cuBLAS gemmEx where v8 reads 106-114% (C rounded by cvt.rn.bf16x2 in both; 85-89% and
+ * 88-97% with the earlier software rounding; tools/notes/matmul.md). Here each consumer warpgroup
+ * owns whole 128 x 128 tiles (2 x wgmma.m64n128k16 per k-step, the same 128 accumulators a thread): the block's tiles
  * alternate between them (tile i of the block to consumer i % 2), and the producer loads the
  * stages in tile order. Consumer c starts tile i's math only once the other consumer has issued
  * all of tile i-1's (mdone[1-c], an mbarrier of 128 arrivals a phase), then signals mdone[c] after
