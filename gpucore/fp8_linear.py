@@ -138,6 +138,12 @@ class Fp8Linears:
         self.weights_current = s.fp8_weights_current
         self.head_dwte = self.lm_head and s.fp8_lm_head_dwte
         self.fast_dgrad = s.fp8_fast_accum_dgrad
+        if not s.fp8_lm_head_sparse >= 0:
+            raise ValueError(f"fp8_lm_head_sparse: expected a probability >= 0, got {s.fp8_lm_head_sparse!r}")
+        # The sparsified E5M2 dlogits need the E5M2-only classifier, i.e. dwte from them too.
+        self.head_sparse = float(s.fp8_lm_head_sparse) if self.head_dwte else 0.0
+        self.head_sparse_tau = 0.0      # on the scaled dlogits; set by head_begin
+        self.head_seed = xp.zeros(1, np.uint32)   # the step's seed in device memory (read inside a CUDA graph)
         self._scratch = None
         self._n = None
         self._arena = None
@@ -311,6 +317,7 @@ class Fp8Linears:
         sg, sg_inv, _ = sc.tensor(hg)
         sg.fill(np.float32(s))
         sg_inv.fill(np.float32(1.0 / s))
+        self.head_sparse_tau = sparse_tau(self.head_sparse, grad_scale, s)
         return s
 
     def head_logits(self, r0, r1, out):
@@ -355,3 +362,17 @@ class Fp8Linears:
 
     def end_step(self):
         self.scaling.end_step()
+        self.sync_seed()
+
+    def sync_seed(self):
+        """head_seed = the scaling's step count (after each step and after a resume), so that each
+        step thins dlogits with new draws and a resumed run draws as the run would have."""
+        self.head_seed.fill(np.uint32(self.scaling.step_index & 0xFFFFFFFF))
+
+
+def sparse_tau(probability: float, grad_scale: float, scale: float) -> float:
+    """The classifier's sparse_tau for fp8_lm_head_sparse = probability: the power of two nearest
+    probability * grad_scale * scale (the E5M2 value of a dlogit of that probability), 0 when off."""
+    if probability <= 0:
+        return 0.0
+    return float(2.0 ** np.round(np.log2(probability * grad_scale * scale)))

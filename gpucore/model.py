@@ -541,10 +541,12 @@ class GPT2:
                     matmul_forward(lnf[r0:r1], p.wte, None, out=chunk)
                 d8 = self.fp8.head_dlogits8(r1 - r0, chunk.shape[1]) if head8 and for_backward else None
                 dwte8 = d8 is not None and self.fp8.head_dwte   # dwte from dlogits8 too: no bf16 dlogits
+                sparse = self.fp8.head_sparse_tau if dwte8 else 0.0     # settings.fp8_lm_head_sparse
                 fused_classifier(chunk, tgt[r0:r1], vocab_size=V,
                                  grad_scale=grad_scale if for_backward else 0.0, losses=losses[r0:r1],
                                  check_targets=check_tokens, dlogits8=d8, dlogits8_scale=d8_scale,
-                                 write_dlogits=not dwte8)
+                                 write_dlogits=not dwte8, sparse_tau=sparse,
+                                 sparse_seed=self.fp8.head_seed if sparse else None, sparse_row0=r0)
                 # The head has no bias: need_dbias=False, or matmul_backward would sum dlogits'
                 # columns into a throwaway vector (a whole extra read of every chunk).
                 if for_backward and head8:      # dlnf from the E5M2 dlogits; dwte from them or the bf16 ones

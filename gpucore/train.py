@@ -404,6 +404,7 @@ def build_model(args: TrainArgs, setup: RunSetup, echo=print):
             if model.fp8 is not None:
                 model.fp8.scaling.load_state({**meta["fp8"], "scale": arrays["fp8_scale"],
                                               "history": arrays["fp8_history"]})
+                model.fp8.sync_seed()     # the sparse dlogits' draws follow the restored step count
             if meta.get("rng") is not None:
                 rng.bit_generator.state = meta["rng"]
         except (KeyError, ValueError, TypeError) as e:

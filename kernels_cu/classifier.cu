@@ -347,6 +347,43 @@ __device__ __forceinline__ uint2 e5m2_of_bf16_pack(const uint4& p) {
     return make_uint2(o[0], o[1]);
 }
 
+// ---- stochastic sparsification of the E5M2 dlogits (the FP8 LM head's `sparse_tau`) ----
+// Why: at the 700 W cap a GEMM's power follows its operands' toggling bits, and nearly every dlogit
+// is a tiny softmax probability. Made unbiased-sparse, the LM head's two backward GEMMs run ~16%
+// faster at the cap (tools/probes/head_sparse_dlogits.py, tools/notes/fp8.md).
+//
+// murmur3's 32-bit finalizer: a bijection whose every output bit depends on every input bit.
+__device__ __forceinline__ u32 fmix32(u32 h) {
+    h ^= h >> 16;
+    h *= 0x85ebca6bu;
+    h ^= h >> 13;
+    h *= 0xc2b2ae35u;
+    h ^= h >> 16;
+    return h;
+}
+
+// One pack of 8 scaled bf16 dlogits v (tau a power of two, tau2 its bf16 twice; h the pack's hash):
+// |v| >= tau, inf and NaN stay; a smaller |v| becomes sign(v) tau where |v| > t, else sign(v) 0, with
+// t = the bf16 truncation of U tau and U = (h's low 23 bits) / 2^23. For a bf16 |v| < tau,
+// P(t < |v|) = P(U tau < |v|) = |v| / tau (to U's 2^-23 steps): every value keeps its expectation.
+// One U serves the pack's 8 columns (adjacent tokens, whose wte rows are independent): each column
+// stays unbiased; only their errors are correlated. ~4 instructions a value: a bf16x2 max, a
+// bf16x2 compare to a mask and two logic ops a pair, the hash and t once a pack.
+__device__ __forceinline__ uint4 sparse_pack(const uint4& p, u32 h, float tau, u32 tau2) {
+    const float t = fmaf(__uint_as_float(0x3f800000u | (h & 0x7fffffu)), tau, -tau);   // U tau, exact
+    const u32 t2 = __byte_perm(__float_as_uint(t), 0u, 0x3232);                      // its bf16, twice
+    u32 w[4] = {p.x, p.y, p.z, p.w};
+    #pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const u32 a = w[k] & 0x7fff7fffu;
+        u32 m, keep;
+        asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(a), "r"(tau2));
+        asm("set.gtu.u32.bf16x2 %0, %1, %2;" : "=r"(keep) : "r"(a), "r"(t2));     // NaN: kept
+        w[k] = (m & keep) | (w[k] & 0x80008000u);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // K packs per thread at most (the launcher picks K >= ceil(Vp / P / 512)); the row
 // sits in dynamic shared memory, n_packs x 16 bytes. FUSED = false is cross_entropy:
 // the loss only, the logits are left as they are. FP8 (bf16 only): dlogits8 gets the E5M2
@@ -384,10 +421,11 @@ __device__ __forceinline__ void v3_copy_row(uint4* s_row, const uint4* xr, int n
 // conversion). LEAN: the exponent in one FFMA and the hardware bf16 rounding (finite rows of bf16);
 // otherwise the two-op exponent and the exact rounding (NaN bits, float32 rows). next: the block's
 // next row (WALK), copied into each slot right after its pack is stored, or null.
-template <typename T, int K, bool FP8, bool LEAN, bool FOLD>
+template <typename T, int K, bool FP8, bool LEAN, bool FOLD, bool SPARSE = false>
 __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const uint4* next, int n_packs,
                                          int V, int t, int tpack, float sh, float fscale, float tsub,
-                                         float fp8_scale, bool store_bf16) {
+                                         float fp8_scale, bool store_bf16,
+                                         u32 rowkey = 0u, float tau = 0.0f, u32 tau2 = 0u) {
     using R = Raw<T>;
     constexpr int P = R::P;
     constexpr int KH = (K + 1) / 2;
@@ -418,8 +456,11 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
             if (store_bf16) __stcs(xr + i, packed);     // a predicated store, no branch
             if (FP8) {                                  // the E5M2 copy of the bf16 values just rounded
                 u32 unused = 0;
+                // SPARSE (FOLD only): the scaled bf16 values thinned before their E5M2 conversion
                 __stcs(reinterpret_cast<uint2*>(d8) + i,
-                       FOLD ? e5m2_of_bf16_pack(packed) : quantize8<E5M2>(packed, fp8_scale, unused));
+                       FOLD ? e5m2_of_bf16_pack(SPARSE ? sparse_pack(packed, fmix32(rowkey + (u32)i), tau, tau2)
+                                                       : packed)
+                            : quantize8<E5M2>(packed, fp8_scale, unused));
             }
             // the slot's value is in `packed` (the stores above used it): refill it with the next row
             if (next) cp_async16(smem_u32(s_row + i), next + i, 16);
@@ -432,7 +473,8 @@ template <typename T, int K, bool FUSED, bool FP8 = false>
 __device__ void classifier_backward_v3(float* losses, T* logits, const int* targets,   // (N,) (N, Vp) in/out; (N,)
                                        float grad_scale, int N, int V, int Vp,
                                        u8* dlogits8 = nullptr, float fp8_scale = 1.0f,  // (N, Vp)
-                                       int write_bf16 = 1) {
+                                       int write_bf16 = 1, float sparse_tau = 0.0f,
+                                       const u32* sparse_seed = nullptr, int row0 = 0) {
     extern __shared__ uint4 s_row[];
     __shared__ float s_m[CLS3_BLOCK / 32], s_s[CLS3_BLOCK / 32], s_res[2];
     using R = Raw<T>;
@@ -447,6 +489,9 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
     // K = 25 walks no rows either: its refills spilled at the 64 registers of two blocks an SM. The
     // launcher starts one block a row where WALK is false (v3_fp8_grid in ops/classifier.py).
     constexpr bool WALK = FP8 && K <= V3_WALK_K;
+    // sparse_tau > 0 (FP8, E5M2 only, power-of-two scale: the launcher checks): the hash's base,
+    // from the step's seed in device memory (a CUDA graph replays this launch's arguments as they were)
+    const u32 seed_base = (FP8 && sparse_tau > 0.0f) ? fmix32(*sparse_seed ^ 0x9e3779b9u) : 0u;
     int row = blockIdx.x;
     do {   // one pass where !WALK (the condition is then constant false); `continue` goes to it
         // Few registers live across the passes: the target is read here, the next row's address
@@ -538,7 +583,12 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
         // the bytes stay e5m2(bf16(dlogits) * fp8_scale), one multiply a logit fewer. (Any other
         // scale a caller passes takes the multiply after the rounding, as before.)
         if (sizeof(T) == 2 && !exact && exp_fma_ok(sh)) {
-            if (FP8 && !write_bf16 && is_pow2(fp8_scale))
+            if (FP8 && !write_bf16 && is_pow2(fp8_scale) && sparse_tau > 0.0f)
+                v3_pass2<T, K, FP8, true, true, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,
+                                                      scale * fp8_scale, grad_scale * fp8_scale, fp8_scale, false,
+                                                      seed_base + (u32)(row0 + row) * (u32)n_packs, sparse_tau,
+                                                      __byte_perm(__float_as_uint(sparse_tau), 0u, 0x3232));
+            else if (FP8 && !write_bf16 && is_pow2(fp8_scale))
                 v3_pass2<T, K, FP8, true, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,
                                                         scale * fp8_scale, grad_scale * fp8_scale, fp8_scale, false);
             else
@@ -635,9 +685,11 @@ CLASSIFIER_V3(bf16, bf16, 25)
     extern "C" __global__ void __launch_bounds__(CLS3_BLOCK, 2)                                     \
     classifier_backward_fp8_kernel_v3_k##K##_bf16(float* losses, bf16* logits, u8* dlogits8,        \
                                                   const int* targets, float grad_scale, float fp8_scale, \
-                                                  int N, int V, int Vp, int write_bf16) {           \
+                                                  int N, int V, int Vp, int write_bf16,             \
+                                                  float sparse_tau, const u32* sparse_seed, int row0) { \
         classifier_backward_v3<bf16, K, true, true>(losses, logits, targets, grad_scale, N, V, Vp,  \
-                                                    dlogits8, fp8_scale, write_bf16);               \
+                                                    dlogits8, fp8_scale, write_bf16, sparse_tau,    \
+                                                    sparse_seed, row0);                             \
     }
 
 CLASSIFIER_V3_FP8(1)

@@ -440,3 +440,163 @@ def test_gpu_fp8_persistent_blocks_match_one_row_a_block(rng, V, Vp, write_dlogi
     assert (work.tobytes() == logits.tobytes()) != write_dlogits
     ref_losses, _ = classifier_reference(logits[:8], t[:8], V, grad_scale=gs)
     assert rel_err(losses[:8], ref_losses) < 1e-5
+
+
+# ------------------------------------------- sparse E5M2 dlogits (sparse_tau) ----
+
+def test_fmix32_known_answers():
+    """murmur3's finalizer, as the kernel hashes: known values, and the wrapping NumPy form equals
+    the same arithmetic on Python ints."""
+    from gpucore.ops.classifier import fmix32
+    assert fmix32([0, 1]).tolist() == [0, 0x514E28B7]
+
+    def scalar(h):
+        M = 0xFFFFFFFF
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & M
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & M
+        return h ^ (h >> 16)
+    vals = np.random.default_rng(3).integers(0, 2**32, 200, dtype=np.uint64).astype(np.uint32)
+    assert fmix32(vals).tolist() == [scalar(int(v)) for v in vals]
+
+
+def _bf16_values(x):
+    return np.asarray(x, np.float32).astype(gpucore.bfloat16).astype(np.float32)
+
+
+def test_sparse_dlogits_rule():
+    """|v| >= tau, inf and NaN stay; a smaller value becomes sign(v) tau or sign(v) 0, a row of 8
+    columns sharing one draw; the draws follow the seed, the row (row0 + r) and the pack."""
+    from gpucore.ops.classifier import sparse_dlogits_reference
+    tau = 4.0
+    r = np.random.default_rng(5)
+    v = _bf16_values(r.standard_normal((64, 128)) * np.exp2(r.integers(-12, 4, (64, 128))))
+    v[0, :8] = [np.nan, np.inf, -np.inf, 0.0, -0.0, tau, -tau, 57344.0]
+    out = sparse_dlogits_reference(v, tau, seed=7, row0=0)
+    big = np.abs(v) >= tau
+    assert np.array_equal(out[big], v[big]) and np.isnan(out[0, 0])
+    small = ~big & ~np.isnan(v)
+    assert set(np.unique(np.abs(out[small]))) <= {0.0, tau}
+    assert np.array_equal(np.signbit(out[small]), np.signbit(v[small]))
+    assert 0 < np.count_nonzero(out[small]) < small.sum()
+    # one draw a pack: within a pack, a kept value is never smaller than a dropped one
+    packs = np.where(small, np.abs(v), np.nan).reshape(64, 16, 8)
+    kept = (np.abs(out) == tau).reshape(64, 16, 8) & small.reshape(64, 16, 8)
+    lo_kept = np.where(kept, packs, np.inf).min(axis=2)
+    hi_dropped = np.where(~kept & small.reshape(64, 16, 8), packs, -np.inf).max(axis=2)
+    assert np.all(lo_kept > hi_dropped)
+    assert not np.array_equal(out, sparse_dlogits_reference(v, tau, seed=8))
+    # rows are keyed by row0 + r: rows 10.. of a call from 0 are rows 0.. of a call from 10
+    assert np.array_equal(sparse_dlogits_reference(v, tau, 7, row0=0)[10:],
+                          sparse_dlogits_reference(v[10:], tau, 7, row0=10))
+
+
+def test_sparse_dlogits_keep_their_expectation():
+    """Over 8192 rows of the same small values the mean of the thinned values is the value (within
+    5 standard errors of the draws), and a value's chance to be kept is |v| / tau."""
+    from gpucore.ops.classifier import sparse_dlogits_reference
+    tau, N = 2.0 ** -3, 8192
+    vals = _bf16_values([tau * 0.9, tau * 0.5, tau * 0.1, tau * 0.013, -tau * 0.3, tau * 2 ** -10, 0.0, tau * 0.77])
+    v = np.tile(np.tile(vals, 4), (N, 1))                       # 32 columns: 4 packs a row
+    out = sparse_dlogits_reference(v, tau, seed=123).astype(np.float64)
+    mean = out.mean(axis=0)
+    se = np.sqrt(np.abs(v[0]) * (tau - np.abs(v[0])) / N)
+    assert np.all(np.abs(mean - v[0]) <= 5 * se + 1e-12)
+    frac = (out != 0).mean(axis=0)
+    assert np.all(np.abs(frac - np.abs(v[0]) / tau) <= 5 * np.sqrt(0.25 / N))
+
+
+def _sparse_case(rng, N=32, V=60, Vp=64):
+    logits = (rng.standard_normal((N, Vp)) * 3).astype(gpucore.bfloat16)
+    t = _targets(rng, (N,), V, ignore_every=5)
+    return logits, t, 1.0 / 27
+
+
+def test_fp8_sparse_dlogits_numpy_are_the_rule_on_the_scaled_dlogits(rng):
+    """fused_classifier(sparse_tau=): the E5M2 bytes are the rule applied to the bf16 dlogits times
+    the scale, then cast; losses and the untouched logits as without it."""
+    from gpucore.ops.classifier import sparse_dlogits_reference
+    logits, t, gs = _sparse_case(rng)
+    s = dlogits_fp8_scale(gs)
+    tau = 2.0 ** 10                        # ~1.2% of the largest |dlogit| (gs * s ~ 2^15)
+    seed = np.array([41], np.uint32)
+    work, d8 = logits.copy(), np.zeros((32, 64), np.uint8)
+    lo = gpucore.fused_classifier(work, t, vocab_size=60, grad_scale=gs, dlogits8=d8, dlogits8_scale=s,
+                                  write_dlogits=False, sparse_tau=tau, sparse_seed=seed, sparse_row0=3)
+    dense = logits.copy()
+    ld = gpucore.fused_classifier(dense, t, vocab_size=60, grad_scale=gs)
+    thin = sparse_dlogits_reference(dense.astype(np.float32) * np.float32(s), tau, 41, row0=3)
+    want, _ = fp8_quantize(thin.astype(gpucore.bfloat16), "e5m2", np.ones(1, np.float32),
+                           out=np.zeros((32, 64), np.uint8))
+    assert d8.tobytes() == want.tobytes() and lo.tobytes() == ld.tobytes()
+    assert work.tobytes() == logits.tobytes()
+    assert np.all(d8[:, 60:] == 0) and np.all(d8[t == -1] == 0)
+    small = np.abs(dense.astype(np.float32) * s) < tau
+    assert (d8[small] & 0x7F == 0).mean() > 0.5          # most small values thinned to zero
+
+
+def test_fp8_sparse_dlogits_bad_input(rng):
+    logits, t, gs = _sparse_case(rng)
+    s = dlogits_fp8_scale(gs)
+    d8 = np.zeros((32, 64), np.uint8)
+    seed = np.zeros(1, np.uint32)
+    kw = dict(vocab_size=60, grad_scale=gs, dlogits8=d8, dlogits8_scale=s, write_dlogits=False, sparse_seed=seed)
+    with pytest.raises(ValueError, match="power of two"):
+        gpucore.fused_classifier(logits.copy(), t, sparse_tau=3.0, **kw)
+    with pytest.raises(ValueError, match="sparse_tau: expected a float >= 0"):
+        gpucore.fused_classifier(logits.copy(), t, sparse_tau=-1.0, **kw)
+    with pytest.raises(ValueError, match="write_dlogits=False"):
+        gpucore.fused_classifier(logits.copy(), t, sparse_tau=4.0, **{**kw, "write_dlogits": True})
+    with pytest.raises(ValueError, match="power-of-two dlogits8_scale"):
+        gpucore.fused_classifier(logits.copy(), t, sparse_tau=4.0, **{**kw, "dlogits8_scale": s * 0.75})
+    with pytest.raises(TypeError, match="sparse_seed"):
+        gpucore.fused_classifier(logits.copy(), t, sparse_tau=4.0, **{**kw, "sparse_seed": None})
+    with pytest.raises(TypeError, match="sparse_seed: dtype"):
+        gpucore.fused_classifier(logits.copy(), t, sparse_tau=4.0, **{**kw, "sparse_seed": np.zeros(1, np.int32)})
+    with pytest.raises(ValueError, match="sparse_row0"):
+        gpucore.fused_classifier(logits.copy(), t, sparse_tau=4.0, sparse_row0=-1, **kw)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("V,Vp", [(50257, 50304), (1000, 1024)])
+def test_gpu_fp8_sparse_dlogits_are_the_rule(rng, V, Vp):
+    """v3's FP8 kernel with sparse_tau: its bytes are the NumPy rule applied to the plain kernel's
+    bf16 dlogits (scaled), cast to E5M2 -- over persistent walks (N > the grid), ignored rows and
+    padding, from a row offset; the seed is read from device memory (a new seed, new bytes); the
+    losses are the dense kernel's."""
+    from gpucore.ops import classifier as cls
+    from gpucore.ops.fp8 import fp8_supported
+    ok, why = fp8_supported()
+    if not ok:
+        pytest.fail(why)
+    cp = runtime.cupy
+    kernel = runtime.get_kernel("classifier", f"classifier_backward_fp8_kernel_v3_k{cls._v3_k(Vp // 8)}_bf16")
+    N = cls.v3_fp8_grid(kernel, 10**9, Vp // 8) + 29
+    logits = (rng.standard_normal((N, Vp)) * 3).astype(gpucore.bfloat16)
+    t = _targets(rng, (N,), V, ignore_every=9)
+    tg = cp.asarray(t)
+    gs = 1.0 / N
+    s = dlogits_fp8_scale(gs)
+    tau = 2.0 ** np.round(np.log2(2.0 ** -13 * gs * s)) if V > 10000 else 2.0 ** np.round(np.log2(1e-2 * gs * s))
+    plain = cp.asarray(logits)
+    l_plain = gpucore.fused_classifier(plain, tg, vocab_size=V, grad_scale=gs, version=3)
+    scaled = to_cpu(plain).astype(np.float32) * np.float32(s)
+    seed = cp.asarray([2024], np.uint32)
+    outs = []
+    for sv in (2024, 2025):
+        seed[...] = sv
+        d8 = cp.full((N, Vp), 0x7f, np.uint8)
+        losses = gpucore.fused_classifier(cp.asarray(logits), tg, vocab_size=V, grad_scale=gs, dlogits8=d8,
+                                          dlogits8_scale=s, write_dlogits=False, sparse_tau=float(tau),
+                                          sparse_seed=seed, sparse_row0=1000)
+        thin = cls.sparse_dlogits_reference(scaled, tau, sv, row0=1000)
+        want, _ = fp8_quantize(thin.astype(gpucore.bfloat16), "e5m2", np.ones(1, np.float32),
+                               out=np.zeros((N, Vp), np.uint8))
+        got = to_cpu(d8)
+        assert got.tobytes() == want.tobytes(), f"seed {sv}: {(got != want).sum()} bytes differ"
+        assert to_cpu(losses).tobytes() == to_cpu(l_plain).tobytes()
+        outs.append(got)
+    assert outs[0].tobytes() != outs[1].tobytes()
+    zero = (outs[0] & 0x7F) == 0
+    assert zero[t != -1].mean() > (0.5 if V > 10000 else 0.2)     # thinned: mostly zeros at the real vocabulary

@@ -909,3 +909,35 @@ def test_fp8_tile_geometry_matches_the_kernels():
                          ("TRANSPOSE_CT", fp8.TRANSPOSE_TILES), ("TILE", fp8.TILE)):
         m = re.search(rf"#define {macro} (\d+)", src)
         assert m and int(m.group(1)) == value, macro
+
+
+@pytest.mark.parametrize("device", ["numpy", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_model_fp8_lm_head_sparse_dlogits(device):
+    """settings.fp8_lm_head_sparse: the E5M2 dlogits thinned without bias. The forward is untouched
+    (the loss bit for bit), the gradients stay near the dense ones and are deterministic, and the
+    seed the kernel reads is the scaling's step count after end_step."""
+    from gpucore import settings
+    from gpucore.fp8_linear import sparse_tau
+    if device == "cuda":
+        _need_fp8()
+    xp = runtime.cupy if device == "cuda" else np
+    cfg = GPT2Config.from_preset("micro" if device == "numpy" else "tiny")
+    x, y = _tokens(cfg, 2 if device == "numpy" else 4, 16 if device == "numpy" else 64)
+    prob = 2.0 ** -6 if device == "numpy" else 2.0 ** -10     # micro's 61 tokens: probabilities ~1/61
+    with settings.using(fp8_lm_head=True, fp8_lm_head_dwte=True):
+        ld, gd, _ = _model_grads(cfg, xp, x, y, "adaptive")
+        with settings.using(fp8_lm_head_sparse=prob):
+            ls, gs, m = _model_grads(cfg, xp, x, y, "adaptive")
+            ls2, gs2, _ = _model_grads(cfg, xp, x, y, "adaptive")
+    assert ls == ld and gs.tobytes() == gs2.tobytes() and ls2 == ls
+    assert gs.tobytes() != gd.tobytes() and np.isfinite(gs).all()
+    assert rel_err(gs, gd) < 0.05
+    assert m.fp8.head_sparse == prob and int(to_cpu(m.fp8.head_seed)[0]) == m.fp8.scaling.step_index == 1
+    grad_scale = 1.0 / x.size
+    s8 = float(m.fp8.scaling.scale[12 * cfg.num_layers + 2])
+    assert m.fp8.head_sparse_tau == sparse_tau(prob, grad_scale, s8)
+    assert np.log2(m.fp8.head_sparse_tau) == round(np.log2(prob * grad_scale * s8))
+    with settings.using(fp8_lm_head=True, fp8_lm_head_dwte=False, fp8_lm_head_sparse=prob):
+        assert GPT2(cfg, xp=xp, dtype="bfloat16", seed=9, fp8="adaptive").fp8.head_sparse == 0.0
+    with settings.using(fp8_lm_head_sparse=-1.0), pytest.raises(ValueError, match="fp8_lm_head_sparse"):
+        GPT2(cfg, xp=xp, dtype="bfloat16", seed=9, fp8="adaptive")

@@ -220,9 +220,67 @@ def dlogits_fp8_scale(grad_scale: float) -> float:
     return float(2.0 ** np.floor(np.log2(57344.0 / grad_scale)))
 
 
+def fmix32(h) -> np.ndarray:
+    """murmur3's 32-bit finalizer on uint32 values (wrapping), as the FP8 classifier's sparse_pack
+    hashes (kernels_cu/classifier.cu)."""
+    h = np.array(h, dtype=np.uint32, copy=True)
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(0x85EBCA6B)
+    h ^= h >> np.uint32(13)
+    h *= np.uint32(0xC2B2AE35)
+    h ^= h >> np.uint32(16)
+    return h
+
+
+def sparse_dlogits_reference(v, tau: float, seed: int, row0: int = 0) -> np.ndarray:
+    """The FP8 classifier's stochastic sparsification (sparse_tau), on v (N, Vp): dlogits already
+    scaled by dlogits8_scale, bf16 values as float32. |v| >= tau, inf and NaN stay; each smaller
+    value becomes sign(v) * tau where |v| > t, else sign(v) * 0, with t the bf16 truncation of U * tau
+    and U = (h & 0x7fffff) / 2^23, h = fmix32(fmix32(seed ^ 0x9e3779b9) + (row0 + r) * (Vp / 8) + pack),
+    one hash a pack of 8 columns. For bf16 |v| < tau, P(|v| > t) = |v| / tau: E[out] = v."""
+    v = np.asarray(v, dtype=np.float32)
+    N, Vp = v.shape
+    n_packs = Vp // 8
+    tau32 = np.float32(tau)
+    with np.errstate(over="ignore"):
+        base = fmix32(np.uint32(seed) ^ np.uint32(0x9E3779B9))
+        rowkey = base + (np.uint32(row0) + np.arange(N, dtype=np.uint32)) * np.uint32(n_packs)
+        h = fmix32(rowkey[:, None] + np.arange(n_packs, dtype=np.uint32)[None, :])
+    u = ((h & np.uint32(0x7FFFFF)) | np.uint32(0x3F800000)).view(np.float32)
+    t = u * tau32 - tau32                                   # exact: tau is a power of two
+    t = (t.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    t = np.repeat(t, 8, axis=1)
+    a = np.abs(v)
+    with np.errstate(invalid="ignore"):
+        keep = ~(a <= t)                                    # NaN: kept
+        out = np.where(keep, np.where(np.isnan(a), a, np.maximum(a, tau32)), np.float32(0.0))
+    return np.copysign(out, v).astype(np.float32)
+
+
+def _check_sparse(sparse_tau, sparse_seed, sparse_row0, dlogits8, dlogits8_scale, write_dlogits, xp):
+    """sparse_tau: 0 (off) or a power of two on the scaled dlogits; the rest only when it is on."""
+    if isinstance(sparse_tau, bool) or not isinstance(sparse_tau, numbers.Real) or not sparse_tau >= 0:
+        raise ValueError(f"sparse_tau: expected a float >= 0, got {sparse_tau!r}")
+    if sparse_tau == 0:
+        return False
+    if np.frexp(float(sparse_tau))[0] != 0.5 or not 2.0 ** -14 <= sparse_tau <= 57344.0:
+        raise ValueError(f"sparse_tau: expected a power of two in [2^-14, 57344] (exact in E5M2), got {sparse_tau!r}")
+    if dlogits8 is None or write_dlogits:
+        raise ValueError("sparse_tau: thins the E5M2 dlogits only: needs dlogits8 and write_dlogits=False")
+    if np.frexp(float(dlogits8_scale))[0] != 0.5:
+        raise ValueError(f"sparse_tau: needs a power-of-two dlogits8_scale, got {dlogits8_scale!r}")
+    check_array("sparse_seed", sparse_seed, dtypes_=(np.dtype(np.uint32),), shape=(1,))
+    if runtime.array_module(sparse_seed) is not xp:
+        raise TypeError("sparse_seed: must be on the logits' device")
+    if isinstance(sparse_row0, bool) or not isinstance(sparse_row0, numbers.Integral) or sparse_row0 < 0:
+        raise ValueError(f"sparse_row0: expected an int >= 0, got {sparse_row0!r}")
+    return True
+
+
 @profiler.profiled("classifier (fused)", nbytes=profiler.io_bytes)
 def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=None, version=None, *,
-                     check_targets=True, dlogits8=None, dlogits8_scale=None, write_dlogits=True):
+                     check_targets=True, dlogits8=None, dlogits8_scale=None, write_dlogits=True,
+                     sparse_tau=0.0, sparse_seed=None, sparse_row0=0):
     """Per-token losses (float32, targets' shape); logits are overwritten with dlogits.
 
     logits (N, Vp) or (B, T, Vp), float32 or bfloat16; targets int32 of logits.shape[:-1],
@@ -236,12 +294,22 @@ def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=N
     write_dlogits=False (with dlogits8): only the E5M2 bytes are wanted; the logits are then left
     as they were where the fused FP8 kernel runs (v3, and NumPy), and hold dlogits elsewhere --
     their contents are not part of the result.
+    sparse_tau > 0 (with dlogits8, write_dlogits=False, a power-of-two dlogits8_scale): the scaled
+    values below sparse_tau (a power of two) are thinned without bias before their E5M2 rounding --
+    each becomes +-sparse_tau or 0 with the probabilities that keep its expectation
+    (sparse_dlogits_reference), drawn from a hash of sparse_seed ((1,) uint32 on the logits' device,
+    read by the kernel: a new value each step), the row (sparse_row0 + r) and the column. On the GPU
+    it runs in v3's FP8 kernel (bf16 logits; rows with non-finite values are left dense, where it
+    changes nothing but NaN payloads).
     """
     xp, V, Vp, losses = _check_args(logits, targets, vocab_size, losses)
     if dlogits8 is not None:
         _check_fp8_out(logits, dlogits8, dlogits8_scale, xp)
     elif not write_dlogits:
         raise ValueError("write_dlogits=False: needs dlogits8 (the only output left)")
+    sparse = _check_sparse(sparse_tau, sparse_seed, sparse_row0, dlogits8, dlogits8_scale, write_dlogits, xp)
+    if sparse and xp is not np and pick_version(version, logits, Vp) != 3:
+        raise ValueError("sparse_tau: runs in v3's FP8 kernel only (bf16 rows that fit its shared memory)")
     if xp is not np:
         pick_version(version, logits, Vp)           # a bad version fails before the sync below
     if grad_scale is not None and (isinstance(grad_scale, bool) or not isinstance(grad_scale, numbers.Real)):
@@ -258,14 +326,18 @@ def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=N
             logits[...] = dlogits
     elif dlogits8 is not None and pick_version(version, logits, Vp) == 3:
         return launch_fused_fp8(logits, targets, losses, V, float(grad_scale), dlogits8, float(dlogits8_scale),
-                                 write_dlogits)
+                                 write_dlogits, sparse_tau if sparse else 0.0, sparse_seed, sparse_row0)
     else:
         launch_fused(logits, targets, losses, V, float(grad_scale), version)
         dlogits = logits
     if dlogits8 is not None:          # the general path: the bf16 dlogits, then their cast
         from .fp8 import fp8_quantize
-        fp8_quantize(dlogits.reshape(-1, Vp), "e5m2", xp.full(1, dlogits8_scale, np.float32),
-                     out=dlogits8.reshape(-1, Vp))
+        d2, scale = dlogits.reshape(-1, Vp), dlogits8_scale
+        if sparse:                    # NumPy only (checked above): thin the scaled values, then cast them
+            d2 = sparse_dlogits_reference(d2.astype(np.float32) * np.float32(scale), sparse_tau,
+                                          int(sparse_seed[0]), sparse_row0).astype(logits.dtype)
+            scale = 1.0
+        fp8_quantize(d2, "e5m2", xp.full(1, scale, np.float32), out=dlogits8.reshape(-1, Vp))
     return losses
 
 
@@ -279,9 +351,12 @@ def _check_fp8_out(logits, dlogits8, scale, xp):
         raise ValueError(f"dlogits8_scale: expected a float > 0, got {scale!r}")
 
 
-def launch_fused_fp8(logits, targets, losses, V, grad_scale, dlogits8, scale, write_dlogits=True):
+def launch_fused_fp8(logits, targets, losses, V, grad_scale, dlogits8, scale, write_dlogits=True,
+                     sparse_tau=0.0, sparse_seed=None, sparse_row0=0):
     """v3's FP8 kernel alone, on checked CuPy arrays (bf16 logits whose rows v3 takes, no target
     check): what fused_classifier runs for dlogits8, and what the benchmark times."""
+    if sparse_seed is None:             # not read while sparse_tau is 0, but a valid pointer all the same
+        sparse_seed = _zero_seed()
     Vp = logits.shape[-1]
     N = targets.size
     if N == 0:
@@ -290,8 +365,21 @@ def launch_fused_fp8(logits, targets, losses, V, grad_scale, dlogits8, scale, wr
     kernel = runtime.get_kernel("classifier", f"classifier_backward_fp8_kernel_v3_k{_v3_k(n_packs)}_bf16")
     _launch_v3(kernel, v3_fp8_grid(kernel, N, n_packs), n_packs,
                (losses, logits, dlogits8, targets, np.float32(grad_scale), np.float32(scale), np.int32(N),
-                np.int32(V), np.int32(Vp), np.int32(bool(write_dlogits))))
+                np.int32(V), np.int32(Vp), np.int32(bool(write_dlogits)), np.float32(sparse_tau), sparse_seed,
+                np.int32(sparse_row0)))
     return losses
+
+
+_ZERO_SEEDS: dict = {}
+
+
+def _zero_seed():
+    """A (1,) uint32 zero on the current device, made once (a graph capture may not allocate)."""
+    import cupy
+    dev = cupy.cuda.Device().id
+    if dev not in _ZERO_SEEDS:
+        _ZERO_SEEDS[dev] = cupy.zeros(1, np.uint32)
+    return _ZERO_SEEDS[dev]
 
 
 def cross_entropy(logits, targets, vocab_size=None, losses=None, *, check_targets=True):
