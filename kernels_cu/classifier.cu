@@ -362,26 +362,42 @@ __device__ __forceinline__ u32 fmix32(u32 h) {
     return h;
 }
 
-// One pack of 8 scaled bf16 dlogits v (tau a power of two, tau2 its bf16 twice; h the pack's hash):
-// |v| >= tau, inf and NaN stay; a smaller |v| becomes sign(v) tau where |v| > t, else sign(v) 0, with
-// t = the bf16 truncation of U tau and U = (h's low 23 bits) / 2^23. For a bf16 |v| < tau,
-// P(t < |v|) = P(U tau < |v|) = |v| / tau (to U's 2^-23 steps): every value keeps its expectation.
-// One U serves the pack's 8 columns (adjacent tokens, whose wte rows are independent): each column
-// stays unbiased; only their errors are correlated. ~4 instructions a value: a bf16x2 max, a
-// bf16x2 compare to a mask and two logic ops a pair, the hash and t once a pack.
-__device__ __forceinline__ uint4 sparse_pack(const uint4& p, u32 h, float tau, u32 tau2) {
-    const float t = fmaf(__uint_as_float(0x3f800000u | (h & 0x7fffffu)), tau, -tau);   // U tau, exact
-    const u32 t2 = __byte_perm(__float_as_uint(t), 0u, 0x3232);                      // its bf16, twice
+// The pack's draw: U = (h & 0x7fffff) / 2^23 with h = rowkey + pack * PHI -- a Weyl sequence along the
+// row (every U uniform: rowkey is a hash of the step's seed and the row), one add a pack.
+#define SPARSE_PHI 0x9e3779b9u
+
+// t = the bf16 truncation of U tau (U tau exact: tau is a power of two), as a bf16 pair.
+__device__ __forceinline__ u32 sparse_threshold2(u32 h, float tau) {
+    const float t = fmaf(__uint_as_float(0x3f800000u | (h & 0x7fffffu)), tau, -tau);
+    return __byte_perm(__float_as_uint(t), 0u, 0x3232);
+}
+
+// One pack of 8 scaled bf16 dlogits v >= +0 (every column but the target's; tau2: tau as a bf16
+// pair, t2 the pack's threshold): v >= tau and NaN stay; a smaller v becomes tau where v > t, else
+// 0. For a bf16 v < tau, P(t < v) = P(U tau < v) = v / tau (to U's 2^-23 steps): each value keeps
+// its expectation. One U serves the pack's 8 columns (adjacent tokens, whose wte rows are
+// independent): each column stays unbiased, only their errors are correlated. Three instructions
+// a pair: a bf16x2 max, a bf16x2 compare to a mask, an and. A negative value (the target column)
+// comes out 0 here: v3_pass2 redoes it with sparse_signed.
+__device__ __forceinline__ uint4 sparse_pack(const uint4& p, u32 t2, u32 tau2) {
     u32 w[4] = {p.x, p.y, p.z, p.w};
     #pragma unroll
     for (int k = 0; k < 4; k++) {
-        const u32 a = w[k] & 0x7fff7fffu;
         u32 m, keep;
-        asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(a), "r"(tau2));
-        asm("set.gtu.u32.bf16x2 %0, %1, %2;" : "=r"(keep) : "r"(a), "r"(t2));     // NaN: kept
-        w[k] = (m & keep) | (w[k] & 0x80008000u);
+        asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(w[k]), "r"(tau2));
+        asm("set.gtu.u32.bf16x2 %0, %1, %2;" : "=r"(keep) : "r"(w[k]), "r"(t2));   // NaN: kept
+        w[k] = m & keep;
     }
     return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The same rule for one bf16 value of either sign (raw bits), against the same threshold:
+// |v| >= tau, inf and NaN stay; else sign(v) tau where |v| > t, else sign(v) 0.
+__device__ __forceinline__ u32 sparse_signed(u32 v, u32 t2, float tau) {
+    const float a = __uint_as_float((v & 0x7fffu) << 16), t = __uint_as_float(t2 << 16);
+    const u32 sign = v & 0x8000u;
+    if (!(a < tau)) return v;                                   // big, inf, NaN
+    return sign | (a > t ? (__float_as_uint(tau) >> 16) : 0u);
 }
 
 // K packs per thread at most (the launcher picks K >= ceil(Vp / P / 512)); the row
@@ -452,15 +468,29 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
                 for (int e = 0; e < P; e++)
                     if (i * P + e >= V) f[e] = 0.0f;
             }
-            const uint4 packed = LEAN ? R::pack_fast(f) : R::pack_exact(f);
+            uint4 packed = LEAN ? R::pack_fast(f) : R::pack_exact(f);
             if (store_bf16) __stcs(xr + i, packed);     // a predicated store, no branch
             if (FP8) {                                  // the E5M2 copy of the bf16 values just rounded
                 u32 unused = 0;
-                // SPARSE (FOLD only): the scaled bf16 values thinned before their E5M2 conversion
+                if (SPARSE) {                           // (FOLD only) thinned before their E5M2 conversion
+                    const u32 t2 = sparse_threshold2(rowkey + (u32)i * SPARSE_PHI, tau);
+                    const uint4 dense = packed;
+                    packed = sparse_pack(dense, t2, tau2);
+                    if (i == tpack) {                   // the target column, the one negative value
+                        // its bf16 is half e % 2 of word e / 2 (selects, not a dynamic index: that
+                        // would put the pack in local memory)
+                        const int e = t - i * P, wi = e >> 1;
+                        const u32 wd = wi == 0 ? dense.x : wi == 1 ? dense.y : wi == 2 ? dense.z : dense.w;
+                        const u32 v = sparse_signed((e & 1) ? wd >> 16 : wd & 0xffffu, t2, tau);
+                        const u32 keep = (e & 1) ? 0x0000ffffu : 0xffff0000u, put = (e & 1) ? v << 16 : v;
+                        if (wi == 0) packed.x = (packed.x & keep) | put;
+                        else if (wi == 1) packed.y = (packed.y & keep) | put;
+                        else if (wi == 2) packed.z = (packed.z & keep) | put;
+                        else packed.w = (packed.w & keep) | put;
+                    }
+                }
                 __stcs(reinterpret_cast<uint2*>(d8) + i,
-                       FOLD ? e5m2_of_bf16_pack(SPARSE ? sparse_pack(packed, fmix32(rowkey + (u32)i), tau, tau2)
-                                                       : packed)
-                            : quantize8<E5M2>(packed, fp8_scale, unused));
+                       FOLD ? e5m2_of_bf16_pack(packed) : quantize8<E5M2>(packed, fp8_scale, unused));
             }
             // the slot's value is in `packed` (the stores above used it): refill it with the next row
             if (next) cp_async16(smem_u32(s_row + i), next + i, 16);
@@ -491,7 +521,7 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
     constexpr bool WALK = FP8 && K <= V3_WALK_K;
     // sparse_tau > 0 (FP8, E5M2 only, power-of-two scale: the launcher checks): the hash's base,
     // from the step's seed in device memory (a CUDA graph replays this launch's arguments as they were)
-    const u32 seed_base = (FP8 && sparse_tau > 0.0f) ? fmix32(*sparse_seed ^ 0x9e3779b9u) : 0u;
+    const u32 seed_base = (FP8 && sparse_tau > 0.0f) ? fmix32(*sparse_seed ^ SPARSE_PHI) : 0u;
     int row = blockIdx.x;
     do {   // one pass where !WALK (the condition is then constant false); `continue` goes to it
         // Few registers live across the passes: the target is read here, the next row's address
@@ -586,7 +616,7 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
             if (FP8 && !write_bf16 && is_pow2(fp8_scale) && sparse_tau > 0.0f)
                 v3_pass2<T, K, FP8, true, true, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,
                                                       scale * fp8_scale, grad_scale * fp8_scale, fp8_scale, false,
-                                                      seed_base + (u32)(row0 + row) * (u32)n_packs, sparse_tau,
+                                                      fmix32(seed_base + (u32)(row0 + row)), sparse_tau,
                                                       __byte_perm(__float_as_uint(sparse_tau), 0u, 0x3232));
             else if (FP8 && !write_bf16 && is_pow2(fp8_scale))
                 v3_pass2<T, K, FP8, true, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,

@@ -923,7 +923,9 @@ def test_model_fp8_lm_head_sparse_dlogits(device):
     xp = runtime.cupy if device == "cuda" else np
     cfg = GPT2Config.from_preset("micro" if device == "numpy" else "tiny")
     x, y = _tokens(cfg, 2 if device == "numpy" else 4, 16 if device == "numpy" else 64)
-    prob = 2.0 ** -6 if device == "numpy" else 2.0 ** -10     # micro's 61 tokens: probabilities ~1/61
+    # micro's 61 tokens: probabilities ~1/61, half of them thinned; tiny's 50257 at initialization:
+    # every probability (~2e-5) below 2^-13, all thinned -- the worst case (0.046 in NumPy)
+    prob = 2.0 ** -6 if device == "numpy" else 2.0 ** -13
     with settings.using(fp8_lm_head=True, fp8_lm_head_dwte=True):
         ld, gd, _ = _model_grads(cfg, xp, x, y, "adaptive")
         with settings.using(fp8_lm_head_sparse=prob):
@@ -931,7 +933,7 @@ def test_model_fp8_lm_head_sparse_dlogits(device):
             ls2, gs2, _ = _model_grads(cfg, xp, x, y, "adaptive")
     assert ls == ld and gs.tobytes() == gs2.tobytes() and ls2 == ls
     assert gs.tobytes() != gd.tobytes() and np.isfinite(gs).all()
-    assert rel_err(gs, gd) < 0.05
+    assert rel_err(gs, gd) < 0.08         # the FP8 head alone is 0.2 from bf16 (test above)
     assert m.fp8.head_sparse == prob and int(to_cpu(m.fp8.head_seed)[0]) == m.fp8.scaling.step_index == 1
     grad_scale = 1.0 / x.size
     s8 = float(m.fp8.scaling.scale[12 * cfg.num_layers + 2])

@@ -236,16 +236,19 @@ def sparse_dlogits_reference(v, tau: float, seed: int, row0: int = 0) -> np.ndar
     """The FP8 classifier's stochastic sparsification (sparse_tau), on v (N, Vp): dlogits already
     scaled by dlogits8_scale, bf16 values as float32. |v| >= tau, inf and NaN stay; each smaller
     value becomes sign(v) * tau where |v| > t, else sign(v) * 0, with t the bf16 truncation of U * tau
-    and U = (h & 0x7fffff) / 2^23, h = fmix32(fmix32(seed ^ 0x9e3779b9) + (row0 + r) * (Vp / 8) + pack),
-    one hash a pack of 8 columns. For bf16 |v| < tau, P(|v| > t) = |v| / tau: E[out] = v."""
+    and U = (h & 0x7fffff) / 2^23, one draw a pack of 8 columns:
+        h = fmix32(fmix32(seed ^ PHI) + row0 + r) + pack * PHI   (uint32, PHI = 0x9e3779b9)
+    (a Weyl sequence along each row from a hash of the seed and the row). For bf16 |v| < tau,
+    P(|v| > t) = |v| / tau: E[out] = v."""
     v = np.asarray(v, dtype=np.float32)
     N, Vp = v.shape
     n_packs = Vp // 8
     tau32 = np.float32(tau)
     with np.errstate(over="ignore"):
-        base = fmix32(np.uint32(seed) ^ np.uint32(0x9E3779B9))
-        rowkey = base + (np.uint32(row0) + np.arange(N, dtype=np.uint32)) * np.uint32(n_packs)
-        h = fmix32(rowkey[:, None] + np.arange(n_packs, dtype=np.uint32)[None, :])
+        phi = np.uint32(0x9E3779B9)
+        base = fmix32(np.uint32(seed) ^ phi)
+        rowkey = fmix32(base + np.uint32(row0) + np.arange(N, dtype=np.uint32))
+        h = rowkey[:, None] + np.arange(n_packs, dtype=np.uint32)[None, :] * phi
     u = ((h & np.uint32(0x7FFFFF)) | np.uint32(0x3F800000)).view(np.float32)
     t = u * tau32 - tau32                                   # exact: tau is a power of two
     t = (t.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
