@@ -61,8 +61,8 @@ class Settings:
     fp8_lm_head: bool = True              # the LM head's logits and dlnf GEMMs in FP8 too
     fp8_lm_head_dwte: bool = True         # with fp8_lm_head, its dwte GEMM too (dlogits8, lnf8 transposed per chunk)
     fp8_fast_accum_dgrad: bool = True     # the linears' dx GEMMs (K <= 4C) on Hopper's fast FP8 accumulation too
-    fp8_lm_head_sparse: float = 0.0       # > 0 (with fp8_lm_head_dwte): dlogits below ~this probability thinned
-                                          # without bias in the E5M2 copy (fewer toggling bits for the head's GEMMs)
+    fp8_lm_head_sparse: float = 2.0 ** -13  # with fp8_lm_head_dwte: E5M2 dlogits below ~this probability thinned
+                                          # without bias (fewer toggling bits for the head's GEMMs at the power cap); 0: off
     # ---- data parallel (gpucore/distributed/reducer.py)
     dp_overlap: bool = False              # True: reduce each layer's gradients while the backward runs (no CUDA graph)
 

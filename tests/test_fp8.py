@@ -756,7 +756,7 @@ def test_model_fp8_lm_head_numpy_close_to_bf16():
 def _head_dwte_grads(cfg, xp, x, y, dwte):
     """(grads without wte's, wte's grad, loss) with the FP8 head, its dwte GEMM in FP8 or bf16."""
     from gpucore import settings
-    with settings.using(fp8_lm_head=True, fp8_lm_head_dwte=dwte):
+    with settings.using(fp8_lm_head=True, fp8_lm_head_dwte=dwte, fp8_lm_head_sparse=0.0):   # dwte's source alone
         loss, g, m = _model_grads(cfg, xp, x, y, "adaptive")
     start = m.grads.layout.offsets["wte"] // m.grads.wte.itemsize
     mask = np.ones(g.size, bool)
@@ -927,7 +927,8 @@ def test_model_fp8_lm_head_sparse_dlogits(device):
     # every probability (~2e-5) below 2^-13, all thinned -- the worst case (0.046 in NumPy)
     prob = 2.0 ** -6 if device == "numpy" else 2.0 ** -13
     with settings.using(fp8_lm_head=True, fp8_lm_head_dwte=True):
-        ld, gd, _ = _model_grads(cfg, xp, x, y, "adaptive")
+        with settings.using(fp8_lm_head_sparse=0.0):
+            ld, gd, _ = _model_grads(cfg, xp, x, y, "adaptive")
         with settings.using(fp8_lm_head_sparse=prob):
             ls, gs, m = _model_grads(cfg, xp, x, y, "adaptive")
             ls2, gs2, _ = _model_grads(cfg, xp, x, y, "adaptive")

@@ -3,13 +3,13 @@
 # d12 runs (B=16, warmup 100, the Python stdlib corpus) for each MODE and SEED, then
 # tools/fp8_seeds.py's table: FP8 against bf16's own seed-to-seed spread. Logs: $OUT/fp8_seeds.
 #   SEEDS="1337 7 42" MODES="adamw fp8 fp8-head" tools/fp8_seeds.sh
-# The default MODES set bf16 against fp8-fastdg, the recipe `--dtype fp8` runs by default. Add
+# The default MODES set bf16 against fp8-sparse, the recipe `--dtype fp8` runs by default. Add
 # adamw-order (bf16, the bias gradients summed in another order) for the noise floor: how far bf16
 # rounding alone moves a run of the same seed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SEEDS=${SEEDS:-1337 7 42}
-MODES=${MODES:-adamw fp8-fastdg}
+MODES=${MODES:-adamw fp8-sparse}
 LOG=${OUT:-out}/fp8_seeds
 mkdir -p "$LOG"
 for seed in $SEEDS; do

@@ -15,7 +15,8 @@
 #     fp8-head     fp8 with the LM head's GEMMs in FP8 too (settings.fp8_lm_head and fp8_lm_head_dwte: --dtype fp8's default)
 #     fp8-head-bf16dw  the same with the head's dwte GEMM in bf16 (fp8_lm_head_dwte=0)
 #     fp8-fastdg   fp8-head with the linears' dx GEMMs on fast FP8 accumulation
-#     fp8-sparse   fp8-fastdg with the head's E5M2 dlogits thinned below p = 2^-13 (fp8_lm_head_sparse)
+#     fp8-sparse   fp8-fastdg with the head's E5M2 dlogits thinned below p = 2^-13 (fp8_lm_head_sparse):
+#                  --dtype fp8's default
 #   (SEED: the weight-init and sampling seed, default 1337; the data order is the same for every seed)
 #   on a corpus larger than Tiny Shakespeare: the Python standard library's .py sources (the
 #   first CORPUS_MB megabytes, files in sorted order) tokenized by `gpucore prepro`.
@@ -63,11 +64,11 @@ for run in $RUNS; do
     fp8-delayed) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling delayed)
                 settings=${settings:+$settings,}fp8_lm_head=0,fp8_fast_accum_dgrad=0 ;;
     fp8-head)   extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
-                settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=1,fp8_fast_accum_dgrad=0 ;;
+                settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=1,fp8_fast_accum_dgrad=0,fp8_lm_head_sparse=0 ;;
     fp8-head-bf16dw) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
                 settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=0,fp8_fast_accum_dgrad=0 ;;
     fp8-fastdg) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
-                settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=1,fp8_fast_accum_dgrad=1 ;;
+                settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=1,fp8_fast_accum_dgrad=1,fp8_lm_head_sparse=0 ;;
     fp8-sparse) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
                 settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=1,fp8_fast_accum_dgrad=1,fp8_lm_head_sparse=0.0001220703125 ;;
   esac
