@@ -142,8 +142,7 @@ class Fp8Linears:
             raise ValueError(f"fp8_lm_head_sparse: expected a probability >= 0, got {s.fp8_lm_head_sparse!r}")
         # The sparsified E5M2 dlogits need the E5M2-only classifier, i.e. dwte from them too.
         self.head_sparse = float(s.fp8_lm_head_sparse) if self.head_dwte else 0.0
-        self.head_sparse_tau = 0.0      # on the scaled dlogits; set by head_begin
-        self.head_seed = xp.zeros(1, np.uint32)   # the step's seed in device memory (read inside a CUDA graph)
+        self.head_sparse_tau = 0.0      # on the scaled dlogits; set by head_begin (the seed: GPT2.head_seed)
         self._scratch = None
         self._n = None
         self._arena = None
@@ -362,17 +361,12 @@ class Fp8Linears:
 
     def end_step(self):
         self.scaling.end_step()
-        self.sync_seed()
-
-    def sync_seed(self):
-        """head_seed = the scaling's step count (after each step and after a resume), so that each
-        step thins dlogits with new draws and a resumed run draws as the run would have."""
-        self.head_seed.fill(np.uint32(self.scaling.step_index & 0xFFFFFFFF))
 
 
-def sparse_tau(probability: float, grad_scale: float, scale: float) -> float:
-    """The classifier's sparse_tau for fp8_lm_head_sparse = probability: the power of two nearest
-    probability * grad_scale * scale (the E5M2 value of a dlogit of that probability), 0 when off."""
+def sparse_tau(probability: float, grad_scale: float, scale: float = 1.0) -> float:
+    """The classifier's sparse_tau for a thinning threshold given as a probability (settings
+    fp8_lm_head_sparse, bf16_lm_head_sparse): the power of two nearest probability * grad_scale *
+    scale (the dlogit of that probability, times the E5M2 scale for FP8), 0 when off."""
     if probability <= 0:
         return 0.0
     return float(2.0 ** np.round(np.log2(probability * grad_scale * scale)))

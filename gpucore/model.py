@@ -56,6 +56,7 @@ from .ops.layernorm import LayerNormCall, layernorm_backward, layernorm_forward
 from .ops.matmul import matmul_backward, matmul_forward
 from .ops.reduce import reduce_sum as _sum
 from .fp8_linear import ATTPROJ, FC, FCPROJ, QKV, Fp8Linears, kept_x8t
+from .fp8_linear import sparse_tau
 from .tensors import TensorLayout
 
 GPT2_VOCAB = 50257
@@ -332,6 +333,15 @@ class GPT2:
             if self.dtype != dtypes.bfloat16:
                 raise ValueError(f"fp8: FP8 linears need a bfloat16 model, this one is {dtypes.name(self.dtype)}")
             self.fp8 = Fp8Linears(config, xp, mode=fp8)
+        # The LM head's thinned dlogits (settings.bf16_lm_head_sparse / fp8_lm_head_sparse) draw from a
+        # hash of this step count, kept in device memory: a CUDA graph replays its kernels' arguments
+        # as captured, so the count is written here (end_step, set_step), outside any graph.
+        self.steps_done = 0
+        self.head_seed = xp.zeros(1, np.uint32)
+        bf16_sparse = settings.current().bf16_lm_head_sparse
+        if not bf16_sparse >= 0:
+            raise ValueError(f"bf16_lm_head_sparse: expected a probability >= 0, got {bf16_sparse!r}")
+        self.bf16_head_sparse = float(bf16_sparse) if self.dtype == dtypes.bfloat16 else 0.0
         if seed is not None:
             self.init_weights(seed)
 
@@ -541,12 +551,15 @@ class GPT2:
                     matmul_forward(lnf[r0:r1], p.wte, None, out=chunk)
                 d8 = self.fp8.head_dlogits8(r1 - r0, chunk.shape[1]) if head8 and for_backward else None
                 dwte8 = d8 is not None and self.fp8.head_dwte   # dwte from dlogits8 too: no bf16 dlogits
-                sparse = self.fp8.head_sparse_tau if dwte8 else 0.0     # settings.fp8_lm_head_sparse
+                if head8:                       # settings.fp8_lm_head_sparse: the E5M2 dlogits
+                    sparse = self.fp8.head_sparse_tau if dwte8 else 0.0
+                else:                           # settings.bf16_lm_head_sparse: the bf16 dlogits
+                    sparse = sparse_tau(self.bf16_head_sparse, grad_scale) if for_backward else 0.0
                 fused_classifier(chunk, tgt[r0:r1], vocab_size=V,
                                  grad_scale=grad_scale if for_backward else 0.0, losses=losses[r0:r1],
                                  check_targets=check_tokens, dlogits8=d8, dlogits8_scale=d8_scale,
                                  write_dlogits=not dwte8, sparse_tau=sparse,
-                                 sparse_seed=self.fp8.head_seed if sparse else None, sparse_row0=r0)
+                                 sparse_seed=self.head_seed if sparse else None, sparse_row0=r0)
                 # The head has no bias: need_dbias=False, or matmul_backward would sum dlogits'
                 # columns into a throwaway vector (a whole extra read of every chunk).
                 if for_backward and head8:      # dlnf from the E5M2 dlogits; dwte from them or the bf16 ones
@@ -608,9 +621,18 @@ class GPT2:
         return kept_x8t(self.acts.x8t[l].reshape(-1), j, N, self.config.channels)
 
     def end_step(self):
-        """After each optimizer step (the training loop calls it): FP8 scales for the next step."""
+        """After each optimizer step (the training loop calls it): FP8 scales for the next step, and
+        the next step's draws for the thinned dlogits."""
         if self.fp8 is not None:
             self.fp8.end_step()
+        self.set_step(self.steps_done + 1)
+
+    def set_step(self, step: int):
+        """The optimizer steps done (a resumed run sets its checkpoint's): the thinned dlogits'
+        seed. Micro-batches and data-parallel ranks of one step draw alike (each value stays
+        unbiased; only their errors correlate)."""
+        self.steps_done = int(step)
+        self.head_seed.fill(np.uint32(self.steps_done & 0xFFFFFFFF))
 
     # ------------------------------------------------------------- backward
 

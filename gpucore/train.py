@@ -404,9 +404,9 @@ def build_model(args: TrainArgs, setup: RunSetup, echo=print):
             if model.fp8 is not None:
                 model.fp8.scaling.load_state({**meta["fp8"], "scale": arrays["fp8_scale"],
                                               "history": arrays["fp8_history"]})
-                model.fp8.sync_seed()     # the sparse dlogits' draws follow the restored step count
             if meta.get("rng") is not None:
                 rng.bit_generator.state = meta["rng"]
+            model.set_step(setup.start)       # the thinned dlogits draw as the run would have
         except (KeyError, ValueError, TypeError) as e:
             raise TrainError(f"{setup.resume_path}: cannot resume from this checkpoint ({e})") from None
         setup.resume_arrays = None        # the model holds them now: let the host copy go

@@ -469,26 +469,26 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
                     if (i * P + e >= V) f[e] = 0.0f;
             }
             uint4 packed = LEAN ? R::pack_fast(f) : R::pack_exact(f);
+            if (SPARSE) {                               // bf16 lean rows: thinned before they are stored
+                const u32 t2 = sparse_threshold2(rowkey + (u32)i * SPARSE_PHI, tau);
+                const uint4 dense = packed;
+                packed = sparse_pack(dense, t2, tau2);
+                if (i == tpack) {                       // the target column, the one negative value
+                    // its bf16 is half e % 2 of word e / 2 (selects, not a dynamic index: that
+                    // would put the pack in local memory)
+                    const int e = t - i * P, wi = e >> 1;
+                    const u32 wd = wi == 0 ? dense.x : wi == 1 ? dense.y : wi == 2 ? dense.z : dense.w;
+                    const u32 v = sparse_signed((e & 1) ? wd >> 16 : wd & 0xffffu, t2, tau);
+                    const u32 keep = (e & 1) ? 0x0000ffffu : 0xffff0000u, put = (e & 1) ? v << 16 : v;
+                    if (wi == 0) packed.x = (packed.x & keep) | put;
+                    else if (wi == 1) packed.y = (packed.y & keep) | put;
+                    else if (wi == 2) packed.z = (packed.z & keep) | put;
+                    else packed.w = (packed.w & keep) | put;
+                }
+            }
             if (store_bf16) __stcs(xr + i, packed);     // a predicated store, no branch
             if (FP8) {                                  // the E5M2 copy of the bf16 values just rounded
                 u32 unused = 0;
-                if (SPARSE) {                           // (FOLD only) thinned before their E5M2 conversion
-                    const u32 t2 = sparse_threshold2(rowkey + (u32)i * SPARSE_PHI, tau);
-                    const uint4 dense = packed;
-                    packed = sparse_pack(dense, t2, tau2);
-                    if (i == tpack) {                   // the target column, the one negative value
-                        // its bf16 is half e % 2 of word e / 2 (selects, not a dynamic index: that
-                        // would put the pack in local memory)
-                        const int e = t - i * P, wi = e >> 1;
-                        const u32 wd = wi == 0 ? dense.x : wi == 1 ? dense.y : wi == 2 ? dense.z : dense.w;
-                        const u32 v = sparse_signed((e & 1) ? wd >> 16 : wd & 0xffffu, t2, tau);
-                        const u32 keep = (e & 1) ? 0x0000ffffu : 0xffff0000u, put = (e & 1) ? v << 16 : v;
-                        if (wi == 0) packed.x = (packed.x & keep) | put;
-                        else if (wi == 1) packed.y = (packed.y & keep) | put;
-                        else if (wi == 2) packed.z = (packed.z & keep) | put;
-                        else packed.w = (packed.w & keep) | put;
-                    }
-                }
                 __stcs(reinterpret_cast<uint2*>(d8) + i,
                        FOLD ? e5m2_of_bf16_pack(packed) : quantize8<E5M2>(packed, fp8_scale, unused));
             }
@@ -519,9 +519,9 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
     // K = 25 walks no rows either: its refills spilled at the 64 registers of two blocks an SM. The
     // launcher starts one block a row where WALK is false (v3_fp8_grid in ops/classifier.py).
     constexpr bool WALK = FP8 && K <= V3_WALK_K;
-    // sparse_tau > 0 (FP8, E5M2 only, power-of-two scale: the launcher checks): the hash's base,
+    // sparse_tau > 0 (bf16 rows; FP8: E5M2 only, power-of-two scale -- the launcher checks): the hash's base,
     // from the step's seed in device memory (a CUDA graph replays this launch's arguments as they were)
-    const u32 seed_base = (FP8 && sparse_tau > 0.0f) ? fmix32(*sparse_seed ^ SPARSE_PHI) : 0u;
+    const u32 seed_base = (sparse_tau > 0.0f) ? fmix32(*sparse_seed ^ SPARSE_PHI) : 0u;
     int row = blockIdx.x;
     do {   // one pass where !WALK (the condition is then constant false); `continue` goes to it
         // Few registers live across the passes: the target is read here, the next row's address
@@ -621,6 +621,11 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
             else if (FP8 && !write_bf16 && is_pow2(fp8_scale))
                 v3_pass2<T, K, FP8, true, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,
                                                         scale * fp8_scale, grad_scale * fp8_scale, fp8_scale, false);
+            else if (!FP8 && sparse_tau > 0.0f)         // the bf16 dlogits thinned (bf16 only: sizeof(T) == 2)
+                v3_pass2<T, K, false, true, false, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh, scale,
+                                                         grad_scale, fp8_scale, true,
+                                                         fmix32(seed_base + (u32)(row0 + row)), sparse_tau,
+                                                         __byte_perm(__float_as_uint(sparse_tau), 0u, 0x3232));
             else
                 v3_pass2<T, K, FP8, true, false>(s_row, xr, d8, next, n_packs, V, t, tpack, sh, scale,
                                                         grad_scale, fp8_scale, !FP8 || write_bf16);
@@ -692,8 +697,10 @@ CLASSIFIER_KERNELS(bf16, bf16)
 #define CLASSIFIER_V3(T, SUF, K)                                                                    \
     extern "C" __global__ void __launch_bounds__(CLS3_BLOCK, 2)                                     \
     classifier_backward_kernel_v3_k##K##_##SUF(float* losses, T* logits, const int* targets,        \
-                                               float grad_scale, int N, int V, int Vp) {           \
-        classifier_backward_v3<T, K, true>(losses, logits, targets, grad_scale, N, V, Vp);         \
+                                               float grad_scale, int N, int V, int Vp,             \
+                                               float sparse_tau, const u32* sparse_seed, int row0) { \
+        classifier_backward_v3<T, K, true>(losses, logits, targets, grad_scale, N, V, Vp, nullptr, \
+                                           1.0f, 1, sizeof(T) == 2 ? sparse_tau : 0.0f, sparse_seed, row0); \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(CLS3_BLOCK, 2)                                     \
     classifier_forward_kernel_v3_k##K##_##SUF(float* losses, const T* logits, const int* targets,   \

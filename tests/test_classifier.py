@@ -600,3 +600,50 @@ def test_gpu_fp8_sparse_dlogits_are_the_rule(rng, V, Vp):
     assert outs[0].tobytes() != outs[1].tobytes()
     zero = (outs[0] & 0x7F) == 0
     assert zero[t != -1].mean() > (0.5 if V > 10000 else 0.2)     # thinned: mostly zeros at the real vocabulary
+
+
+def test_bf16_sparse_dlogits_numpy_are_the_rule_on_the_dlogits(rng):
+    """Without dlogits8, sparse_tau thins the bf16 dlogits written over the logits (the bf16 LM
+    head's, settings.bf16_lm_head_sparse); float32 logits are refused."""
+    from gpucore.ops.classifier import sparse_dlogits_reference
+    logits, t, gs = _sparse_case(rng)
+    tau = 2.0 ** -10
+    seed = np.array([9], np.uint32)
+    thin = logits.copy()
+    lt = gpucore.fused_classifier(thin, t, vocab_size=60, grad_scale=gs, sparse_tau=tau, sparse_seed=seed)
+    dense = logits.copy()
+    ld = gpucore.fused_classifier(dense, t, vocab_size=60, grad_scale=gs)
+    want = sparse_dlogits_reference(dense.astype(np.float32), tau, 9).astype(gpucore.bfloat16)
+    assert thin.tobytes() == want.tobytes() and lt.tobytes() == ld.tobytes()
+    small = np.abs(dense.astype(np.float32)) < tau
+    assert (thin.astype(np.float32)[small] == 0).mean() > 0.5
+    with pytest.raises(TypeError, match="sparse_tau: thins bf16 dlogits"):
+        gpucore.fused_classifier(logits.astype(np.float32), t, vocab_size=60, grad_scale=gs, sparse_tau=tau,
+                                 sparse_seed=seed)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("V,Vp", [(50257, 50304), (1000, 1024)])
+def test_gpu_bf16_sparse_dlogits_are_the_rule(rng, V, Vp):
+    """v3's bf16 kernel with sparse_tau: its dlogits are the NumPy rule applied to the dense kernel's,
+    bit for bit (ignored rows, padding, a row offset); the losses are the dense kernel's."""
+    from gpucore.ops import classifier as cls
+    cp = runtime.cupy
+    N = 300
+    logits = (rng.standard_normal((N, Vp)) * 3).astype(gpucore.bfloat16)
+    t = _targets(rng, (N,), V, ignore_every=9)
+    tg = cp.asarray(t)
+    gs = 1.0 / N
+    tau = 2.0 ** np.round(np.log2((2.0 ** -13 if V > 10000 else 1e-2) * gs))
+    dense = cp.asarray(logits)
+    l_dense = gpucore.fused_classifier(dense, tg, vocab_size=V, grad_scale=gs, version=3)
+    seed = cp.asarray([77], np.uint32)
+    thin = cp.asarray(logits)
+    l_thin = gpucore.fused_classifier(thin, tg, vocab_size=V, grad_scale=gs, sparse_tau=float(tau),
+                                      sparse_seed=seed, sparse_row0=4096)
+    want = cls.sparse_dlogits_reference(to_cpu(dense).astype(np.float32), tau, 77, row0=4096)
+    got = to_cpu(thin)
+    assert got.tobytes() == want.astype(gpucore.bfloat16).tobytes()
+    assert to_cpu(l_thin).tobytes() == to_cpu(l_dense).tobytes()
+    zero = got.astype(np.float32) == 0
+    assert zero[t != -1].mean() > (0.5 if V > 10000 else 0.2)

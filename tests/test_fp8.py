@@ -935,7 +935,7 @@ def test_model_fp8_lm_head_sparse_dlogits(device):
     assert ls == ld and gs.tobytes() == gs2.tobytes() and ls2 == ls
     assert gs.tobytes() != gd.tobytes() and np.isfinite(gs).all()
     assert rel_err(gs, gd) < 0.08         # the FP8 head alone is 0.2 from bf16 (test above)
-    assert m.fp8.head_sparse == prob and int(to_cpu(m.fp8.head_seed)[0]) == m.fp8.scaling.step_index == 1
+    assert m.fp8.head_sparse == prob and int(to_cpu(m.head_seed)[0]) == m.steps_done == m.fp8.scaling.step_index == 1
     grad_scale = 1.0 / x.size
     s8 = float(m.fp8.scaling.scale[12 * cfg.num_layers + 2])
     assert m.fp8.head_sparse_tau == sparse_tau(prob, grad_scale, s8)
@@ -944,3 +944,28 @@ def test_model_fp8_lm_head_sparse_dlogits(device):
         assert GPT2(cfg, xp=xp, dtype="bfloat16", seed=9, fp8="adaptive").fp8.head_sparse == 0.0
     with settings.using(fp8_lm_head_sparse=-1.0), pytest.raises(ValueError, match="fp8_lm_head_sparse"):
         GPT2(cfg, xp=xp, dtype="bfloat16", seed=9, fp8="adaptive")
+
+
+@pytest.mark.parametrize("device", ["numpy", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_model_bf16_lm_head_sparse_dlogits(device):
+    """settings.bf16_lm_head_sparse: the bf16 head's dlogits thinned without bias. The loss is bit
+    for bit the dense one, the gradients near it and deterministic; each step draws anew."""
+    from gpucore import settings
+    xp = runtime.cupy if device == "cuda" else np
+    cfg = GPT2Config.from_preset("micro" if device == "numpy" else "tiny")
+    x, y = _tokens(cfg, 2 if device == "numpy" else 4, 16 if device == "numpy" else 64)
+    prob = 2.0 ** -6 if device == "numpy" else 2.0 ** -13
+    ld, gd, _ = _model_grads(cfg, xp, x, y, None)
+    with settings.using(bf16_lm_head_sparse=prob):
+        ls, gs, m = _model_grads(cfg, xp, x, y, None)
+        ls2, gs2, _ = _model_grads(cfg, xp, x, y, None)
+        m.zero_grad()
+        m.forward(xp.asarray(x), xp.asarray(y), for_backward=True)   # step 1's draws
+        m.backward()
+        g_next = to_cpu(m.grads.flat()).astype(np.float64)
+    assert ls == ld and ls2 == ls and gs.tobytes() == gs2.tobytes()
+    assert gs.tobytes() != gd.tobytes() and np.isfinite(gs).all() and rel_err(gs, gd) < 0.08
+    assert g_next.tobytes() != gs.tobytes() and rel_err(g_next, gd) < 0.08
+    assert m.bf16_head_sparse == prob and m.steps_done == 1
+    with settings.using(bf16_lm_head_sparse=prob):    # float32 models keep dense dlogits
+        assert GPT2(cfg, xp=xp, dtype="float32", seed=9).bf16_head_sparse == 0.0

@@ -191,8 +191,10 @@ def _launch_v3(kernel, grid: int, n_packs: int, args):
     runtime.launch(kernel, grid, V3_BLOCK, args, shared_mem=n_packs * 16)
 
 
-def launch_fused(logits, targets, losses, V: int, grad_scale: float, version=None):
-    """The fused kernel alone, on checked CuPy arrays (no target check): for the benchmark."""
+def launch_fused(logits, targets, losses, V: int, grad_scale: float, version=None, sparse_tau=0.0, sparse_seed=None,
+                 sparse_row0=0):
+    """The fused kernel alone, on checked CuPy arrays (no target check): for the benchmark.
+    sparse_tau (v3, bf16 logits): the dlogits thinned (fused_classifier)."""
     Vp = logits.shape[-1]
     N = targets.size
     if N == 0:
@@ -203,8 +205,11 @@ def launch_fused(logits, targets, losses, V: int, grad_scale: float, version=Non
     if version == 3:
         n_packs = Vp // (16 // logits.dtype.itemsize)
         kernel = runtime.get_kernel("classifier", f"classifier_backward_kernel_v3_k{_v3_k(n_packs)}_{suf}")
-        _launch_v3(kernel, N, n_packs, args)
+        seed = _zero_seed() if sparse_seed is None else sparse_seed     # not read while sparse_tau is 0
+        _launch_v3(kernel, N, n_packs, args + (np.float32(sparse_tau), seed, np.int32(sparse_row0)))
         return losses
+    if sparse_tau:
+        raise ValueError("sparse_tau: runs in the v3 kernel only")
     runtime.launch(runtime.get_kernel("classifier", f"classifier_backward_kernel_v{version}_{suf}"), N, CLS_BLOCK,
                    args)
     return losses
@@ -233,8 +238,8 @@ def fmix32(h) -> np.ndarray:
 
 
 def sparse_dlogits_reference(v, tau: float, seed: int, row0: int = 0) -> np.ndarray:
-    """The FP8 classifier's stochastic sparsification (sparse_tau), on v (N, Vp): dlogits already
-    scaled by dlogits8_scale, bf16 values as float32. |v| >= tau, inf and NaN stay; each smaller
+    """The classifier's stochastic sparsification (sparse_tau), on v (N, Vp): the bf16 dlogits (FP8:
+    scaled by dlogits8_scale), as float32. |v| >= tau, inf and NaN stay; each smaller
     value becomes sign(v) * tau where |v| > t, else sign(v) * 0, with t the bf16 truncation of U * tau
     and U = (h & 0x7fffff) / 2^23, one draw a pack of 8 columns:
         h = fmix32(fmix32(seed ^ PHI) + row0 + r) + pack * PHI   (uint32, PHI = 0x9e3779b9)
@@ -260,18 +265,26 @@ def sparse_dlogits_reference(v, tau: float, seed: int, row0: int = 0) -> np.ndar
     return np.copysign(out, v).astype(np.float32)
 
 
-def _check_sparse(sparse_tau, sparse_seed, sparse_row0, dlogits8, dlogits8_scale, write_dlogits, xp):
-    """sparse_tau: 0 (off) or a power of two on the scaled dlogits; the rest only when it is on."""
+def _check_sparse(sparse_tau, sparse_seed, sparse_row0, logits, dlogits8, dlogits8_scale, write_dlogits, xp):
+    """sparse_tau: 0 (off) or a power of two on the written dlogits; the rest only when it is on."""
     if isinstance(sparse_tau, bool) or not isinstance(sparse_tau, numbers.Real) or not sparse_tau >= 0:
         raise ValueError(f"sparse_tau: expected a float >= 0, got {sparse_tau!r}")
     if sparse_tau == 0:
         return False
-    if np.frexp(float(sparse_tau))[0] != 0.5 or not 2.0 ** -14 <= sparse_tau <= 57344.0:
-        raise ValueError(f"sparse_tau: expected a power of two in [2^-14, 57344] (exact in E5M2), got {sparse_tau!r}")
-    if dlogits8 is None or write_dlogits:
-        raise ValueError("sparse_tau: thins the E5M2 dlogits only: needs dlogits8 and write_dlogits=False")
-    if np.frexp(float(dlogits8_scale))[0] != 0.5:
-        raise ValueError(f"sparse_tau: needs a power-of-two dlogits8_scale, got {dlogits8_scale!r}")
+    if np.frexp(float(sparse_tau))[0] != 0.5:
+        raise ValueError(f"sparse_tau: expected a power of two, got {sparse_tau!r}")
+    if logits.dtype != dtypes.bfloat16:
+        raise TypeError(f"sparse_tau: thins bf16 dlogits, got {dtypes.name(logits.dtype)} logits")
+    if dlogits8 is not None:
+        if write_dlogits:
+            raise ValueError("sparse_tau with dlogits8: thins the E5M2 dlogits only: needs write_dlogits=False")
+        if not 2.0 ** -14 <= sparse_tau <= 57344.0:
+            raise ValueError(f"sparse_tau: with dlogits8, a power of two in [2^-14, 57344] (exact in E5M2), "
+                             f"got {sparse_tau!r}")
+        if np.frexp(float(dlogits8_scale))[0] != 0.5:
+            raise ValueError(f"sparse_tau: needs a power-of-two dlogits8_scale, got {dlogits8_scale!r}")
+    elif not 2.0 ** -126 <= sparse_tau <= 2.0 ** 127:
+        raise ValueError(f"sparse_tau: a normal bf16 power of two, got {sparse_tau!r}")
     check_array("sparse_seed", sparse_seed, dtypes_=(np.dtype(np.uint32),), shape=(1,))
     if runtime.array_module(sparse_seed) is not xp:
         raise TypeError("sparse_seed: must be on the logits' device")
@@ -297,22 +310,24 @@ def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=N
     write_dlogits=False (with dlogits8): only the E5M2 bytes are wanted; the logits are then left
     as they were where the fused FP8 kernel runs (v3, and NumPy), and hold dlogits elsewhere --
     their contents are not part of the result.
-    sparse_tau > 0 (with dlogits8, write_dlogits=False, a power-of-two dlogits8_scale): the scaled
-    values below sparse_tau (a power of two) are thinned without bias before their E5M2 rounding --
-    each becomes +-sparse_tau or 0 with the probabilities that keep its expectation
+    sparse_tau > 0 (bf16 logits; a power of two): the written dlogits below sparse_tau are thinned
+    without bias -- each becomes +-sparse_tau or 0 with the probabilities that keep its expectation
     (sparse_dlogits_reference), drawn from a hash of sparse_seed ((1,) uint32 on the logits' device,
-    read by the kernel: a new value each step), the row (sparse_row0 + r) and the column. On the GPU
-    it runs in v3's FP8 kernel (bf16 logits; rows with non-finite values are left dense, where it
-    changes nothing but NaN payloads).
+    read by the kernel: a new value each step), the row (sparse_row0 + r) and the column. Either the
+    bf16 dlogits (no dlogits8) or, with dlogits8 and write_dlogits=False (a power-of-two
+    dlogits8_scale), the E5M2 ones, thinned on the scaled values before their rounding. On the GPU
+    it runs in the v3 kernels (rows with non-finite values are left dense, where it changes nothing
+    but NaN payloads). Why: the LM head's GEMMs draw less power on zeros (tools/notes/fp8.md).
     """
     xp, V, Vp, losses = _check_args(logits, targets, vocab_size, losses)
     if dlogits8 is not None:
         _check_fp8_out(logits, dlogits8, dlogits8_scale, xp)
     elif not write_dlogits:
         raise ValueError("write_dlogits=False: needs dlogits8 (the only output left)")
-    sparse = _check_sparse(sparse_tau, sparse_seed, sparse_row0, dlogits8, dlogits8_scale, write_dlogits, xp)
+    sparse = _check_sparse(sparse_tau, sparse_seed, sparse_row0, logits, dlogits8, dlogits8_scale, write_dlogits,
+                           xp)
     if sparse and xp is not np and pick_version(version, logits, Vp) != 3:
-        raise ValueError("sparse_tau: runs in v3's FP8 kernel only (bf16 rows that fit its shared memory)")
+        raise ValueError("sparse_tau: runs in the v3 kernels only (bf16 rows that fit their shared memory)")
     if xp is not np:
         pick_version(version, logits, Vp)           # a bad version fails before the sync below
     if grad_scale is not None and (isinstance(grad_scale, bool) or not isinstance(grad_scale, numbers.Real)):
@@ -325,13 +340,18 @@ def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=N
         ref_losses, dlogits = classifier_reference(logits, targets, V, grad_scale)
         losses[...] = ref_losses
         dlogits = dlogits.astype(logits.dtype)
+        if sparse and dlogits8 is None:   # the bf16 dlogits thinned
+            dlogits = sparse_dlogits_reference(dlogits.reshape(-1, Vp).astype(np.float32), sparse_tau,
+                                               int(sparse_seed[0]), sparse_row0).astype(logits.dtype).reshape(
+                                                   logits.shape)
         if write_dlogits:
             logits[...] = dlogits
     elif dlogits8 is not None and pick_version(version, logits, Vp) == 3:
         return launch_fused_fp8(logits, targets, losses, V, float(grad_scale), dlogits8, float(dlogits8_scale),
                                  write_dlogits, sparse_tau if sparse else 0.0, sparse_seed, sparse_row0)
     else:
-        launch_fused(logits, targets, losses, V, float(grad_scale), version)
+        launch_fused(logits, targets, losses, V, float(grad_scale), version, sparse_tau if sparse else 0.0,
+                     sparse_seed, sparse_row0)
         dlogits = logits
     if dlogits8 is not None:          # the general path: the bf16 dlogits, then their cast
         from .fp8 import fp8_quantize
