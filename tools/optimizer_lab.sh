@@ -5,6 +5,7 @@
 #     adamw-order  adamw with the bias gradients summed by separate passes (fused_bias_grads=0): the same
 #                  arithmetic in another order, so the run parts from adamw by bf16 rounding alone -- the
 #                  control for issue 16's "same seed" comparison (how far rounding noise moves a run)
+#     adamw-sparse adamw with the LM head's bf16 dlogits thinned below p = 2^-13 (bf16_lm_head_sparse)
 #     sfadamw      schedule-free AdamW, same peak lr and warmup, no decay (evaluates its average x)
 #     bf16-sr      AdamW, bf16 weights without the fp32 copy, stochastic rounding
 #     bf16-kahan   AdamW, bf16 weights without the fp32 copy, bf16 Kahan compensation
@@ -54,6 +55,8 @@ for run in $RUNS; do
     adamw)      extra=(--final-lr-frac 0.1) ;;
     adamw-order) extra=(--final-lr-frac 0.1)
                 settings=${settings:+$settings,}fused_bias_grads=0 ;;
+    adamw-sparse) extra=(--final-lr-frac 0.1)
+                settings=${settings:+$settings,}bf16_lm_head_sparse=0.0001220703125 ;;
     sfadamw)    extra=(--optimizer sfadamw) ;;
     bf16-sr)    extra=(--final-lr-frac 0.1 --master-weights sr) ;;
     bf16-kahan) extra=(--final-lr-frac 0.1 --master-weights kahan) ;;

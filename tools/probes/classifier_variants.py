@@ -51,12 +51,13 @@ def f32(a):
 
 def runs(ks):
     work, d8, losses = cp.empty_like(logits0), cp.empty((N, Vp), np.uint8), cp.empty(N, np.float32)
-    seed0 = cp.zeros(1, np.uint32)      # the FP8 kernel's sparse_seed (unread: sparse_tau = 0); older trees ignore it
+    seed0 = cp.zeros(1, np.uint32)      # the kernels' sparse_seed (unread: sparse_tau = 0); older trees ignore it
     bwd, fp8, fwd = ks
     smem = n_packs * 16
     common = (np.int32(N), np.int32(V), np.int32(Vp))
     return work, d8, losses, {
-        "bf16 dlogits in place": lambda: runtime.launch(bwd, N, 512, (losses, work, targets, np.float32(gs)) + common,
+        "bf16 dlogits in place": lambda: runtime.launch(bwd, N, 512, (losses, work, targets, np.float32(gs)) + common
+                                                        + (np.float32(0), seed0, np.int32(0)),   # dense
                                                         shared_mem=smem),
         "FP8 only (E5M2 dlogits8)": lambda: runtime.launch(fp8, N, 512, (losses, logits0, d8, targets, np.float32(gs),
                                                                           np.float32(s8)) + common + (np.int32(0),)
