@@ -19,7 +19,9 @@ scale: |dlogits| <= grad_scale). With settings.fp8_lm_head_dwte (on by default) 
 GEMM too: dwte += dlogits8T @ lnf8T^T, both operands turned token-contiguous per chunk by
 fp8_transpose into the logits chunk (dead once the classifier has read it, which then writes no bf16
 dlogits at all); otherwise the classifier also writes the bf16 dlogits and dwte is a bf16 GEMM. Its
-three scaled tensors are slots 12 L + {0, 1, 2}.
+three scaled tensors are slots 12 L + {0, 1, 2}. With the E5M2-only dlogits, settings.fp8_lm_head_sparse
+(on) has the classifier thin them without bias below that probability (sparse_tau; the seed is
+GPT2.head_seed): ~97% zeros, which the head's two backward GEMMs multiply at a higher clock.
 
 x8T is written by the forward's cast of x (one pass writes both orientations) and kept per layer
 in the model's activations ("x8t", 1 byte per value), so the backward never reads x again. In

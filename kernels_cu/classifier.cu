@@ -52,6 +52,12 @@
  *   (the FP8 LM head with its dwte GEMM in FP8 too reads nothing else); with a power-of-two scale
  *   the kernel then multiplies it into the softmax's scale before the bf16 rounding (exact: the
  *   same bytes, one multiply a logit fewer).
+ * Sparse dlogits (v3, bf16 rows; sparse_tau > 0, a power of two): the written dlogits -- the bf16
+ *   ones, or with FP8 the scaled values before their E5M2 rounding -- below sparse_tau are thinned
+ *   without bias: each becomes +-sparse_tau or 0, kept with probability |v| / sparse_tau, the draw a
+ *   hash of the step's seed (read from device memory), the row and the column pack (sparse_pack;
+ *   the NumPy rule is ops/classifier.py's sparse_dlogits_reference). Most dlogits are tiny softmax
+ *   probabilities, and the LM head's GEMMs draw less power on zeros (tools/notes/fp8.md).
  * Determinism: fixed element-to-thread mapping and reduction trees.
  */
 #include "common.cuh"
