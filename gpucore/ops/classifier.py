@@ -269,6 +269,10 @@ def _check_sparse(sparse_tau, sparse_seed, sparse_row0, logits, dlogits8, dlogit
     """sparse_tau: 0 (off) or a power of two on the written dlogits; the rest only when it is on."""
     if isinstance(sparse_tau, bool) or not isinstance(sparse_tau, numbers.Real) or not sparse_tau >= 0:
         raise ValueError(f"sparse_tau: expected a float >= 0, got {sparse_tau!r}")
+    if sparse_seed is not None or sparse_tau:    # given (the model always passes its own), or needed
+        check_array("sparse_seed", sparse_seed, dtypes_=(np.dtype(np.uint32),), shape=(1,))
+        if runtime.array_module(sparse_seed) is not xp:
+            raise TypeError("sparse_seed: must be on the logits' device")
     if sparse_tau == 0:
         return False
     if np.frexp(float(sparse_tau))[0] != 0.5:
@@ -285,9 +289,6 @@ def _check_sparse(sparse_tau, sparse_seed, sparse_row0, logits, dlogits8, dlogit
             raise ValueError(f"sparse_tau: needs a power-of-two dlogits8_scale, got {dlogits8_scale!r}")
     elif not 2.0 ** -126 <= sparse_tau <= 2.0 ** 127:
         raise ValueError(f"sparse_tau: a normal bf16 power of two, got {sparse_tau!r}")
-    check_array("sparse_seed", sparse_seed, dtypes_=(np.dtype(np.uint32),), shape=(1,))
-    if runtime.array_module(sparse_seed) is not xp:
-        raise TypeError("sparse_seed: must be on the logits' device")
     if isinstance(sparse_row0, bool) or not isinstance(sparse_row0, numbers.Integral) or sparse_row0 < 0:
         raise ValueError(f"sparse_row0: expected an int >= 0, got {sparse_row0!r}")
     return True
