@@ -71,6 +71,14 @@ def open_meter(pci_bus_id: str | None = None):
         return None
 
 
+def require_meter(who: str = "the probe"):
+    """open_meter() for tools that cannot run without it: SystemExit with one line where it is missing."""
+    meter = open_meter()
+    if meter is None:
+        raise SystemExit(f"{who} needs NVML's energy counter (libnvidia-ml), which did not load")
+    return meter
+
+
 @dataclass
 class PowerReading:
     calls: int

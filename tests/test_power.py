@@ -90,3 +90,11 @@ def test_open_meter_is_none_without_nvml(monkeypatch):
             return 9                      # NVML_ERROR_DRIVER_NOT_LOADED
     monkeypatch.setattr(ctypes, "CDLL", lambda name: FailingInit())
     assert power.open_meter("00000000:01:00.0") is None
+
+
+def test_require_meter_exits_with_one_line_without_nvml(monkeypatch):
+    def no_library(name):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    with pytest.raises(SystemExit, match="the probe needs NVML's energy counter"):
+        power.require_meter()

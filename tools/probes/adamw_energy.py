@@ -21,9 +21,7 @@ from gpucore import power
 opts = dict(n="1557686400", seconds="2", rounds="2")
 opts.update(kv.split("=", 1) for kv in sys.argv[1:])
 n = int(opts["n"])
-meter = power.open_meter()
-if meter is None:
-    sys.exit("the probe needs NVML's energy counter (libnvidia-ml), which did not load")
+meter = power.require_meter()
 rng = cupy.random.default_rng(0)
 params = rng.standard_normal(n, dtype=np.float32) * np.float32(0.02)
 m = rng.standard_normal(n, dtype=np.float32) * np.float32(1e-4)

@@ -37,9 +37,7 @@ def measure(fn, seconds, sync, meter):
 
 def main():
     import cupy
-    meter = power.open_meter()
-    if meter is None:
-        sys.exit("the probe needs NVML's energy counter (libnvidia-ml), which did not load")
+    meter = power.require_meter()
     sync = cupy.cuda.Device().synchronize
     seconds = float(opts["seconds"])
     if WHAT & {"step", "ops"}:

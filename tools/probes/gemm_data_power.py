@@ -53,9 +53,7 @@ def operands(kind, rng):
 
 
 def main():
-    meter = power.open_meter()
-    if meter is None:
-        sys.exit("the probe needs NVML's energy counter (libnvidia-ml), which did not load")
+    meter = power.require_meter()
     sync = cp.cuda.Device().synchronize
     rng = np.random.default_rng(0)
     x = cp.empty((M, K), BF)               # only its shape is read (need_dweight=False)

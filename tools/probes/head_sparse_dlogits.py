@@ -58,9 +58,7 @@ def sparsify(d, tau, rng):
 
 
 def main():
-    meter = power.open_meter()
-    if meter is None:
-        sys.exit("the probe needs NVML's energy counter (libnvidia-ml), which did not load")
+    meter = power.require_meter()
     sync = cp.cuda.Device().synchronize
     rng = cp.random.default_rng(0)
     grad_scale = 1.0 / TOKENS

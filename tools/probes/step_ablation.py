@@ -70,9 +70,7 @@ class Keeper(profiler.Recorder):
 
 
 def main():
-    meter = power.open_meter()
-    if meter is None:
-        sys.exit("the probe needs NVML's energy counter (libnvidia-ml), which did not load")
+    meter = power.require_meter()
     if opts["device"] == "cuda":
         import cupy
         sync = cupy.cuda.Device().synchronize
