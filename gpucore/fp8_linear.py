@@ -50,7 +50,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import settings
-from .ops.classifier import dlogits_fp8_scale
+from .ops.classifier import dlogits_fp8_scale, sparse_tau_of
 from .ops.fp8 import (Fp8Scaling, fp8_gelu_backward, fp8_gelu_backward_gated, fp8_gelu_quantize,
                       fp8_gelu_quantize_gated, fp8_matmul, fp8_requantize_gated, fp8_transpose)
 from .ops.gelu import gelu, gelu_backward
@@ -318,7 +318,7 @@ class Fp8Linears:
         sg, sg_inv, _ = sc.tensor(hg)
         sg.fill(np.float32(s))
         sg_inv.fill(np.float32(1.0 / s))
-        self.head_sparse_tau = sparse_tau(self.head_sparse, grad_scale, s)
+        self.head_sparse_tau = sparse_tau_of(self.head_sparse, grad_scale, s)
         return s
 
     def head_logits(self, r0, r1, out):
@@ -364,11 +364,3 @@ class Fp8Linears:
     def end_step(self):
         self.scaling.end_step()
 
-
-def sparse_tau(probability: float, grad_scale: float, scale: float = 1.0) -> float:
-    """The classifier's sparse_tau for a thinning threshold given as a probability (settings
-    fp8_lm_head_sparse, bf16_lm_head_sparse): the power of two nearest probability * grad_scale *
-    scale (the dlogit of that probability, times the E5M2 scale for FP8), 0 when off."""
-    if probability <= 0:
-        return 0.0
-    return float(2.0 ** np.round(np.log2(probability * grad_scale * scale)))

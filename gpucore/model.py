@@ -49,14 +49,13 @@ import numpy as np
 
 from . import dtypes, runtime, settings
 from .ops.attention import attention_backward, attention_forward
-from .ops.classifier import fused_classifier
+from .ops.classifier import fused_classifier, sparse_tau_of
 from .ops.encoder import encoder_backward, encoder_backward_plan, encoder_forward
 from .ops.gelu import gelu_backward
 from .ops.layernorm import LayerNormCall, layernorm_backward, layernorm_forward
 from .ops.matmul import matmul_backward, matmul_forward
 from .ops.reduce import reduce_sum as _sum
 from .fp8_linear import ATTPROJ, FC, FCPROJ, QKV, Fp8Linears, kept_x8t
-from .fp8_linear import sparse_tau
 from .tensors import TensorLayout
 
 GPT2_VOCAB = 50257
@@ -554,7 +553,7 @@ class GPT2:
                 if head8:                       # settings.fp8_lm_head_sparse: the E5M2 dlogits
                     sparse = self.fp8.head_sparse_tau if dwte8 else 0.0
                 else:                           # settings.bf16_lm_head_sparse: the bf16 dlogits
-                    sparse = sparse_tau(self.bf16_head_sparse, grad_scale) if for_backward else 0.0
+                    sparse = sparse_tau_of(self.bf16_head_sparse, grad_scale) if for_backward else 0.0
                 fused_classifier(chunk, tgt[r0:r1], vocab_size=V,
                                  grad_scale=grad_scale if for_backward else 0.0, losses=losses[r0:r1],
                                  check_targets=check_tokens, dlogits8=d8, dlogits8_scale=d8_scale,

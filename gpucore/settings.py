@@ -53,7 +53,6 @@ class Settings:
     # ---- model (gpucore/model.py)
     fused_bias_grads: bool = True         # bias grads from the kernels writing dout: gelu / layernorm / attention backward
     lm_head_chunk_bytes: int = 1 << 30    # LM-head logits scratch: rows per chunk = largest power of 2 within
-    # ---- the LM head (gpucore/model.py)
     bf16_lm_head_sparse: float = 0.0      # > 0: the bf16 head's dlogits below ~this probability thinned without
                                           # bias (classifier sparse_tau; fewer toggling bits for its GEMMs); 0: off
     # ---- FP8 linears (gpucore/fp8_linear.py, --dtype fp8): the scaling recipes' knobs

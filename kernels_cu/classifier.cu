@@ -391,7 +391,13 @@ __device__ __forceinline__ uint4 sparse_pack(const uint4& p, u32 t2, u32 tau2) {
     for (int k = 0; k < 4; k++) {
         u32 m, keep;
         asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(w[k]), "r"(tau2));
+#if __CUDA_ARCH__ >= 900
         asm("set.gtu.u32.bf16x2 %0, %1, %2;" : "=r"(keep) : "r"(w[k]), "r"(t2));   // NaN: kept
+#else   // set.bf16x2 is sm_90's: compare in fp32 (the same result)
+        const float lo = __uint_as_float(w[k] << 16), hi = __uint_as_float(w[k] & 0xffff0000u);
+        const float tf = __uint_as_float(t2 << 16);
+        keep = (!(lo <= tf) ? 0x0000ffffu : 0u) | (!(hi <= tf) ? 0xffff0000u : 0u);
+#endif
         w[k] = m & keep;
     }
     return make_uint4(w[0], w[1], w[2], w[3]);

@@ -917,7 +917,7 @@ def test_model_fp8_lm_head_sparse_dlogits(device):
     (the loss bit for bit), the gradients stay near the dense ones and are deterministic, and the
     seed the kernel reads is the scaling's step count after end_step."""
     from gpucore import settings
-    from gpucore.fp8_linear import sparse_tau
+    from gpucore.ops.classifier import sparse_tau_of
     if device == "cuda":
         _need_fp8()
     xp = runtime.cupy if device == "cuda" else np
@@ -938,7 +938,7 @@ def test_model_fp8_lm_head_sparse_dlogits(device):
     assert m.fp8.head_sparse == prob and int(to_cpu(m.head_seed)[0]) == m.steps_done == m.fp8.scaling.step_index == 1
     grad_scale = 1.0 / x.size
     s8 = float(m.fp8.scaling.scale[12 * cfg.num_layers + 2])
-    assert m.fp8.head_sparse_tau == sparse_tau(prob, grad_scale, s8)
+    assert m.fp8.head_sparse_tau == sparse_tau_of(prob, grad_scale, s8)
     assert np.log2(m.fp8.head_sparse_tau) == round(np.log2(prob * grad_scale * s8))
     with settings.using(fp8_lm_head=True, fp8_lm_head_dwte=False, fp8_lm_head_sparse=prob):
         assert GPT2(cfg, xp=xp, dtype="bfloat16", seed=9, fp8="adaptive").fp8.head_sparse == 0.0

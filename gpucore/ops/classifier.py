@@ -225,6 +225,15 @@ def dlogits_fp8_scale(grad_scale: float) -> float:
     return float(2.0 ** np.floor(np.log2(57344.0 / grad_scale)))
 
 
+def sparse_tau_of(probability: float, grad_scale: float, scale: float = 1.0) -> float:
+    """fused_classifier's sparse_tau for a thinning threshold given as a probability (settings
+    fp8_lm_head_sparse, bf16_lm_head_sparse): the power of two nearest probability * grad_scale *
+    scale (the dlogit of that probability; FP8: times dlogits8_scale), 0 when off."""
+    if probability <= 0:
+        return 0.0
+    return float(2.0 ** np.round(np.log2(probability * grad_scale * scale)))
+
+
 def fmix32(h) -> np.ndarray:
     """murmur3's 32-bit finalizer on uint32 values (wrapping), as the FP8 classifier's sparse_pack
     hashes (kernels_cu/classifier.cu)."""

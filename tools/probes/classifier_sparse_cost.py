@@ -12,8 +12,7 @@ import numpy as np
 
 import gpucore
 from gpucore.bench import time_interleaved
-from gpucore.fp8_linear import sparse_tau
-from gpucore.ops.classifier import dlogits_fp8_scale, fused_classifier
+from gpucore.ops.classifier import dlogits_fp8_scale, fused_classifier, sparse_tau_of
 from gpucore.ops.fp8 import fp8_matmul, fp8_quantize, fp8_transpose
 
 R, V, Vp, C, TOKENS = 8192, 50257, 50304, 768, 65536
@@ -42,7 +41,7 @@ d8t = cp.empty((Vp, R), cp.uint8)
 variants = {"dense": 0.0, **{f"sparse p<{p:g}": p for p in (2.0 ** -16, 2.0 ** -13, 2.0 ** -10)}}
 cls_fns, gemm_fns, zeros = [], [], {}
 for name, p in variants.items():
-    tau = sparse_tau(p, gs, s8)
+    tau = sparse_tau_of(p, gs, s8)
     d8 = cp.empty((R, Vp), cp.uint8)
 
     def cls(d8=d8, tau=tau):
