@@ -558,7 +558,7 @@ class GPT2:
                                  grad_scale=grad_scale if for_backward else 0.0, losses=losses[r0:r1],
                                  check_targets=check_tokens, dlogits8=d8, dlogits8_scale=d8_scale,
                                  write_dlogits=not dwte8, sparse_tau=sparse,
-                                 sparse_seed=self.head_seed, sparse_row0=r0)   # (a valid pointer either way)
+                                 sparse_seed=self.head_seed if sparse else None, sparse_row0=r0)
                 # The head has no bias: need_dbias=False, or matmul_backward would sum dlogits'
                 # columns into a throwaway vector (a whole extra read of every chunk).
                 if for_backward and head8:      # dlnf from the E5M2 dlogits; dwte from them or the bf16 ones

@@ -353,7 +353,7 @@ __device__ __forceinline__ uint2 e5m2_of_bf16_pack(const uint4& p) {
     return make_uint2(o[0], o[1]);
 }
 
-// ---- stochastic sparsification of the E5M2 dlogits (the FP8 LM head's `sparse_tau`) ----
+// ---- stochastic sparsification of the written dlogits (`sparse_tau`: bf16, or FP8's E5M2) ----
 // Why: at the 700 W cap a GEMM's power follows its operands' toggling bits, and nearly every dlogit
 // is a tiny softmax probability. Made unbiased-sparse, the LM head's two backward GEMMs run ~16%
 // faster at the cap (tools/probes/head_sparse_dlogits.py, tools/notes/fp8.md).
@@ -534,6 +534,7 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
     // sparse_tau > 0 (bf16 rows; FP8: E5M2 only, power-of-two scale -- the launcher checks): the hash's base,
     // from the step's seed in device memory (a CUDA graph replays this launch's arguments as they were)
     const u32 seed_base = (sparse_tau > 0.0f) ? fmix32(*sparse_seed ^ SPARSE_PHI) : 0u;
+    const u32 tau2 = __byte_perm(__float_as_uint(sparse_tau), 0u, 0x3232);   // sparse_tau as a bf16 pair
     int row = blockIdx.x;
     do {   // one pass where !WALK (the condition is then constant false); `continue` goes to it
         // Few registers live across the passes: the target is read here, the next row's address
@@ -624,20 +625,18 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
         // <= 57344 (dlogits_fp8_scale), so bf16(x * fp8_scale) = bf16(x) * fp8_scale exactly and
         // the bytes stay e5m2(bf16(dlogits) * fp8_scale), one multiply a logit fewer. (Any other
         // scale a caller passes takes the multiply after the rounding, as before.)
+        const u32 rowkey = (sparse_tau > 0.0f) ? fmix32(seed_base + (u32)(row0 + row)) : 0u;   // the row's draws
         if (sizeof(T) == 2 && !exact && exp_fma_ok(sh)) {
             if (FP8 && !write_bf16 && is_pow2(fp8_scale) && sparse_tau > 0.0f)
                 v3_pass2<T, K, FP8, true, true, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,
                                                       scale * fp8_scale, grad_scale * fp8_scale, fp8_scale, false,
-                                                      fmix32(seed_base + (u32)(row0 + row)), sparse_tau,
-                                                      __byte_perm(__float_as_uint(sparse_tau), 0u, 0x3232));
+                                                      rowkey, sparse_tau, tau2);
             else if (FP8 && !write_bf16 && is_pow2(fp8_scale))
                 v3_pass2<T, K, FP8, true, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,
                                                         scale * fp8_scale, grad_scale * fp8_scale, fp8_scale, false);
             else if (!FP8 && sparse_tau > 0.0f)         // the bf16 dlogits thinned (bf16 only: sizeof(T) == 2)
                 v3_pass2<T, K, false, true, false, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh, scale,
-                                                         grad_scale, fp8_scale, true,
-                                                         fmix32(seed_base + (u32)(row0 + row)), sparse_tau,
-                                                         __byte_perm(__float_as_uint(sparse_tau), 0u, 0x3232));
+                                                         grad_scale, fp8_scale, true, rowkey, sparse_tau, tau2);
             else
                 v3_pass2<T, K, FP8, true, false>(s_row, xr, d8, next, n_packs, V, t, tpack, sh, scale,
                                                         grad_scale, fp8_scale, !FP8 || write_bf16);

@@ -205,7 +205,7 @@ def launch_fused(logits, targets, losses, V: int, grad_scale: float, version=Non
     if version == 3:
         n_packs = Vp // (16 // logits.dtype.itemsize)
         kernel = runtime.get_kernel("classifier", f"classifier_backward_kernel_v3_k{_v3_k(n_packs)}_{suf}")
-        seed = _zero_seed() if sparse_seed is None else sparse_seed     # not read while sparse_tau is 0
+        seed = np.uint64(0) if sparse_seed is None else sparse_seed     # null: not read while sparse_tau is 0
         _launch_v3(kernel, N, n_packs, args + (np.float32(sparse_tau), seed, np.int32(sparse_row0)))
         return losses
     if sparse_tau:
@@ -235,8 +235,8 @@ def sparse_tau_of(probability: float, grad_scale: float, scale: float = 1.0) -> 
 
 
 def fmix32(h) -> np.ndarray:
-    """murmur3's 32-bit finalizer on uint32 values (wrapping), as the FP8 classifier's sparse_pack
-    hashes (kernels_cu/classifier.cu)."""
+    """murmur3's 32-bit finalizer on uint32 values (wrapping), as the classifier kernels hash the
+    sparse dlogits' draws (kernels_cu/classifier.cu)."""
     h = np.array(h, dtype=np.uint32, copy=True)
     h ^= h >> np.uint32(16)
     h *= np.uint32(0x85EBCA6B)
@@ -388,8 +388,8 @@ def launch_fused_fp8(logits, targets, losses, V, grad_scale, dlogits8, scale, wr
                      sparse_tau=0.0, sparse_seed=None, sparse_row0=0):
     """v3's FP8 kernel alone, on checked CuPy arrays (bf16 logits whose rows v3 takes, no target
     check): what fused_classifier runs for dlogits8, and what the benchmark times."""
-    if sparse_seed is None:             # not read while sparse_tau is 0, but a valid pointer all the same
-        sparse_seed = _zero_seed()
+    if sparse_seed is None:             # null: not read while sparse_tau is 0
+        sparse_seed = np.uint64(0)
     Vp = logits.shape[-1]
     N = targets.size
     if N == 0:
@@ -402,17 +402,6 @@ def launch_fused_fp8(logits, targets, losses, V, grad_scale, dlogits8, scale, wr
                 np.int32(sparse_row0)))
     return losses
 
-
-_ZERO_SEEDS: dict = {}
-
-
-def _zero_seed():
-    """A (1,) uint32 zero on the current device, made once (a graph capture may not allocate)."""
-    import cupy
-    dev = cupy.cuda.Device().id
-    if dev not in _ZERO_SEEDS:
-        _ZERO_SEEDS[dev] = cupy.zeros(1, np.uint32)
-    return _ZERO_SEEDS[dev]
 
 
 def cross_entropy(logits, targets, vocab_size=None, losses=None, *, check_targets=True):

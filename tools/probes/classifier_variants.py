@@ -51,7 +51,7 @@ def f32(a):
 
 def runs(ks):
     work, d8, losses = cp.empty_like(logits0), cp.empty((N, Vp), np.uint8), cp.empty(N, np.float32)
-    seed0 = cp.zeros(1, np.uint32)      # the kernels' sparse_seed (unread: sparse_tau = 0); older trees ignore it
+    seed0 = np.uint64(0)                # the kernels' sparse_seed, null (unread: sparse_tau = 0); older trees ignore it
     bwd, fp8, fwd = ks
     smem = n_packs * 16
     common = (np.int32(N), np.int32(V), np.int32(Vp))
