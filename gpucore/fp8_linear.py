@@ -16,10 +16,9 @@ own seed-to-seed spread, tools/notes/fp8.md) runs in FP8
 too: logits = lnf8 @ wte8^T per chunk (E4M3, fast accumulation), and the backward's
 dlnf = dlogits8 @ wte8T^T, where the fused classifier writes dlogits8 (E5M2, a fixed power-of-two
 scale: |dlogits| <= grad_scale). With settings.fp8_lm_head_dwte (on by default) dwte is an FP8
-GEMM too: dwte += dlogits8T @ lnf8T^T, both operands turned token-contiguous per chunk into the
-logits chunk (dead once the classifier has read it, which then writes no bf16 dlogits at all):
-dlogits8T by the dx GEMM itself on Hopper (settings.fp8_lm_head_dx_transposes,
-kernels_cu/fp8_matmul.cu), else by fp8_transpose; otherwise the classifier also writes the bf16 dlogits and dwte is a bf16 GEMM. Its
+GEMM too: dwte += dlogits8T @ lnf8T^T, both operands turned token-contiguous per chunk by
+fp8_transpose into the logits chunk (dead once the classifier has read it, which then writes no bf16
+dlogits at all); otherwise the classifier also writes the bf16 dlogits and dwte is a bf16 GEMM. Its
 three scaled tensors are slots 12 L + {0, 1, 2}. With the E5M2-only dlogits, settings.fp8_lm_head_sparse
 (on) has the classifier thin them without bias below that probability (sparse_tau; the seed is
 GPT2.head_seed): ~97% zeros, which the head's two backward GEMMs multiply at a higher clock.
@@ -141,7 +140,6 @@ class Fp8Linears:
         self.weights_current = s.fp8_weights_current
         self.head_dwte = self.lm_head and s.fp8_lm_head_dwte
         self.fast_dgrad = s.fp8_fast_accum_dgrad
-        self.dx_transposes = s.fp8_lm_head_dx_transposes
         if not s.fp8_lm_head_sparse >= 0:
             raise ValueError(f"fp8_lm_head_sparse: expected a probability >= 0, got {s.fp8_lm_head_sparse!r}")
         # The sparsified E5M2 dlogits need the E5M2-only classifier, i.e. dwte from them too.
@@ -337,39 +335,25 @@ class Fp8Linears:
         """The (rows, Vp) uint8 view the fused classifier writes dlogits' E5M2 bytes to."""
         return self._head[1][3][: rows * Vp].reshape(rows, Vp)
 
-    def head_dx(self, dlogits8, out, scratch=None):
-        """out (rows, C) = dlogits8 @ wte8T^T, dequantized: the LM head's dlnf for one chunk [=].
-        scratch (for head_dwte_into next, with settings.fp8_lm_head_dx_transposes): the same GEMM
-        also writes dlogits8's transpose into it; returns that (Vp, rows) view, else None."""
-        C, (rows, Vp) = out.shape[1], dlogits8.shape
+    def head_dx(self, dlogits8, out):
+        """out (rows, C) = dlogits8 @ wte8T^T, dequantized: the LM head's dlnf for one chunk [=]."""
+        C, Vp = out.shape[1], dlogits8.shape[1]
         w8t = self._head[1][2][: Vp * C].reshape(C, Vp)
         _, hw, hg = self._head_slots()
-        d8t = None
-        if scratch is not None and self.dx_transposes:
-            d8t = self._head_scratch(scratch, rows, Vp)[: Vp * rows].reshape(Vp, rows)
-        fp8_matmul(dlogits8, w8t, "e5m2", "e4m3", self.scaling.tensor(hg)[1], self.scaling.tensor(hw)[1], out=out,
-                   a_t_out=d8t)
-        return d8t
+        fp8_matmul(dlogits8, w8t, "e5m2", "e4m3", self.scaling.tensor(hg)[1], self.scaling.tensor(hw)[1], out=out)
+        return out
 
-    def _head_scratch(self, scratch, rows, Vp):
-        """scratch's bytes, checked to hold the dwte GEMM's two transposed operands."""
-        C = self.cfg.channels
-        flat = scratch.reshape(-1).view(np.uint8)
-        if flat.size < rows * (Vp + C):
-            raise ValueError(f"scratch: {flat.size} bytes, the transposes need {rows * (Vp + C)}")
-        return flat
-
-    def head_dwte_into(self, dlogits8, r0, scratch, dweight, d8t=None):
+    def head_dwte_into(self, dlogits8, r0, scratch, dweight):
         """dweight (Vp, C) += dlogits^T @ lnf[r0:r0 + rows] in FP8 (E5M2 x E4M3, exact accumulation):
         the FP8 GEMM wants both operands token-contiguous, so dlogits8 (rows, Vp) and the chunk's
         lnf8 rows (rows, C) are first transposed into `scratch` (any array of >= rows (Vp + C) bytes:
-        the logits chunk, which nothing reads once the classifier has). d8t: dlogits8's transpose,
-        already at the start of scratch (head_dx's return), or None to make it here."""
+        the logits chunk, which nothing reads once the classifier has)."""
         rows, Vp = dlogits8.shape
         N, C = self._head[0], self.cfg.channels
-        flat = self._head_scratch(scratch, rows, Vp)
-        if d8t is None:
-            d8t = fp8_transpose(dlogits8, out=flat[: Vp * rows].reshape(Vp, rows))
+        flat = scratch.reshape(-1).view(np.uint8)
+        if flat.size < rows * (Vp + C):
+            raise ValueError(f"scratch: {flat.size} bytes, the transposes need {rows * (Vp + C)}")
+        d8t = fp8_transpose(dlogits8, out=flat[: Vp * rows].reshape(Vp, rows))
         x8 = self._head[1][0][: N * C].reshape(N, C)
         x8t = fp8_transpose(x8[r0:r0 + rows], out=flat[Vp * rows: (Vp + C) * rows].reshape(C, rows))
         hx, _, hg = self._head_slots()

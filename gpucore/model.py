@@ -562,10 +562,9 @@ class GPT2:
                 # The head has no bias: need_dbias=False, or matmul_backward would sum dlogits'
                 # columns into a throwaway vector (a whole extra read of every chunk).
                 if for_backward and head8:      # dlnf from the E5M2 dlogits; dwte from them or the bf16 ones
-                    # the chunk's logits are dead: the transposes' scratch (dx may write dlogits8's there)
-                    d8t = self.fp8.head_dx(d8, dlnf[r0:r1], scratch=chunk if dwte8 else None)
-                    if dwte8:
-                        self.fp8.head_dwte_into(d8, r0, chunk, g.wte, d8t=d8t)
+                    self.fp8.head_dx(d8, dlnf[r0:r1])
+                    if dwte8:                   # the chunk's logits are dead: the transposes' scratch
+                        self.fp8.head_dwte_into(d8, r0, chunk, g.wte)
                     else:
                         matmul_backward(chunk, lnf[r0:r1], p.wte, dweight=g.wte, need_dx=False, need_dbias=False)
                 elif for_backward:  # chunk now holds dlogits: the LM head's backward, at once

@@ -65,8 +65,6 @@ class Settings:
     fp8_fast_accum_dgrad: bool = True     # the linears' dx GEMMs (K <= 4C) on Hopper's fast FP8 accumulation too
     fp8_lm_head_sparse: float = 2.0 ** -13  # with fp8_lm_head_dwte: E5M2 dlogits below ~this probability thinned
                                           # without bias (fewer toggling bits for the head's GEMMs at the power cap); 0: off
-    fp8_lm_head_dx_transposes: bool = True  # with fp8_lm_head_dwte, on Hopper: the head's dx GEMM writes dlogits8's
-                                          # transpose for dwte itself (kernels_cu/fp8_matmul.cu), not fp8_transpose
     # ---- data parallel (gpucore/distributed/reducer.py)
     dp_overlap: bool = False              # True: reduce each layer's gradients while the backward runs (no CUDA graph)
 

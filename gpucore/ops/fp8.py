@@ -547,7 +547,7 @@ def fp8_matmul_reference(a8, b8, a_fmt, b_fmt, a_scale_inv, b_scale_inv, bias=No
 
 @profiler.profiled("fp8 matmul", flops=lambda r, args, kw: 2.0 * args[0].shape[0] * args[1].shape[0] * args[0].shape[1])
 def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=None, bias=None,
-               accumulate=False, fast_accum=False, gelu_out=None, residual=None, a_t_out=None):
+               accumulate=False, fast_accum=False, gelu_out=None, residual=None):
     """out (M, N) bfloat16 = (a (M, K) @ b (N, K)^T) * a_scale_inv * b_scale_inv [+ bias (N,)] [+ out].
 
     a8, b8: uint8 FP8 bytes (not both "e5m2"); scales (1,) float32 on the same device.
@@ -556,10 +556,6 @@ def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=
     epilogue; when Lt has no such FP8 algorithm, the gelu kernel after the GEMM).
     residual (M, N) bfloat16, optional: added before the rounding into out (cuBLASLt's C apart
     from D; matmul_forward's residual); not overlapping out, not with accumulate or gelu_out.
-    a_t_out (K, M) uint8, optional: also a8's bytes transposed (the LM head's dx GEMM reads every byte
-    of dlogits8, and its dwte GEMM wants them token-contiguous). On Hopper (sm_90) with an E4M3 b8
-    one kernel does both (kernels_cu/fp8_matmul.cu); elsewhere the GEMM, then fp8_transpose. Only
-    with the plain product: no accumulate, bias, gelu_out or residual.
     """
     _fmt(a_fmt), _fmt(b_fmt)
     if a_fmt == b_fmt == "e5m2":
@@ -590,13 +586,6 @@ def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=
             raise ValueError("residual: not with accumulate=True or gelu_out")
         if overlaps(xp, residual, out):
             raise ValueError("residual: must not overlap out (accumulate=True adds into out itself)")
-    if a_t_out is not None:
-        check_array("a_t_out", a_t_out, dtype=np.uint8, shape=(K, M), max_elements=None)
-        if accumulate or bias is not None or gelu_out is not None or residual is not None:
-            raise ValueError("a_t_out: only with the plain product (no accumulate, bias, gelu_out or residual)")
-        for name, arr in (("a8", a8), ("b8", b8), ("out", out)):
-            if overlaps(xp, a_t_out, arr):
-                raise ValueError(f"a_t_out: must not overlap {name}")
     if xp is np:
         r = fp8_matmul_reference(a8, b8, a_fmt, b_fmt, _host_scalar(a_scale_inv), _host_scalar(b_scale_inv), bias)
         r = r + (out.astype(np.float64) if accumulate else 0)
@@ -604,19 +593,10 @@ def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=
         out[...] = r.astype(out.dtype)
         if gelu_out is not None:
             gelu_out[...] = gelu_reference(r).astype(gelu_out.dtype)
-        if a_t_out is not None:
-            a_t_out[...] = a8.T
         return out
     if M % 16 or N % 16 or K % 16:
         raise ValueError(f"a8, b8: the FP8 GEMM needs M, N, K multiples of 16, got {M}, {N}, {K}")
     _require_fp8()
-    if a_t_out is not None:
-        if _transposing_gemm_runs(b_fmt):
-            _fp8_matmul_at(a8, b8, a_fmt, a_scale_inv, b_scale_inv, out, a_t_out, fast_accum)
-        else:
-            cublas.lt_fp8_gemm(a8, b8, out, M, N, K, a_fmt, b_fmt, a_scale_inv, b_scale_inv, fast_accum=fast_accum)
-            fp8_transpose(a8, out=a_t_out)
-        return out
     if gelu_out is not None:
         try:
             cublas.lt_fp8_gemm(a8, b8, gelu_out, M, N, K, a_fmt, b_fmt, a_scale_inv, b_scale_inv, bias=bias,
@@ -638,62 +618,3 @@ def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=
     if residual is not None:
         add(out, residual, out=out)
     return out
-
-
-# ------------------------------------------------------------ the GEMM that also transposes A (sm_90)
-
-AT_THREADS = 384                # kernels_cu/fp8_matmul.cu: producer + transposer warpgroup, two consumers
-AT_SMEM = 5 * 40960 + 1024      # 5 stages of A (16 KB) and B (24 KB), alignment
-AT_BM, AT_BN = 128, 192
-
-
-def _transposing_gemm_runs(b_fmt: str) -> bool:
-    """Whether fp8_matmul(a_t_out=) runs kernels_cu/fp8_matmul.cu here (Hopper, an E4M3 B)."""
-    return b_fmt == "e4m3" and runtime.device_arch() == "90"
-
-
-def _fp8_matmul_at(a8, b8, a_fmt, a_scale_inv, b_scale_inv, out, a_t_out, fast_accum, options=()):
-    """out = a8 @ b8^T * scales and a_t_out = a8^T by kernels_cu/fp8_matmul.cu (checked arguments;
-    M, N, K multiples of 16). a_t_out None (probes: the GEMM alone) skips the transpose; options:
-    compile-time switches (probes)."""
-    for name, arr in (("a8", a8), ("b8", b8), ("out", out), ("a_t_out", a_t_out)):
-        if arr is not None and arr.data.ptr % 16:
-            raise ValueError(f"{name}: must be 16-byte aligned for the FP8 GEMM")
-    (M, K), N = a8.shape, b8.shape[0]
-    if M == 0 or N == 0:
-        return
-    tiles = -(-M // AT_BM) * -(-N // AT_BN)
-    name = f"fp8_matmul_at_kernel_{a_fmt}_{'fast' if fast_accum else 'exact'}"
-    kernel = runtime.get_kernel("fp8_matmul", name, tuple(options), arch="90a")
-    runtime.launch(kernel, (min(tiles, runtime.sm_count()),), (AT_THREADS,),
-                   (out, np.uint64(0) if a_t_out is None else a_t_out, a_scale_inv, b_scale_inv, _at_maps(a8, b8), np.int32(M), np.int32(N), np.int32(K)),
-                   shared_mem=AT_SMEM)
-
-
-# (device, pointers, shapes) -> (the two tensor maps in device memory, their pinned host bytes). The
-# copy is a cudaMemcpyAsync from pinned memory on the current stream, so a first call inside a CUDA
-# graph's capture records it as a node (a pageable copy would break the capture); the pinned bytes stay
-# alive with the entry, and entries are never dropped while a graph may replay them (a training run
-# meets a fixed set of buffers; the cap only guards against a leak).
-_AT_MAPS: dict[tuple, tuple] = {}
-_AT_MAPS_CAP = 4096
-
-
-def _at_maps(a8, b8):
-    from ..ladder import tma
-    cp = runtime.cupy
-    (M, K), N = a8.shape, b8.shape[0]
-    key = (cp.cuda.runtime.getDevice(), a8.data.ptr, b8.data.ptr, M, N, K)
-    hit = _AT_MAPS.get(key)
-    if hit is None:
-        if len(_AT_MAPS) >= _AT_MAPS_CAP:
-            raise RuntimeError(f"fp8_matmul: more than {_AT_MAPS_CAP} distinct operand sets; the TMA map "
-                               "cache is for a training run's fixed buffers")
-        raw = tma.encode_2d(a8.data.ptr, U8, M, K, AT_BM, 128) + tma.encode_2d(b8.data.ptr, U8, N, K, AT_BN, 128)
-        host = cp.cuda.alloc_pinned_memory(len(raw))
-        np.frombuffer(host, np.uint8, len(raw))[:] = np.frombuffer(raw, np.uint8)
-        dev = cp.empty(len(raw), np.uint8)
-        cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ptr, len(raw), cp.cuda.runtime.memcpyHostToDevice,
-                                    cp.cuda.get_current_stream().ptr)
-        hit = _AT_MAPS[key] = (dev, host)
-    return hit[0]
