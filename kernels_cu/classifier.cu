@@ -335,39 +335,6 @@ __device__ __forceinline__ float pack_expsum(const uint4& r, int nv, float sh, f
     return f[0];
 }
 
-// The FP8 kernel's E5M2-only rows make each exp once (KEEP_E below): pass 1 sums a pack's
-// e = exp(x - sh) (sh: the thread's own max) and writes them back over the pack's logits as
-// f16 pairs of e * 2^15 (e <= 1; the 2^15 keeps e down to 2^-29 out of f16's subnormals), and
-// pass 2 multiplies them by the thread's exp(sh - M) times the softmax's scale instead of making
-// each exp again. Why: on an H200 two MUFU.EX2 a logit (16 a clock an SM) were ~0.23 ms of the
-// FP8 classifier's ~0.43 ms a d12 chunk, beside ~0.29 ms of DRAM traffic. The f16 rounding
-// (2^-12) moves ~3% of the bf16 values by one unit in the last place against the bf16 kernel's.
-#define KEEP_E_SCALE 32768.0f
-__device__ __forceinline__ u32 cvt_rn_f16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ void unpack_f16x2(u32 w, float& lo, float& hi) {
-    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}"
-        : "=f"(lo), "=f"(hi) : "r"(w));
-}
-
-// pack_expsum<bf16, true> that also writes the pack's e * 2^15 back into its slot (f16 pairs).
-__device__ __forceinline__ float pack_expsum_keep(uint4& r, int nv, float c) {
-    float f[8];
-    Raw<bf16>::unpack(r, f);
-    #pragma unroll
-    for (int e = 0; e < 8; e++) f[e] = e < nv ? ex2_ftz(fmaf(f[e], LOG2E, c)) : 0.0f;
-    r = make_uint4(cvt_rn_f16x2(f[0] * KEEP_E_SCALE, f[1] * KEEP_E_SCALE), cvt_rn_f16x2(f[2] * KEEP_E_SCALE, f[3] * KEEP_E_SCALE),
-                   cvt_rn_f16x2(f[4] * KEEP_E_SCALE, f[5] * KEEP_E_SCALE), cvt_rn_f16x2(f[6] * KEEP_E_SCALE, f[7] * KEEP_E_SCALE));
-    #pragma unroll
-    for (int w = 1; w < 8; w *= 2)
-        #pragma unroll
-        for (int e = 0; e < 8; e += 2 * w) f[e] += f[e + w];
-    return f[0];
-}
-
 // A normal positive power of two: sign and mantissa bits clear, exponent neither 0 nor 255.
 __device__ __forceinline__ bool is_pow2(float x) {
     const u32 b = __float_as_uint(x);
@@ -482,9 +449,7 @@ __device__ __forceinline__ void v3_copy_row(uint4* s_row, const uint4* xr, int n
 // conversion). LEAN: the exponent in one FFMA and the hardware bf16 rounding (finite rows of bf16);
 // otherwise the two-op exponent and the exact rounding (NaN bits, float32 rows). next: the block's
 // next row (WALK), copied into each slot right after its pack is stored, or null.
-// KEPT (the FP8 kernel's E5M2-only rows, KEEP_E): the slots hold pass 1's f16 e * 2^15 relative to the
-// thread's own max, and fscale is the thread's exp(sh_thread - M) 2^-15 times the softmax's scale.
-template <typename T, int K, bool FP8, bool LEAN, bool FOLD, bool SPARSE = false, bool KEPT = false>
+template <typename T, int K, bool FP8, bool LEAN, bool FOLD, bool SPARSE = false>
 __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const uint4* next, int n_packs,
                                          int V, int t, int tpack, float sh, float fscale, float tsub,
                                          float fp8_scale, bool store_bf16,
@@ -499,21 +464,10 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
         const int i = tid + k * CLS3_BLOCK;
         if (i < n_packs) {
             float f[P];
-            if constexpr (KEPT) {
-                const uint4 r = s_row[i];
-                const u32 w[4] = {r.x, r.y, r.z, r.w};
-                #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    unpack_f16x2(w[e], f[2 * e], f[2 * e + 1]);
-                    f[2 * e] *= fscale;
-                    f[2 * e + 1] *= fscale;
-                }
-            } else {
-                R::unpack(s_row[i], f);
-                #pragma unroll
-                for (int e = 0; e < P; e++)
-                    f[e] = ex2_ftz(LEAN ? fmaf(f[e], LOG2E, c) : (f[e] - sh) * LOG2E) * fscale;
-            }
+            R::unpack(s_row[i], f);
+            #pragma unroll
+            for (int e = 0; e < P; e++)
+                f[e] = ex2_ftz(LEAN ? fmaf(f[e], LOG2E, c) : (f[e] - sh) * LOG2E) * fscale;
             if (i == tpack) {                           // the one pack holding the target
                 // a bit mask, not f[t - i * P]: a dynamic index would put f in local memory
                 const u32 hit = 1u << (t - i * P);
@@ -565,7 +519,6 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
                                        const u32* sparse_seed = nullptr, int row0 = 0) {
     extern __shared__ uint4 s_row[];
     __shared__ float s_m[CLS3_BLOCK / 32], s_s[CLS3_BLOCK / 32], s_res[2];
-    __shared__ float s_mown[FP8 ? CLS3_BLOCK : 1];     // KEEP_E: each thread's own max, across the barriers
     using R = Raw<T>;
     constexpr int P = R::P;
     constexpr int KH = (K + 1) / 2;
@@ -582,14 +535,6 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
     // from the step's seed in device memory (a CUDA graph replays this launch's arguments as they were)
     const u32 seed_base = (sparse_tau > 0.0f) ? fmix32(*sparse_seed ^ SPARSE_PHI) : 0u;
     const u32 tau2 = __byte_perm(__float_as_uint(sparse_tau), 0u, 0x3232);   // sparse_tau as a bf16 pair
-    // KEEP_E: each exp made once (pack_expsum_keep), on the thinned E5M2-only rows whose scale folds
-    // in (--dtype fp8's LM head; the dense ones keep two exps a logit: one pass-2 loop fewer to fit
-    // the 64 registers of two blocks an SM)
-#ifdef CLS_FP8_EXPS_TWICE
-    const bool keep_e = false;                          // probe switch: pass 2 makes the exps again
-#else
-    const bool keep_e = FP8 && sizeof(T) == 2 && !write_bf16 && is_pow2(fp8_scale) && sparse_tau > 0.0f;
-#endif
     int row = blockIdx.x;
     do {   // one pass where !WALK (the condition is then constant false); `continue` goes to it
         // Few registers live across the passes: the target is read here, the next row's address
@@ -626,18 +571,9 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
             if (i < n_packs && i * P < V) m = fmaxf(m, pack_max<T>(s_row[i], V - i * P));
         }
         float s = 0.0f;
-        bool kept = false;
-        if (keep_e) s_mown[tid] = m;                    // KEEP_E: pass 2 rescales this thread's e by it
         {
             const float sh = (m == neg_inf()) ? 0.0f : m, c = -sh * LOG2E;
-            if (keep_e && exp_fma_ok(sh)) {
-                kept = true;
-                #pragma unroll
-                for (int k = 0; k < K; k++) {
-                    const int i = tid + k * CLS3_BLOCK;
-                    if (i < n_packs && i * P < V) s += pack_expsum_keep(s_row[i], V - i * P, c);
-                }
-            } else if (sizeof(T) == 2 && exp_fma_ok(sh)) {
+            if (sizeof(T) == 2 && exp_fma_ok(sh)) {
                 #pragma unroll
                 for (int k = 0; k < K; k++) {
                     const int i = tid + k * CLS3_BLOCK;
@@ -655,8 +591,7 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
         for (int o = 16; o > 0; o >>= 1)
             combine_ms(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
         if (lane == 0) { s_m[warp] = m; s_s[warp] = s; }
-        // also publishes every thread's cp.async data; all_kept: every thread's slots hold its e
-        const bool all_kept = __syncthreads_and(kept) != 0;
+        __syncthreads();                                // also publishes every thread's cp.async data
         if (warp == 0) {
             m = lane < CLS3_BLOCK / 32 ? s_m[lane] : neg_inf();
             s = lane < CLS3_BLOCK / 32 ? s_s[lane] : 0.0f;
@@ -666,9 +601,7 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
             if (lane == 0) {
                 s_res[0] = m;
                 s_res[1] = s;
-                // KEEP_E rows hold e in the slots by now: the target's logit from global memory
-                const float xt = !valid ? 0.0f : keep_e ? to_float(logits[(size_t)row * Vp + t])
-                                                        : to_float(reinterpret_cast<const T*>(s_row)[t]);
+                const float xt = valid ? to_float(reinterpret_cast<const T*>(s_row)[t]) : 0.0f;
                 losses[row] = row_loss(m, s, xt, valid);
             }
         }
@@ -693,23 +626,6 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
         // the bytes stay e5m2(bf16(dlogits) * fp8_scale), one multiply a logit fewer. (Any other
         // scale a caller passes takes the multiply after the rounding, as before.)
         const u32 rowkey = (sparse_tau > 0.0f) ? fmix32(seed_base + (u32)(row0 + row)) : 0u;   // the row's draws
-        if (keep_e && all_kept && !exact && exp_fma_ok(sh)) {
-            // this thread's e were relative to its own max: exp(m_own - M), and KEEP_E_SCALE undone
-            const float m_own = s_mown[tid];
-            const float kscale = m_own == neg_inf() ? 0.0f
-                               : ex2_ftz((m_own - sh) * LOG2E) * (scale * fp8_scale * (1.0f / KEEP_E_SCALE));
-            v3_pass2<T, K, FP8, true, true, true, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,
-                                                        kscale, grad_scale * fp8_scale, fp8_scale, false,
-                                                        rowkey, sparse_tau, tau2);
-            cp_async_commit();
-            continue;
-        }
-        if (keep_e) {                                   // a row KEEP_E cannot finish (NaN, inf): its logits again
-            __syncthreads();                            // every thread is past pass 1's reads of s_res
-            v3_copy_row<T, K>(s_row, reinterpret_cast<const uint4*>(xr), n_packs, tid);
-            cp_async_wait<0>();
-            __syncthreads();
-        }
         if (sizeof(T) == 2 && !exact && exp_fma_ok(sh)) {
             if (FP8 && !write_bf16 && is_pow2(fp8_scale) && sparse_tau > 0.0f)
                 v3_pass2<T, K, FP8, true, true, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,

@@ -1,5 +1,4 @@
 """gpucore.fused_classifier / cross_entropy: reference vs finite differences, GPU vs reference, bad input."""
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -559,28 +558,13 @@ def test_fp8_sparse_dlogits_bad_input(rng):
         gpucore.fused_classifier(logits.copy(), t, sparse_tau=4.0, sparse_row0=-1, **kw)
 
 
-def _e5m2_near(got, want, tau_code):
-    """The fraction of bytes that differ, after checking each such byte is one E5M2 step from the
-    wanted one (same sign) or a thinning draw that fell the other way (0 against +-tau): what one
-    bf16 unit in the last place of the value before the rule can do."""
-    diff = got != want
-    g, w = got[diff].astype(np.int16), want[diff].astype(np.int16)
-    same_sign = (g & 0x80) == (w & 0x80)
-    step = same_sign & (np.abs((g & 0x7F) - (w & 0x7F)) == 1)
-    flip = ((g & 0x7F) == 0) & ((w & 0x7F) == tau_code) | ((w & 0x7F) == 0) & ((g & 0x7F) == tau_code)
-    assert np.all(step | flip), f"{int((~(step | flip)).sum())} bytes further than one step or one draw"
-    return float(diff.mean())
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("V,Vp", [(50257, 50304), (1000, 1024)])
 def test_gpu_fp8_sparse_dlogits_are_the_rule(rng, V, Vp):
     """v3's FP8 kernel with sparse_tau: its bytes are the NumPy rule applied to the plain kernel's
     bf16 dlogits (scaled), cast to E5M2 -- over persistent walks (N > the grid), ignored rows and
     padding, from a row offset; the seed is read from device memory (a new seed, new bytes); the
-    losses are the dense kernel's. The kernel makes each exp once (KEEP_E: pass 1's exps kept as
-    f16 relative to each thread's own max), so a few bytes in ten thousand sit one E5M2 step or
-    one draw away from the rule on the plain kernel's values; the two-exp build is bit for bit."""
+    losses are the dense kernel's."""
     from gpucore.ops import classifier as cls
     from gpucore.ops.fp8 import fp8_supported
     ok, why = fp8_supported()
@@ -610,60 +594,12 @@ def test_gpu_fp8_sparse_dlogits_are_the_rule(rng, V, Vp):
         want, _ = fp8_quantize(thin.astype(gpucore.bfloat16), "e5m2", np.ones(1, np.float32),
                                out=np.zeros((N, Vp), np.uint8))
         got = to_cpu(d8)
-        tau_code = int(np.array([tau], np.float32).astype(ml_dtypes.float8_e5m2).view(np.uint8)[0])
-        assert _e5m2_near(got, want, tau_code) < 1e-3, f"seed {sv}"
+        assert got.tobytes() == want.tobytes(), f"seed {sv}: {(got != want).sum()} bytes differ"
         assert to_cpu(losses).tobytes() == to_cpu(l_plain).tobytes()
-        twice = cp.full((N, Vp), 0x7f, np.uint8)
-        cls.launch_fused_fp8(cp.asarray(logits), tg, cp.empty(N, np.float32), V, gs, twice, s, write_dlogits=False,
-                             sparse_tau=float(tau), sparse_seed=seed, sparse_row0=1000,
-                             options=("-DCLS_FP8_EXPS_TWICE",))
-        assert to_cpu(twice).tobytes() == want.tobytes(), f"seed {sv}: the two-exp build is not the rule"
         outs.append(got)
     assert outs[0].tobytes() != outs[1].tobytes()
     zero = (outs[0] & 0x7F) == 0
     assert zero[t != -1].mean() > (0.5 if V > 10000 else 0.2)     # thinned: mostly zeros at the real vocabulary
-
-
-@pytest.mark.cuda
-def test_gpu_fp8_sparse_rows_keep_e_cannot_finish(rng):
-    """Rows with NaN or inf logits, a huge finite shift, or all -inf but one: the kernel that kept
-    pass 1's exps reloads those rows' logits and takes the exact path, bit for bit the two-exp
-    build; every other row within one step or one draw of it, and the losses bit for bit."""
-    from gpucore.ops import classifier as cls
-    from gpucore.ops.fp8 import fp8_supported
-    ok, why = fp8_supported()
-    if not ok:
-        pytest.fail(why)
-    cp = runtime.cupy
-    V, Vp, N = 3000, 3008, 300
-    logits = (rng.standard_normal((N, Vp)) * 3).astype(np.float32)
-    logits[5, 17] = np.nan
-    logits[9, 3] = np.inf
-    logits[12, 40] = -np.inf
-    logits[20] = -np.inf
-    logits[20, 100] = 1.0
-    logits[33, 7] = 3e38
-    logits = logits.astype(gpucore.bfloat16)
-    t = _targets(rng, (N,), V, ignore_every=13)
-    tg = cp.asarray(t)
-    gs = 1.0 / N
-    s = dlogits_fp8_scale(gs)
-    tau = 2.0 ** np.round(np.log2(1e-2 * gs * s))
-    seed = cp.asarray([77], np.uint32)
-    runs = []
-    for options in ((), ("-DCLS_FP8_EXPS_TWICE",)):
-        d8 = cp.full((N, Vp), 0x7f, np.uint8)
-        losses = cp.full(N, -1.0, np.float32)
-        cls.launch_fused_fp8(cp.asarray(logits), tg, losses, V, gs, d8, s, write_dlogits=False,
-                             sparse_tau=float(tau), sparse_seed=seed, options=options)
-        runs.append((to_cpu(losses), to_cpu(d8)))
-    (l1, d1), (l2, d2) = runs
-    assert l1.tobytes() == l2.tobytes()
-    special = [5, 9, 20, 33]
-    assert d1[special].tobytes() == d2[special].tobytes()
-    tau_code = int(np.array([tau], np.float32).astype(ml_dtypes.float8_e5m2).view(np.uint8)[0])
-    rest = np.setdiff1d(np.arange(N), special)
-    assert _e5m2_near(d1[rest], d2[rest], tau_code) < 1e-3
 
 
 def test_bf16_sparse_dlogits_numpy_are_the_rule_on_the_dlogits(rng):

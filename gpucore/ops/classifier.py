@@ -385,10 +385,9 @@ def _check_fp8_out(logits, dlogits8, scale, xp):
 
 
 def launch_fused_fp8(logits, targets, losses, V, grad_scale, dlogits8, scale, write_dlogits=True,
-                     sparse_tau=0.0, sparse_seed=None, sparse_row0=0, options=()):
+                     sparse_tau=0.0, sparse_seed=None, sparse_row0=0):
     """v3's FP8 kernel alone, on checked CuPy arrays (bf16 logits whose rows v3 takes, no target
-    check): what fused_classifier runs for dlogits8, and what the benchmark times. options:
-    compile-time switches of kernels_cu/classifier.cu (tests and probes)."""
+    check): what fused_classifier runs for dlogits8, and what the benchmark times."""
     if sparse_seed is None:             # null: not read while sparse_tau is 0
         sparse_seed = np.uint64(0)
     Vp = logits.shape[-1]
@@ -396,8 +395,7 @@ def launch_fused_fp8(logits, targets, losses, V, grad_scale, dlogits8, scale, wr
     if N == 0:
         return losses
     n_packs = Vp // 8
-    kernel = runtime.get_kernel("classifier", f"classifier_backward_fp8_kernel_v3_k{_v3_k(n_packs)}_bf16",
-                                tuple(options))
+    kernel = runtime.get_kernel("classifier", f"classifier_backward_fp8_kernel_v3_k{_v3_k(n_packs)}_bf16")
     _launch_v3(kernel, v3_fp8_grid(kernel, N, n_packs), n_packs,
                (losses, logits, dlogits8, targets, np.float32(grad_scale), np.float32(scale), np.int32(N),
                 np.int32(V), np.int32(Vp), np.int32(bool(write_dlogits)), np.float32(sparse_tau), sparse_seed,
