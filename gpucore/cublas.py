@@ -65,7 +65,6 @@ GEMMEX = "gemmex"                       # a plan's choice when plain gemmEx won 
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_AUX_POINTER, _DESC_AUX_LD = 11, 12
 _DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER, _DESC_FAST_ACCUM = 17, 18, 25
-_DESC_SM_COUNT_TARGET = 15              # int32: the SMs cuBLASLt sizes its algorithms for (0: all)
 _CUDA_R_8F_E4M3, _CUDA_R_8F_E5M2 = 28, 29     # cudaDataType_t of the FP8 formats
 FP8_TYPES = {"e4m3": _CUDA_R_8F_E4M3, "e5m2": _CUDA_R_8F_E5M2}
 _EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
@@ -379,7 +378,7 @@ class CublasLt:
                       ctypes.c_void_p(aux_ptr))
 
     def plan(self, key, handle, op_b, op_a, N, M, K, ldb, lda, tb, ta, tc, epilogue, bias_ptr, aligns,
-             aux_ptr=0, scale_ptrs=None, fast_accum=False, sm_count=0):
+             aux_ptr=0, scale_ptrs=None, fast_accum=False):
         """The Plan for C^T = op(B)^T op(A)^T (+ epilogue), or None if Lt has no algorithm.
         scale_ptrs: (Lt's A = our b, Lt's B = our a) device float32 scale pointers (FP8)."""
         if key in self.plans:
@@ -396,8 +395,6 @@ class CublasLt:
                 self._set(lib.cublasLtMatmulDescSetAttribute, desc, attr, ctypes.c_void_p(ptr))
         if fast_accum:
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_FAST_ACCUM, ctypes.c_int8(1))
-        if sm_count:
-            self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_SM_COUNT_TARGET, ctypes.c_int32(sm_count))
         if aux_ptr:   # the GELU input matrix: D's column-major shape (N, M), leading dimension N
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_AUX_POINTER, ctypes.c_void_p(aux_ptr))
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_AUX_LD, ctypes.c_int64(N))
@@ -569,7 +566,7 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
 
 
 def lt_fp8_gemm(a8, b8, out, M, N, K, a_format, b_format, a_scale_inv, b_scale_inv, beta=0.0, bias=None,
-                fast_accum=False, gelu_aux=None, c=None, sm_count=0) -> None:
+                fast_accum=False, gelu_aux=None, c=None) -> None:
     """Row-major out (M, N) = (a (M, K) @ b (N, K)^T) * a_scale_inv * b_scale_inv [+ bias] [+ beta * out].
 
     a8, b8: uint8 arrays holding FP8 bytes (a_format / b_format "e4m3" or "e5m2"; not both e5m2),
@@ -578,9 +575,8 @@ def lt_fp8_gemm(a8, b8, out, M, N, K, a_format, b_format, a_scale_inv, b_scale_i
     fast_accum: Hopper's faster FP8 accumulation (partial sums in lower precision; Transformer
     Engine uses it for the forward only). gelu_aux (M, N) bf16: it receives the sum and out its
     GELU (GELU_AUX(_BIAS), as lt_gemm). c (M, N) bf16, optional: Lt's C apart from D, as lt_gemm's
-    (beta * c added, out only written). sm_count > 0: cuBLASLt's SM count target (its algorithms
-    chosen and sized for that many SMs, leaving the rest to a kernel beside it). Raises RuntimeError
-    when cuBLASLt cannot (no fallback: callers check fp8_supported() first).
+    (beta * c added, out only written). Raises RuntimeError when cuBLASLt cannot (no fallback:
+    callers check fp8_supported() first).
     """
     lt = lt_binding()
     if lt is None:
@@ -596,11 +592,9 @@ def lt_fp8_gemm(a8, b8, out, M, N, K, a_format, b_format, a_scale_inv, b_scale_i
            _alignment(aux_ptr) if aux_ptr else 0, beta != 0.0, bool(fast_accum))
     if c is not None:
         key = key + ("c",)
-    if sm_count:
-        key = key + (("sm", int(sm_count)),)
     scales = (b_scale_inv.data.ptr, a_scale_inv.data.ptr)   # Lt's A is our b
     plan = lt.plan(key, handle, 1, 0, N, M, K, K, K, tb, ta, tc, epilogue, bias_ptr, aligns,
-                   aux_ptr=aux_ptr, scale_ptrs=scales, fast_accum=fast_accum, sm_count=sm_count)
+                   aux_ptr=aux_ptr, scale_ptrs=scales, fast_accum=fast_accum)
     if plan is None:
         raise RuntimeError(f"cuBLASLt has no FP8 algorithm for ({M} x {K}) @ ({N} x {K})^T "
                            f"{a_format} x {b_format} (M, N, K must be multiples of 16)")

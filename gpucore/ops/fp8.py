@@ -547,7 +547,7 @@ def fp8_matmul_reference(a8, b8, a_fmt, b_fmt, a_scale_inv, b_scale_inv, bias=No
 
 @profiler.profiled("fp8 matmul", flops=lambda r, args, kw: 2.0 * args[0].shape[0] * args[1].shape[0] * args[0].shape[1])
 def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=None, bias=None,
-               accumulate=False, fast_accum=False, gelu_out=None, residual=None, sm_count=0):
+               accumulate=False, fast_accum=False, gelu_out=None, residual=None):
     """out (M, N) bfloat16 = (a (M, K) @ b (N, K)^T) * a_scale_inv * b_scale_inv [+ bias (N,)] [+ out].
 
     a8, b8: uint8 FP8 bytes (not both "e5m2"); scales (1,) float32 on the same device.
@@ -556,8 +556,6 @@ def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=
     epilogue; when Lt has no such FP8 algorithm, the gelu kernel after the GEMM).
     residual (M, N) bfloat16, optional: added before the rounding into out (cuBLASLt's C apart
     from D; matmul_forward's residual); not overlapping out, not with accumulate or gelu_out.
-    sm_count > 0 (GPU, the plain product): cuBLASLt sizes its algorithm for that many SMs, leaving
-    the rest to a kernel on another stream.
     """
     _fmt(a_fmt), _fmt(b_fmt)
     if a_fmt == b_fmt == "e5m2":
@@ -614,7 +612,7 @@ def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=
         except RuntimeError:
             pass          # no FP8 algorithm with a C matrix here: the GEMM, then the add
     cublas.lt_fp8_gemm(a8, b8, out, M, N, K, a_fmt, b_fmt, a_scale_inv, b_scale_inv,
-                       beta=1.0 if accumulate else 0.0, bias=bias, fast_accum=fast_accum, sm_count=sm_count)
+                       beta=1.0 if accumulate else 0.0, bias=bias, fast_accum=fast_accum)
     if gelu_out is not None:
         gelu(out, out=gelu_out)
     if residual is not None:
