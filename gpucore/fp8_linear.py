@@ -363,4 +363,3 @@ class Fp8Linears:
 
     def end_step(self):
         self.scaling.end_step()
-

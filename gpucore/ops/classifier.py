@@ -403,7 +403,6 @@ def launch_fused_fp8(logits, targets, losses, V, grad_scale, dlogits8, scale, wr
     return losses
 
 
-
 def cross_entropy(logits, targets, vocab_size=None, losses=None, *, check_targets=True):
     """Per-token losses lse(logits[..., :V]) - logits[..., target] (float32; 0 where target == -1).
 
