@@ -81,46 +81,30 @@ def kept_x8t(layer_bytes, j: int, N: int, C: int):
     return layer_bytes[off * C * N:(off + rows) * C * N].reshape(rows * C, N)
 
 
-def weight_copies_on(s=None) -> bool:
-    """Does the model keep its weights' E4M3 copies (settings.fp8_weight_copies, which needs the
-    weights' current scaling)?"""
-    s = settings.current() if s is None else s
-    return bool(s.fp8_weight_copies and s.fp8_weights_current)
-
-
-def _scratch_sizes(cfg, N: int, copies: bool = False):
+def _scratch_sizes(cfg, N: int):
     """Bytes of x8, x8T (a not-kept x8T), g8, g8T (the widest tensor, N x 4C) and W8, W8T (the
-    largest weight; none with the kept weight copies)."""
+    largest weight)."""
     C = cfg.channels
-    return [N * 4 * C] * 4 + [0 if copies else 4 * C * C] * 2
+    return [N * 4 * C] * 4 + [4 * C * C] * 2
 
 
-def _head_sizes(cfg, N: int, copies: bool = False):
-    """Bytes of the FP8 LM head's scratch: lnf8 (N x C), wte8 and wte8T (Vp x C each; none with the
-    kept weight copies), dlogits8 (one logits chunk of rows x Vp)."""
+def _head_sizes(cfg, N: int):
+    """Bytes of the FP8 LM head's scratch: lnf8 (N x C), wte8 and wte8T (Vp x C each), dlogits8
+    (one logits chunk of rows x Vp)."""
     from .model import head_chunk_rows
     C, Vp = cfg.channels, cfg.padded_vocab_size
-    w = 0 if copies else Vp * C
-    return [N * C, w, w, head_chunk_rows(cfg, N, "bfloat16") * Vp]
+    return [N * C, Vp * C, Vp * C, head_chunk_rows(cfg, N, "bfloat16") * Vp]
 
 
-def weight_copy_bytes(cfg, lm_head: bool) -> int:
-    """Bytes of the kept weight copies: each linear's weight, and wte with the FP8 LM head, in E4M3
-    twice (row-major and transposed)."""
-    n = sum(M * K for M, K in linear_shapes(cfg)) * cfg.num_layers
-    return 2 * (n + (cfg.padded_vocab_size * cfg.channels if lm_head else 0))
-
-
-def scratch_bytes(cfg, B: int, T: int, lm_head: bool = False, copies: bool = False) -> int:
+def scratch_bytes(cfg, B: int, T: int, lm_head: bool = False) -> int:
     """Bytes of FP8 scratch the model must allocate: the linears' none when it fits in the LM
     head's logits chunk, which is idle while the layers run (their forward finishes before the
     LM head starts, and the layers' backward starts after it), else all of it; with lm_head, the
-    FP8 LM head's (it runs while the logits chunk is in use). copies: the weights' E4M3 copies are
-    kept (weight_copy_bytes, not counted here), so no weight needs scratch."""
+    FP8 LM head's (it runs while the logits chunk is in use)."""
     from .model import head_chunk_rows
-    need = sum(_scratch_sizes(cfg, B * T, copies))
+    need = sum(_scratch_sizes(cfg, B * T))
     logits = head_chunk_rows(cfg, B * T, "bfloat16") * cfg.padded_vocab_size * 2
-    return (0 if need <= logits else need) + (sum(_head_sizes(cfg, B * T, copies)) if lm_head else 0)
+    return (0 if need <= logits else need) + (sum(_head_sizes(cfg, B * T)) if lm_head else 0)
 
 
 class DeferredWeightGrad:
@@ -154,8 +138,6 @@ class Fp8Linears:
                                   history=s.fp8_history if history is None else history,
                                   margin=s.fp8_margin if margin is None else margin, window=s.fp8_window)
         self.weights_current = s.fp8_weights_current
-        self.weight_copies = weight_copies_on(s)
-        self._copies = None             # (key, flat uint8, [(W8, W8T)] per weight slot order, plan): cast_weights
         self.head_dwte = self.lm_head and s.fp8_lm_head_dwte
         self.fast_dgrad = s.fp8_fast_accum_dgrad
         if not s.fp8_lm_head_sparse >= 0:
@@ -179,7 +161,7 @@ class Fp8Linears:
         else allocated (once per row count N). Every size is a multiple of 16 bytes (N % 16 == 0,
         C % 8 == 0), so every slice starts 16-byte aligned."""
         if self._n != N:
-            sizes = _scratch_sizes(self.cfg, N, self.weight_copies)
+            sizes = _scratch_sizes(self.cfg, N)
             if self._arena is not None and self._arena.size >= sum(sizes):
                 offs = np.cumsum([0] + sizes)
                 self._scratch = [self._arena[o:o + n] for o, n in zip(offs, sizes)]
@@ -191,46 +173,10 @@ class Fp8Linears:
     def buffers(self) -> tuple:
         """The FP8 scratch arrays allocated so far (the linears', the LM head's): what a CUDA graph
         of the step must keep alive (GPT2.step_buffers)."""
-        return (tuple(self._scratch or ()) + tuple(self._head[1] if self._head else ())
-                + ((self._copies[1],) if self._copies else ()))
+        return tuple(self._scratch or ()) + tuple(self._head[1] if self._head else ())
 
     def _slot(self, l, j, t):
         return 12 * l + 3 * j + t
-
-    def cast_weights(self, stacks, wte):
-        """With settings.fp8_weight_copies: every weight's E4M3 bytes, row-major and transposed, into
-        the kept copies by one batched current-scaling cast (Fp8Scaling.cast_current_many: three
-        launches, bit for bit the per-GEMM casts). The model calls it at each forward's start (the
-        weights change only in the optimizer step, between forwards); forward and backward then read
-        the copies. stacks: the (L, M, K) weights of qkv, attproj, fc, fcproj; wte (Vp, C), used when
-        the LM head is FP8. A no-op without the setting."""
-        if not self.weight_copies:
-            return
-        key = tuple(int(a.data.ptr) if self.xp is not np else id(a) for a in (*stacks, wte))
-        if self._copies is None or self._copies[0] != key:
-            self._copies = self._make_copies(key, stacks, wte)
-        self.scaling.cast_current_many(self._copies[3])
-
-    def _make_copies(self, key, stacks, wte):
-        ws = [stacks[j][l] for l in range(self.cfg.num_layers) for j in range(4)]
-        idx = [self._slot(l, j, _W) for l in range(self.cfg.num_layers) for j in range(4)]
-        if self.lm_head:
-            ws.append(wte)
-            idx.append(self._head_slots()[1])
-        flat = self.xp.empty(sum(2 * w.size for w in ws), np.uint8)
-        pairs, off = [], 0
-        for w in ws:
-            M, K = w.shape
-            pairs.append((flat[off: off + M * K].reshape(M, K), flat[off + M * K: off + 2 * M * K].reshape(K, M)))
-            off += 2 * M * K
-        plan = self.scaling.many_plan(idx, ws, [a for a, _ in pairs], [b for _, b in pairs])
-        return key, flat, pairs, plan
-
-    def _copy(self, l, j):
-        """(W8, W8T) of linear j of layer l (l = num_layers: the LM head's wte) from the kept copies."""
-        if self._copies is None:
-            raise RuntimeError("FP8 weight copies: call cast_weights() before the linears (GPT2.forward does)")
-        return self._copies[2][4 * l + j]
 
     def forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None, x8t=None, ln=None, gelu_of=None,
                 make_x=None, residual=None):
@@ -250,8 +196,7 @@ class Fp8Linears:
         called as make_x(None, None, None, None) and x is cast."""
         N, M, K = out2d.shape[0], weight.shape[0], weight.shape[1]
         x8b, _, _, _, w8b, _ = self._buffers(N)
-        x8 = x8b[: N * K].reshape(N, K)
-        w8 = self._copy(l, j)[0] if self.weight_copies else w8b[: M * K].reshape(M, K)
+        x8, w8 = x8b[: N * K].reshape(N, K), w8b[: M * K].reshape(M, K)
         sc, ix, iw = self.scaling, self._slot(l, j, _X), self._slot(l, j, _W)
         if ln is not None and sc.can_produce(ix) and fp8_forward_fits(K):
             again_x = ln.x if ln.b is None else ln.residual     # the re-run normalises what the first wrote
@@ -275,8 +220,7 @@ class Fp8Linears:
             elif gelu_of is not None:
                 gelu(gelu_of, out=x2d)
             sc.cast(ix, x2d, out=x8, out_t=x8t)
-        if not self.weight_copies:
-            sc.cast(iw, weight, out=w8, current=self.weights_current)
+        sc.cast(iw, weight, out=w8, current=self.weights_current)
         fp8_matmul(x8, w8, "e4m3", "e4m3", sc.tensor(ix)[1], sc.tensor(iw)[1], out=out2d, bias=bias,
                    fast_accum=True, gelu_out=gelu_out2d, residual=residual)
         return out2d
@@ -311,7 +255,7 @@ class Fp8Linears:
         # A deferred dweight GEMM keeps its g8T past the next linear's backward, which writes the g8 /
         # g8T scratch itself: it goes into the x8 scratch instead (the forward's only, idle here).
         g8, g8t = gb[: N * M].reshape(N, M), (x8b if deferred else gtb)[: N * M].reshape(M, N)
-        w8t = self._copy(l, j)[1] if self.weight_copies else wtb[: M * K].reshape(K, M)
+        w8t = wtb[: M * K].reshape(K, M)
         sc, ix, iw, ig = self.scaling, self._slot(l, j, _X), self._slot(l, j, _W), self._slot(l, j, _G)
         remade_by_kernel = False
         if gelu_x2d is not None and sc.can_produce(ig):
@@ -334,8 +278,7 @@ class Fp8Linears:
             if not remade_by_kernel:
                 fp8_gelu_quantize(then.gelu_of, then.x_scale, out_t=then.x8t)
             then.run()
-        if not self.weight_copies:
-            sc.cast(iw, weight, out_t=w8t, record=False)    # the forward's scale
+        sc.cast(iw, weight, out_t=w8t, record=False)    # the forward's scale
         if x8t is None:
             x8t = xtb[: N * K].reshape(K, N)
             if not deferred:            # (deferred: made by the next backward's GELU pass, then.x8t)
@@ -355,7 +298,7 @@ class Fp8Linears:
 
     def _head_buffers(self, N):
         if self._head is None or self._head[0] != N:
-            self._head = (N, [self.xp.empty(n, np.uint8) for n in _head_sizes(self.cfg, N, self.weight_copies)])
+            self._head = (N, [self.xp.empty(n, np.uint8) for n in _head_sizes(self.cfg, N)])
         return self._head[1]
 
     def head_begin(self, lnf, wte, backward: bool, grad_scale: float | None = None):
@@ -367,9 +310,8 @@ class Fp8Linears:
         sc = self.scaling
         hx, hw, hg = self._head_slots()
         sc.cast(hx, lnf, out=x8[: N * C].reshape(N, C))
-        if not self.weight_copies:
-            sc.cast(hw, wte, out=w8[: Vp * C].reshape(Vp, C), out_t=w8t[: Vp * C].reshape(C, Vp) if backward else None,
-                    current=self.weights_current)
+        sc.cast(hw, wte, out=w8[: Vp * C].reshape(Vp, C), out_t=w8t[: Vp * C].reshape(C, Vp) if backward else None,
+                current=self.weights_current)
         if not backward:
             return None
         s = dlogits_fp8_scale(grad_scale)
@@ -383,18 +325,11 @@ class Fp8Linears:
         """out (r1 - r0, Vp) = lnf8[r0:r1] @ wte8^T, dequantized (bf16)."""
         C, Vp = self.cfg.channels, out.shape[1]
         N = self._head[0]
-        x8, w8 = self._head[1][0][: N * C].reshape(N, C), self._wte8(Vp, C)[0]
+        x8, w8 = self._head[1][0][: N * C].reshape(N, C), self._head[1][1][: Vp * C].reshape(Vp, C)
         hx, hw, _ = self._head_slots()
         fp8_matmul(x8[r0:r1], w8, "e4m3", "e4m3", self.scaling.tensor(hx)[1], self.scaling.tensor(hw)[1],
                    out=out, fast_accum=True)
         return out
-
-    def _wte8(self, Vp, C):
-        """(wte8 (Vp, C), wte8T (C, Vp)): the kept copies' or the head scratch's."""
-        if self.weight_copies:
-            return self._copy(self.cfg.num_layers, 0)
-        h = self._head[1]
-        return h[1][: Vp * C].reshape(Vp, C), h[2][: Vp * C].reshape(C, Vp)
 
     def head_dlogits8(self, rows, Vp):
         """The (rows, Vp) uint8 view the fused classifier writes dlogits' E5M2 bytes to."""
@@ -403,7 +338,7 @@ class Fp8Linears:
     def head_dx(self, dlogits8, out):
         """out (rows, C) = dlogits8 @ wte8T^T, dequantized: the LM head's dlnf for one chunk [=]."""
         C, Vp = out.shape[1], dlogits8.shape[1]
-        w8t = self._wte8(Vp, C)[1]
+        w8t = self._head[1][2][: Vp * C].reshape(C, Vp)
         _, hw, hg = self._head_slots()
         fp8_matmul(dlogits8, w8t, "e5m2", "e4m3", self.scaling.tensor(hg)[1], self.scaling.tensor(hw)[1], out=out)
         return out

@@ -237,13 +237,10 @@ def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "f
     if per["kahan"]:
         plan["kahan"] = n * per["kahan"]
     if fp8:
-        from .fp8_linear import scratch_bytes, weight_copies_on, weight_copy_bytes
-        copies = weight_copies_on()
-        extra = scratch_bytes(cfg, B, T, lm_head=fp8_lm_head, copies=copies)   # the linears': 0 when it fits in the idle logits chunk
+        from .fp8_linear import scratch_bytes
+        extra = scratch_bytes(cfg, B, T, lm_head=fp8_lm_head)   # the linears': 0 when it fits in the idle logits chunk
         if extra:
             plan["fp8 scratch"] = extra
-        if copies:
-            plan["fp8 weight copies"] = weight_copy_bytes(cfg, fp8_lm_head)
     return plan
 
 
@@ -488,8 +485,6 @@ class GPT2:
         lin = self._linear_forward
         if self.fp8 is not None and (B * T) % 16:
             raise ValueError(f"tokens: FP8 linears need B*T to be a multiple of 16, got {B}*{T}")
-        if self.fp8 is not None:        # the weights' E4M3 copies for this forward and its backward
-            self.fp8.cast_weights((p.qkvw, p.attprojw, p.fcw, p.fcprojw), p.wte)
         encoder_forward(tokens, p.wte, p.wpe, out=a.encoded, check_tokens=False)   # checked just above
         self._encoder_plan = (_encoder_plan_beside(tokens, p.wte.shape[0])   # dwte's (padded) rows
                               if for_backward and xp is not np else None)

@@ -59,9 +59,6 @@ class Settings:
     fp8_history: int = 16                 # steps of amax history behind each scale
     fp8_margin: int = 1                   # scales 2^-margin below the history's amax: headroom for growth
     fp8_weights_current: bool = True      # weights scaled from their own amax every step (not delayed)
-    fp8_weight_copies: bool = True        # with fp8_weights_current: every weight's E4M3 bytes (and transposed)
-                                          # made by one batched cast at each forward's start and kept through
-                                          # its backward (+2 bytes a weight); off: cast at each GEMM into scratch
     fp8_window: int = 1                   # adaptive scaling: re-cast when the data sits > this many binades low
     fp8_lm_head: bool = True              # the LM head's logits and dlnf GEMMs in FP8 too
     fp8_lm_head_dwte: bool = True         # with fp8_lm_head, its dwte GEMM too (dlogits8, lnf8 transposed per chunk)

@@ -115,22 +115,6 @@ __device__ __forceinline__ void colsum_write(float* partials, const TileColsum& 
             __fadd_rn(__fadd_rn(__fadd_rn(cs.col8[0][t], cs.col8[1][t]), cs.col8[2][t]), cs.col8[3][t]);
 }
 
-// Which tiles a block of fp8_cast takes: BlockTiles, the grid's (blockIdx / gridDim, a grid-stride loop),
-// or OneTile, one given tile (the batched weight cast, fp8_cast_many_kernel_e4m3, picks it itself).
-struct BlockTiles {
-    __device__ __forceinline__ int y0(int ny) const { return from_last(blockIdx.y, ny); }
-    __device__ __forceinline__ int dy() const { return gridDim.y; }
-    __device__ __forceinline__ int x0() const { return blockIdx.x; }
-    __device__ __forceinline__ int dx() const { return gridDim.x; }
-};
-struct OneTile {
-    int ty, tx;
-    __device__ __forceinline__ int y0(int) const { return ty; }
-    __device__ __forceinline__ int dy() const { return 1 << 30; }    // one step ends the loop
-    __device__ __forceinline__ int x0() const { return tx; }
-    __device__ __forceinline__ int dx() const { return 1 << 24; }    // (tx + dx) * TILE > any C
-};
-
 // GELU = true: the cast of gelu(in) (the fcproj input in FP8 training: gelu_forward followed by the cast,
 // bit for bit, without writing or reading the bf16 GELU output). TR rows per tile: each thread casts
 // TR / 32 packs (rows t/8 + 32 h), then stores TR / 64 transposed 4 x 4 blocks; TR / 4 threads cover
@@ -138,10 +122,10 @@ struct OneTile {
 // COLSUM: also partials (ceil(R / TR), C) float32, each tile's column sums of in (the bf16 values
 // read) by TileColsum's tree -- the qkv bias gradient from the dqkv cast, without a colsum pass
 // reading dqkv again. A template flag: the sums cost the plain casts 12 registers (48 -> 60).
-template <int FMT, bool GELU = false, bool COLSUM = false, int TR = CAST_ROWS, class Tiles = BlockTiles>
+template <int FMT, bool GELU = false, bool COLSUM = false, int TR = CAST_ROWS>
 __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __restrict__ amax,
                          float* __restrict__ partials, const bf16* __restrict__ in, const float* __restrict__ scale,
-                         const float* __restrict__ gate, int R, int C, Tiles tiles = Tiles()) {
+                         const float* __restrict__ gate, int R, int C) {
     static_assert(!(GELU && COLSUM), "the GELU cast sums nothing");
     constexpr int H = TR / 32;                 // packs per thread
     __shared__ u32 tile[TR * 16];              // the cast bytes, for the transposed store
@@ -154,8 +138,8 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
     // Tiles in a grid-stride loop: a full grid runs each block once; the gated re-cast is launched
     // on a capped grid, so that when the gate says no, few blocks start only to return. Tile rows
     // from the last (common.cuh from_last): `in` is what a GEMM or the attention backward just wrote.
-    for (int ty = tiles.y0((R + TR - 1) / TR); ty >= 0; ty -= tiles.dy())
-    for (int tx = tiles.x0(); tx * TILE < C; tx += tiles.dx()) {
+    for (int ty = from_last(blockIdx.y, (R + TR - 1) / TR); ty >= 0; ty -= gridDim.y)
+    for (int tx = blockIdx.x; tx * TILE < C; tx += gridDim.x) {
     const int r0 = ty * TR, c0 = tx * TILE;
     if (out_t || COLSUM) __syncthreads();      // the last tile's shared reads are done
     uint4 p[H];
@@ -207,59 +191,6 @@ extern "C" __global__ void __launch_bounds__(256) fp8_cast_kernel_e5m2(
         const float* gate,                    // (1,) | null: cast only when *gate != 0
         int R, int C) {
     fp8_cast<E5M2>(out, out_t, amax, nullptr, in, scale, gate, R, C);
-}
-
-// The weights' casts batched (Fp8Scaling.cast_current_many): one launch each for the amax and the cast
-// of K tensors, each bit for bit its own fp8_amax_kernel / fp8_cast_kernel_e4m3 (current scaling: the
-// amax is taken, fp8_update_scale_kernel makes the scales, then the cast). A d12 step had ~195 launches
-// of a few microseconds each for its 49 weights. jobs (K + 1, JOB_COLS) int64, one row per tensor:
-// in (bf16 (R, C)), out ((R, C) E4M3 | 0), out_t ((C, R) | 0), scale (1,), amax_fold (1,): the cast's
-// amax (the step's), amax_first (1,): the amax pass's, R, C, and the first tile / amax chunk of the
-// tensor in the flattened grids; row K holds the totals in those two columns.
-#define JOB_COLS 10
-#define JOB_TILE 8
-#define JOB_CHUNK 9
-#define AMAX_PACKS 4                           // 16-byte packs per thread in an amax chunk (8192 values)
-
-// The job whose [begin, next begin) range of column `col` holds b (binary search over K rows).
-__device__ __forceinline__ int find_job(const long long* __restrict__ jobs, int K, int col, long long b) {
-    int lo = 0, hi = K - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (jobs[mid * JOB_COLS + col] <= b) lo = mid; else hi = mid - 1;
-    }
-    return lo;
-}
-
-extern "C" __global__ void __launch_bounds__(256) fp8_amax_many_kernel(const long long* jobs, int K) {
-    const int k = find_job(jobs, K, JOB_CHUNK, blockIdx.x);
-    const long long* j = jobs + k * JOB_COLS;
-    const bf16* in = reinterpret_cast<const bf16*>(j[0]);
-    const long long n = j[6] * j[7], base = (blockIdx.x - j[JOB_CHUNK]) * (256LL * 8 * AMAX_PACKS);
-    uint4 p[AMAX_PACKS];
-    #pragma unroll
-    for (int h = 0; h < AMAX_PACKS; h++) {     // all loads first
-        const long long i = base + (h * 256LL + threadIdx.x) * 8;
-        p[h] = i < n ? __ldcs(reinterpret_cast<const uint4*>(in + i)) : make_uint4(0u, 0u, 0u, 0u);
-    }
-    u32 m = 0;
-    #pragma unroll
-    for (int h = 0; h < AMAX_PACKS; h++) {
-        m = __vmaxu2(__vmaxu2(m, p[h].x & 0x7fff7fffu), p[h].y & 0x7fff7fffu);
-        m = __vmaxu2(__vmaxu2(m, p[h].z & 0x7fff7fffu), p[h].w & 0x7fff7fffu);
-    }
-    block_amax(reinterpret_cast<float*>(j[5]), m);
-}
-
-extern "C" __global__ void __launch_bounds__(256) fp8_cast_many_kernel_e4m3(const long long* jobs, int K) {
-    const int k = find_job(jobs, K, JOB_TILE, blockIdx.x);
-    const long long* j = jobs + k * JOB_COLS;
-    const int R = (int)j[6], C = (int)j[7], tiles_x = (C + TILE - 1) / TILE;
-    const int q = (int)(blockIdx.x - j[JOB_TILE]);
-    fp8_cast<E4M3, false, false, CAST_ROWS, OneTile>(
-        reinterpret_cast<u8*>(j[1]), reinterpret_cast<u8*>(j[2]), reinterpret_cast<float*>(j[4]), nullptr,
-        reinterpret_cast<const bf16*>(j[0]), reinterpret_cast<const float*>(j[3]), nullptr, R, C,
-        OneTile{q / tiles_x, q % tiles_x});
 }
 
 // The gradient cast that also sums the columns (a bias gradient's stage 1): the dqkv cast.

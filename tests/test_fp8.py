@@ -560,9 +560,8 @@ def test_model_fp8_plans_less_memory_than_bf16(keep):
     """FP8 keeps x8t (3C or, with keep_gelu, 7C bytes per token and layer) instead of the bf16
     ln1/ln2 (4C) and kept GELU outputs (8C), and its GELU scratch (8C) is the backward's idle dbig:
     d12 B=64 plans (L + 4) x N x C bytes less without keep_gelu, (5L - 4) x N x C with it, and
-    nothing else changes without the FP8 LM head (the linears' scratch lives in the logits) but the
-    kept weight copies (settings.fp8_weight_copies: 2 bytes a linear weight, 12 C^2 a layer, and
-    wte's with the head); the head adds its own scratch and still plans under bf16 at this size."""
+    nothing else changes without the FP8 LM head (the linears' scratch lives in the logits); the
+    head adds its own scratch and still plans under bf16 at this size."""
     from gpucore.model import memory_plan
     d12 = GPT2Config.from_preset("d12")
     L, N, C = d12.num_layers, 64 * 1024, d12.channels
@@ -570,11 +569,7 @@ def test_model_fp8_plans_less_memory_than_bf16(keep):
     p16 = memory_plan(d12, 64, 1024, "bf16", keep_gelu=keep)
     saved = ((5 * L - 4) if keep else (L + 4)) * N * C
     assert p16["activations"] - p8["activations"] == saved
-    assert p8.pop("fp8 weight copies") == 2 * 12 * C * C * L
     assert {k: v for k, v in p8.items() if k != "activations"} == {k: v for k, v in p16.items() if k != "activations"}
-    from gpucore import settings
-    with settings.using(fp8_weight_copies=False):
-        assert "fp8 weight copies" not in memory_plan(d12, 64, 1024, "bf16", keep_gelu=keep, fp8=True)
     head = memory_plan(d12, 64, 1024, "bf16", keep_gelu=keep, fp8=True, fp8_lm_head=True)
     assert sum(p8.values()) < sum(head.values()) < sum(p16.values())
 
@@ -829,21 +824,13 @@ def test_resume_keeps_the_checkpoints_fp8_lm_head():
 
 
 def test_model_fp8_lm_head_plans_its_scratch_and_checks_resumed_state():
-    from gpucore import settings
     from gpucore.model import memory_plan
     from gpucore.fp8_linear import Fp8Linears
     cfg = GPT2Config.from_preset("tiny")
     off = memory_plan(cfg, 4, 64, "bfloat16", fp8=True, fp8_lm_head=False)
     on = memory_plan(cfg, 4, 64, "bfloat16", fp8=True, fp8_lm_head=True)
     N, C, Vp = 4 * 64, cfg.channels, cfg.padded_vocab_size
-    # the head's scratch: lnf8 and one chunk of dlogits8; wte's E4M3 copies (both ways) join the kept
-    # weight copies (settings.fp8_weight_copies), or are head scratch without them
-    assert on["fp8 scratch"] - off.get("fp8 scratch", 0) == N * C + N * Vp
-    assert on["fp8 weight copies"] - off["fp8 weight copies"] == 2 * Vp * C
-    with settings.using(fp8_weight_copies=False):
-        on = memory_plan(cfg, 4, 64, "bfloat16", fp8=True, fp8_lm_head=True)
-        off = memory_plan(cfg, 4, 64, "bfloat16", fp8=True, fp8_lm_head=False)
-        assert on["fp8 scratch"] - off.get("fp8 scratch", 0) == N * C + 2 * Vp * C + N * Vp
+    assert on["fp8 scratch"] - off.get("fp8 scratch", 0) == N * C + 2 * Vp * C + N * Vp
     saved = Fp8Linears(cfg, np, mode="adaptive", lm_head=False).scaling.state()
     with pytest.raises(ValueError, match="fp8_lm_head must be what the saving run had"):
         Fp8Linears(cfg, np, mode="adaptive", lm_head=True).scaling.load_state(saved)
@@ -982,90 +969,3 @@ def test_model_bf16_lm_head_sparse_dlogits(device):
     assert m.bf16_head_sparse == prob and m.steps_done == 1
     with settings.using(bf16_lm_head_sparse=prob):    # float32 models keep dense dlogits
         assert GPT2(cfg, xp=xp, dtype="float32", seed=9).bf16_head_sparse == 0.0
-
-
-# ---------------------------------------------- the kept weight copies ----
-
-@pytest.mark.parametrize("device", ["numpy", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_cast_current_many_is_each_current_cast(rng, device):
-    """Fp8Scaling.cast_current_many (three launches for all tensors on the GPU) writes every
-    tensor's bytes, both orientations, and its scale, scale_inv and step amax bit for bit as
-    cast(..., current=True) one at a time does -- on shapes with edge tiles, a row-major-only and a
-    transposed-only tensor, an all-zero one (its scale stays) and a second call after the data
-    changed (the scales follow it: current scaling)."""
-    if device == "cuda":
-        _need_fp8()
-    xp = runtime.cupy if device == "cuda" else np
-    shapes = [(1040, 784), (48, 16), (4096, 3072), (784, 1040), (64, 96)]
-    n = 3 * len(shapes) + 2
-    fmts = ["e4m3", "e4m3", "e5m2"] * (n // 3) + ["e4m3", "e4m3"][: n % 3]
-    idx = [1 + 3 * k for k in range(len(shapes))]
-    one, many = (Fp8Scaling(n, fmts, xp, mode="adaptive", margin=1) for _ in range(2))
-    xs = [xp.asarray(_bf16(rng, s, scale=10.0 ** (k - 2))) for k, s in enumerate(shapes)]
-    xs[4][...] = 0
-    outs = [[xp.zeros(s, np.uint8) if k != 3 else None for k, s in enumerate(shapes)] for _ in range(2)]
-    outs_t = [[xp.zeros(s[::-1], np.uint8) if k != 1 else None for k, s in enumerate(shapes)] for _ in range(2)]
-    plan = many.many_plan(idx, xs, outs[1], outs_t[1])
-    for rnd in range(2):
-        if rnd:
-            for x in xs[:4]:
-                x *= 3            # the same arrays (the plan's pointers), new values
-        for i, x, o, ot in zip(idx, xs, outs[0], outs_t[0]):
-            one.cast(i, x, out=o, out_t=ot, current=True)
-        many.cast_current_many(plan)
-        for k in range(len(shapes)):
-            for a, b in ((outs[0][k], outs[1][k]), (outs_t[0][k], outs_t[1][k])):
-                assert (a is None) == (b is None)
-                if a is not None:
-                    assert np.array_equal(to_cpu(a), to_cpu(b)), (rnd, shapes[k])
-        for name in ("scale", "scale_inv", "amax"):
-            assert to_cpu(getattr(one, name)).tobytes() == to_cpu(getattr(many, name)).tobytes(), (rnd, name)
-        assert to_cpu(many._slots[3]).max() == 0          # the amax pass's slots are zero again
-        assert float(to_cpu(many.scale)[idx[4]]) == 1.0 and to_cpu(outs[1][0]).any()
-        want = fp8_quantize_reference(to_cpu(xs[2]), "e4m3", float(to_cpu(many.scale)[idx[2]]))
-        assert np.array_equal(to_cpu(outs_t[1][2]), want.T)
-
-
-def test_many_plan_refuses_what_its_kernels_cannot_do():
-    s = Fp8Scaling(9, ["e4m3", "e4m3", "e5m2"] * 3, np)
-    x = [np.zeros((16, 16), bfloat16) for _ in range(3)]
-    o = [np.zeros((16, 16), np.uint8) for _ in range(3)]
-    with pytest.raises(ValueError, match="evenly spaced"):
-        s.many_plan([0, 1, 4], x, o, [None] * 3)
-    with pytest.raises(ValueError, match="E4M3 slots"):
-        s.many_plan([1, 2], x[:2], o[:2], [None] * 2)
-    with pytest.raises(ValueError, match="one length"):
-        s.many_plan([1, 4], x, o, [None] * 3)
-    with pytest.raises(ValueError, match="at least one output"):
-        s.many_plan([1, 4], x[:2], [None] * 2, [None] * 2)
-
-
-@pytest.mark.parametrize("device", ["numpy", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("lm_head", [False, True])
-def test_model_fp8_weight_copies_change_no_bit(device, lm_head):
-    """settings.fp8_weight_copies (each forward casts every weight once into kept copies, which the
-    GEMMs of the forward and the backward read) against a cast at every GEMM: two training steps
-    (the second after an optimizer step moved the weights) give the same losses, gradients and FP8
-    scaling state bit for bit."""
-    from gpucore import settings
-    if device == "cuda":
-        _need_fp8()
-    xp = runtime.cupy if device == "cuda" else np
-    cfg = GPT2Config.from_preset("tiny")
-    x, y = (xp.asarray(a) for a in _tokens(cfg, 2, 64))
-    res = {}
-    for copies in (True, False):
-        with settings.using(fp8_weight_copies=copies, fp8_lm_head=lm_head):
-            m = GPT2(cfg, xp=xp, dtype="bfloat16", seed=5, fp8="adaptive")
-            got = []
-            for step in range(2):
-                m.zero_grad()
-                loss = float(m.forward(x, y, for_backward=True))
-                m.backward()
-                got.append((loss, to_cpu(m.grads.flat()).tobytes(), to_cpu(m.fp8.scaling.amax).tobytes()))
-                m.end_step()
-                p = m.params.flat()
-                p -= (1e-2 * m.grads.flat().astype(np.float32)).astype(p.dtype)      # a step that moves the weights
-            res[copies] = got + [to_cpu(m.fp8.scaling.scale).tobytes()]
-            assert (m.fp8._copies is not None) == copies
-    assert res[True] == res[False]

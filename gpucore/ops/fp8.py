@@ -8,7 +8,6 @@
     fp8_dequantize(q, fmt, scale_inv)                    float32 q * scale_inv (the reference's view)
     fp8_matmul(a8, b8, a_fmt, b_fmt, a_si, b_si, ...)    bf16 (a @ b^T) * a_si * b_si [+ bias] [+=]
     Fp8Scaling(n, formats, xp, ...)                      scale / scale_inv / amax / amax history of n tensors
-      .cast_current_many(.many_plan(idx, xs, ...))       the weights' current-scaling casts, three launches for all
 
 The recipe is Transformer Engine's: E4M3 (4 exponent bits, max 448) for weights and activations,
 E5M2 (max 57344, more range) for gradients; one fp32 scale per tensor maps its amax near the
@@ -45,7 +44,6 @@ GELU_BWD_ROWS = 128           # fp8_gelu_backward_kernel's (fp8.cu GELU_BWD_ROWS
 TRANSPOSE_TILES = 2           # fp8_transpose_kernel: 64-column tiles per block (fp8.cu's TRANSPOSE_CT)
 GATED_BLOCKS_PER_SM = 8       # a gated launch's grid: this many blocks per SM walk the tiles (see _grid)
 SLOT = 4                      # floats per tensor in Fp8Scaling's arrays (16 bytes: aligned scale pointers)
-AMAX_CHUNK = 256 * 8 * 4      # values per block of fp8_amax_many_kernel (fp8.cu AMAX_PACKS)
 U8 = np.dtype(np.uint8)
 F32 = np.dtype(np.float32)
 
@@ -435,62 +433,6 @@ class Fp8Scaling:
                                 lambda sc, gate: fp8_requantize_gated(x, fmt, sc, gate, out=out, out_t=out_t))
         self.prepare(i, x, current=current)
         return fp8_quantize(x, fmt, scale, out=out, out_t=out_t, amax=amax, dbias=dbias)
-
-    def many_plan(self, idx, xs, outs, out_ts):
-        """The plan of cast_current_many for tensors idx[k] (E4M3 slots, evenly spaced, increasing):
-        xs[k] bf16 (R, C) into outs[k] (R, C) and/or out_ts[k] (C, R) uint8 (either may be None).
-        Checks everything once and builds the GPU kernels' job table (fp8.cu's job rows): make it
-        before a CUDA graph captures the casts, and again only when an array moves."""
-        idx = [int(i) for i in idx]
-        if not idx or not (len(idx) == len(xs) == len(outs) == len(out_ts)):
-            raise ValueError("many_plan: idx, xs, outs and out_ts must be non-empty and of one length")
-        if any(not 0 <= i < self.n or self.formats[i] != "e4m3" for i in idx):
-            raise ValueError(f"many_plan: E4M3 slots of this scaling only (the weights), got {idx}")
-        step = idx[1] - idx[0] if len(idx) > 1 else 1
-        if step < 1 or any(b - a != step for a, b in zip(idx, idx[1:])):
-            raise ValueError(f"many_plan: slots must be evenly spaced and increasing, got {idx}")
-        for x, o, ot in zip(xs, outs, out_ts):
-            check_array("x", x, dtype=dtypes.bfloat16, ndim=2)
-            check_cast_args(x, "e4m3", self.tensor(idx[0])[0], o, ot, None, None, self.xp)
-        plan = {"idx": idx, "step": step, "arrays": (list(xs), list(outs), list(out_ts))}
-        if self.xp is np:
-            return plan
-        rows, tile, chunk = [], 0, 0
-        n, base = self.n, self._slots.data.ptr
-        addr = lambda k, i: base + 4 * SLOT * (k * n + i)      # noqa: E731 -- _slots[k, i, 0]
-        for i, x, o, ot in zip(idx, xs, outs, out_ts):
-            if x.size % 8 or x.data.ptr % 16:
-                raise ValueError("many_plan: each x must be 16-byte aligned with a multiple of 8 elements")
-            R, C = x.shape
-            rows.append([x.data.ptr, 0 if o is None else o.data.ptr, 0 if ot is None else ot.data.ptr,
-                         addr(0, i), addr(2, i), addr(3, i), R, C, tile, chunk])
-            tile += -(-R // CAST_ROWS) * -(-C // TILE)
-            chunk += -(-(R * C) // AMAX_CHUNK)
-        rows.append([0] * 8 + [tile, chunk])
-        xp, K = self.xp, len(idx)
-        plan.update(jobs=xp.asarray(np.array(rows, np.int64)), hist=xp.zeros(K, np.float32),
-                    fmax=xp.full(K, np.float32(FORMATS["e4m3"][1])), tiles=tile, chunks=chunk)
-        return plan
-
-    def cast_current_many(self, plan):
-        """The casts of many_plan(idx, xs, outs, out_ts), each bit for bit what
-        cast(idx[k], xs[k], out=outs[k], out_t=out_ts[k], current=True) makes, scales and amax
-        included -- in three launches for all of them on the GPU (every tensor's amax, the scales,
-        the casts: fp8_amax_many_kernel, fp8_update_scale_kernel, fp8_cast_many_kernel_e4m3) where
-        one at a time takes three a tensor."""
-        idx = plan["idx"]
-        if self.xp is np:
-            for i, x, o, ot in zip(idx, *plan["arrays"]):
-                self.cast(i, x, out=o, out_t=ot, current=True)
-            return
-        self.started[idx] = True
-        K, i0 = np.int32(len(idx)), idx[0]
-        runtime.launch(runtime.get_kernel("fp8", "fp8_amax_many_kernel"), plan["chunks"], 256, (plan["jobs"], K))
-        runtime.launch(runtime.get_kernel("fp8", "fp8_update_scale_kernel"), -(-len(idx) // 128), 128,
-                       (self._slots[0, i0:, 0], self._slots[1, i0:, 0], self._slots[3, i0:, 0], plan["hist"],
-                        plan["fmax"], K, np.int32(1), np.int32(0), np.float32(self.margin_scale),
-                        np.int32(SLOT * plan["step"])))
-        runtime.launch(runtime.get_kernel("fp8", "fp8_cast_many_kernel_e4m3"), plan["tiles"], 256, (plan["jobs"], K))
 
     def can_produce(self, i: int) -> bool:
         """Can tensor i be cast by the kernel that makes it (produce), with no bf16 copy to measure
