@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import settings
+from . import compressible, settings
 from .ops.classifier import dlogits_fp8_scale, sparse_tau_of
 from .ops.fp8 import (Fp8Scaling, fp8_gelu_backward, fp8_gelu_backward_gated, fp8_gelu_quantize,
                       fp8_gelu_quantize_gated, fp8_matmul, fp8_requantize_gated, fp8_transpose)
@@ -297,8 +297,16 @@ class Fp8Linears:
         return tuple(12 * self.cfg.num_layers + k for k in range(3))
 
     def _head_buffers(self, N):
+        """[lnf8, wte8, wte8T, dlogits8] flat uint8; the thinned dlogits8 (~97% zero bytes) in
+        compressible memory where the GPU grants it (settings.compressible_dlogits)."""
         if self._head is None or self._head[0] != N:
-            self._head = (N, [self.xp.empty(n, np.uint8) for n in _head_sizes(self.cfg, N)])
+            sizes = _head_sizes(self.cfg, N)
+            bufs = [self.xp.empty(n, np.uint8) for n in sizes[:3]]
+            if self.xp is not np and self.head_sparse > 0 and settings.current().compressible_dlogits:
+                bufs.append(compressible.empty(sizes[3], np.uint8))
+            else:
+                bufs.append(self.xp.empty(sizes[3], np.uint8))
+            self._head = (N, bufs)
         return self._head[1]
 
     def head_begin(self, lnf, wte, backward: bool, grad_scale: float | None = None):

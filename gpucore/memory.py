@@ -59,9 +59,9 @@ def plan_run(model: str, B: int, T: int | None, dtype: str = "auto", master_weig
 
 def measure_one_step(cfg, B: int, T: int, dtype, optimizer: str = "adamw", master_weights: str = "fp32",
                      keep_gelu: bool = False, fp8: str | None = None) -> int:
-    """Bytes the CuPy memory pool holds after building the model and training one step on random
-    tokens; fp8: the FP8 linears' scaling mode, or None."""
-    from . import runtime
+    """Bytes the CuPy memory pool (and the compressible buffers beside it) hold after building the
+    model and training one step on random tokens; fp8: the FP8 linears' scaling mode, or None."""
+    from . import compressible, runtime
     from .model import GPT2
     from .optim import AdamW, ScheduleFreeAdamW
     from .train import train_step
@@ -78,7 +78,7 @@ def measure_one_step(cfg, B: int, T: int, dtype, optimizer: str = "adamw", maste
     y = cp.asarray(rng.integers(0, cfg.vocab_size, (B, T), dtype=np.int32))
     float(train_step(model, opt, lambda: (x, y), 1, 1e-4)[0])
     cp.cuda.Device().synchronize()
-    return int(pool.total_bytes())
+    return int(pool.total_bytes()) + compressible.held_bytes()
 
 
 def format_report(report: MemoryReport, top: int = 6) -> str:

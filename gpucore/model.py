@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from . import dtypes, runtime, settings
+from . import compressible, dtypes, runtime, settings
 from .ops.attention import attention_backward, attention_forward
 from .ops.classifier import fused_classifier, sparse_tau_of
 from .ops.encoder import encoder_backward, encoder_backward_plan, encoder_forward
@@ -322,6 +322,7 @@ class GPT2:
         self.acts = None            # activation views for the current (B, T) (a _BatchViews)
         self.grad_acts = None       # backward scratch views
         self._acts_full = self._grad_full = None    # the allocated Tensors
+        self._logits = None                         # the logits chunk, when allocated on its own (compressible)
         self._shape = None          # (B, T) the buffers were allocated for
         self._backward_ready = None  # tokens of the last forward(..., for_backward=True)
         self._encoder_plan = None    # its token sort for the encoder backward (GPU; made in forward)
@@ -404,18 +405,24 @@ class GPT2:
         shape frees the buffers and allocates new ones.
         """
         if self._shape is None or self._shape[1] != T or self._shape[0] < B:
-            self.acts = self.grad_acts = self._acts_full = self._grad_full = None   # free first
+            self.acts = self.grad_acts = self._acts_full = self._grad_full = self._logits = None   # free first
             self._shape = self._backward_ready = None
             self.keep_gelu = resolve_keep_gelu(self.keep_gelu_request, self.config, B, T, self.dtype, self.xp,
                                                fp8=self.fp8 is not None)
-            self._acts_full = allocate(TensorLayout(activation_specs(self.config, B, T, self.dtype,
-                                                                     self.keep_gelu, self.fp8 is not None)),
-                                       self.xp, zero=False)
+            specs = activation_specs(self.config, B, T, self.dtype, self.keep_gelu, self.fp8 is not None)
+            self._logits = None
+            if self._compressible_logits():     # its own allocation, outside the flat buffer
+                spec = next(sp for sp in specs if sp[0] == "logits")
+                specs = [sp for sp in specs if sp[0] != "logits"]
+                self._logits = compressible.empty(spec[1], spec[2])
+            self._acts_full = allocate(TensorLayout(specs), self.xp, zero=False)
             self._grad_full = allocate(TensorLayout(grad_activation_specs(self.config, B, T, self.dtype)),
                                        self.xp, zero=False)
             self._shape = (B, T)
         if self.acts is None or self.acts.encoded.shape[0] != B:
             self.acts = _BatchViews(self._acts_full, B)
+            if self._logits is not None:
+                self.acts.logits = self._logits
             self.grad_acts = _BatchViews(self._grad_full, B)
             if self.fp8 is not None:    # the FP8 scratch lives in the logits chunk when it fits
                 self.fp8.bind_arena(self.acts.logits.reshape(-1).view(np.uint8))
@@ -426,7 +433,17 @@ class GPT2:
         scratch, gradients, FP8 scratch. A CUDA graph of the step keeps them alive, so a later
         reallocation (another batch shape) never frees memory the graph writes (step_graph.py)."""
         fp8 = self.fp8.buffers() if self.fp8 is not None else ()
-        return (self._acts_full, self._grad_full, self.grads) + fp8
+        return (self._acts_full, self._grad_full, self.grads) + fp8 + ((self._logits,) if self._logits is not None else ())
+
+    def _compressible_logits(self) -> bool:
+        """Is the LM head's logits chunk its own compressible allocation (compressible.py)? On a GPU,
+        with settings.compressible_dlogits, when the head's dlogits are thinned (mostly zeros): FP8's
+        transposed dlogits8 and bf16's thinned dlogits are written into the chunk."""
+        if self.xp is np or not settings.current().compressible_dlogits:
+            return False
+        if self.fp8 is not None and self.fp8.lm_head:
+            return self.fp8.head_sparse > 0
+        return self.bf16_head_sparse > 0
 
     def memory_plan(self, B: int, T: int) -> dict[str, int]:
         keep = resolve_keep_gelu(self.keep_gelu_request, self.config, B, T, self.dtype, self.xp,

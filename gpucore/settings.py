@@ -55,6 +55,8 @@ class Settings:
     lm_head_chunk_bytes: int = 1 << 30    # LM-head logits scratch: rows per chunk = largest power of 2 within
     bf16_lm_head_sparse: float = 0.0      # > 0: the bf16 head's dlogits below ~this probability thinned without
                                           # bias (classifier sparse_tau; fewer toggling bits for its GEMMs); 0: off
+    compressible_dlogits: bool = True     # thinned head dlogits (the logits chunk, FP8's dlogits8) in compressible
+                                          # device memory where the GPU grants it (gpucore/compressible.py)
     # ---- FP8 linears (gpucore/fp8_linear.py, --dtype fp8): the scaling recipes' knobs
     fp8_history: int = 16                 # steps of amax history behind each scale
     fp8_margin: int = 1                   # scales 2^-margin below the history's amax: headroom for growth

@@ -688,7 +688,7 @@ class Trainer:
         if done == s.start + 1 and s.device == "cuda":
             self.result["peak_gpu_bytes"] = _pool_bytes()
             self.echo(f"GPU memory after the first step: {self.result['peak_gpu_bytes'] / 2**30:.2f} GiB held by "
-                      "CuPy's memory pool (its high-water mark)")
+                      "CuPy's memory pool (its high-water mark) and the compressible buffers")
         if args.checkpoint and ((args.ckpt_every and done % args.ckpt_every == 0) or done == args.steps):
             self.save()
 
@@ -776,5 +776,6 @@ class Trainer:
 
 
 def _pool_bytes() -> int:
-    from . import runtime
-    return int(runtime.cupy.get_default_memory_pool().total_bytes())
+    """Device bytes the run holds: CuPy's pool and the compressible buffers beside it."""
+    from . import compressible, runtime
+    return int(runtime.cupy.get_default_memory_pool().total_bytes()) + compressible.held_bytes()
