@@ -433,7 +433,8 @@ class GPT2:
         scratch, gradients, FP8 scratch. A CUDA graph of the step keeps them alive, so a later
         reallocation (another batch shape) never frees memory the graph writes (step_graph.py)."""
         fp8 = self.fp8.buffers() if self.fp8 is not None else ()
-        return (self._acts_full, self._grad_full, self.grads) + fp8 + ((self._logits,) if self._logits is not None else ())
+        logits = (self._logits,) if self._logits is not None else ()     # the chunk, when allocated on its own
+        return (self._acts_full, self._grad_full, self.grads) + fp8 + logits
 
     def _compressible_logits(self) -> bool:
         """Is the LM head's logits chunk its own compressible allocation (compressible.py)? On a GPU,

@@ -11,20 +11,20 @@ read and write the same bytes.
 
 This measures one chunk of the head's backward (the real kernels at d12 shapes, realistic rows: a
 Zipf-like prior plus noise, as tools/probes/head_sparse_dlogits.py) with dlogits8 and its transpose
-in ordinary memory (CuPy's pool) and in compressible memory, and the logits chunk in either:
+in ordinary memory (CuPy's pool) and in compressible memory (gpucore/compressible.py), and the
+logits chunk in either:
 ms, joules, watts and clock of the chain classifier -> transpose -> dx GEMM -> dwte GEMM and of each
 stage, back to back under NVML's counter; and checks that every output is bit for bit the same.
 
 Run (GPU):  PYTHONPATH=. python3 tools/probes/compressible_head.py [seconds=1] [rounds=2] [p=1.2207e-4]
 """
-import ctypes
 import sys
 
 import cupy as cp
 import numpy as np
 
 import gpucore
-from gpucore import power
+from gpucore import compressible, power
 from gpucore.ops.classifier import dlogits_fp8_scale, fused_classifier, sparse_tau_of
 from gpucore.ops.fp8 import fp8_matmul, fp8_quantize, fp8_transpose
 
@@ -33,79 +33,10 @@ opts.update(kv.split("=", 1) for kv in sys.argv[1:])
 R, V, Vp, C, TOKENS = 8192, 50257, 50304, 768, 65536
 BF = gpucore.bfloat16
 
-# ---------------------------------------------------------------- the driver's VMM API (ctypes)
-ATTR_VMM, ATTR_COMPRESSION = 102, 107          # CU_DEVICE_ATTRIBUTE_*_SUPPORTED
-COMP_GENERIC = 1                               # CU_MEM_ALLOCATION_COMP_GENERIC
 
-
-class _Loc(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _Flags(ctypes.Structure):
-    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
-
-
-class _Prop(ctypes.Structure):                 # CUmemAllocationProp
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Loc),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _Flags)]
-
-
-class _Access(ctypes.Structure):               # CUmemAccessDesc
-    _fields_ = [("location", _Loc), ("flags", ctypes.c_int)]
-
-
-_cu = ctypes.CDLL("libcuda.so.1")
-_U64, _SZ = ctypes.c_ulonglong, ctypes.c_size_t
-for name, args in {
-        "cuDeviceGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int],
-        "cuMemGetAllocationGranularity": [ctypes.POINTER(_SZ), ctypes.POINTER(_Prop), ctypes.c_int],
-        "cuMemCreate": [ctypes.POINTER(_U64), _SZ, ctypes.POINTER(_Prop), _U64],
-        "cuMemGetAllocationPropertiesFromHandle": [ctypes.POINTER(_Prop), _U64],
-        "cuMemAddressReserve": [ctypes.POINTER(_U64), _SZ, _SZ, _U64, _U64],
-        "cuMemMap": [_U64, _SZ, _SZ, _U64, _U64],
-        "cuMemSetAccess": [_U64, _SZ, ctypes.POINTER(_Access), _SZ]}.items():
-    getattr(_cu, name).argtypes = args
-
-
-def _ok(rc, what):
-    if rc != 0:
-        raise RuntimeError(f"{what}: CUresult {rc}")
-
-
-def attribute(attr, dev=0) -> int:
-    v = ctypes.c_int()
-    _ok(_cu.cuDeviceGetAttribute(ctypes.byref(v), attr, dev), "cuDeviceGetAttribute")
-    return v.value
-
-
-def vmm_array(shape, dtype, compressed: bool):
-    """A CuPy array on its own physical allocation (cuMemCreate + map), compressible if asked and
-    granted; returns (array, granted). The memory is never freed (a probe)."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    dev = cp.cuda.Device().id
-    prop = _Prop(type=1, requestedHandleTypes=0, location=_Loc(1, dev))     # PINNED, DEVICE
-    prop.allocFlags.compressionType = COMP_GENERIC if compressed else 0
-    gran = _SZ()
-    _ok(_cu.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(prop), 1), "granularity")
-    size = -(-nbytes // gran.value) * gran.value
-    handle, ptr = _U64(), _U64()
-    _ok(_cu.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(prop), 0), "cuMemCreate")
-    got = _Prop()
-    _ok(_cu.cuMemGetAllocationPropertiesFromHandle(ctypes.byref(got), handle), "properties")
-    _ok(_cu.cuMemAddressReserve(ctypes.byref(ptr), size, 0, 0, 0), "cuMemAddressReserve")
-    _ok(_cu.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
-    acc = _Access(location=_Loc(1, dev), flags=3)                            # READWRITE
-    _ok(_cu.cuMemSetAccess(ptr, size, ctypes.byref(acc), 1), "cuMemSetAccess")
-    mem = cp.cuda.UnownedMemory(ptr.value, size, owner=None, device_id=dev)
-    arr = cp.ndarray(shape, dtype, memptr=cp.cuda.MemoryPointer(mem, 0))
-    return arr, got.allocFlags.compressionType == COMP_GENERIC
-
-
-# ---------------------------------------------------------------- the head's chunk
 def rows(rng):
-    """R realistic logit rows (bf16, padded to Vp with -inf-like values) and targets drawn from them."""
+    """R realistic logit rows (bf16; the padding columns [V, Vp) zero, which the classifier ignores)
+    and targets drawn from the rows' own distributions."""
     v = cp.arange(V, dtype=cp.float32)
     z = -float(opts["a"]) * cp.log1p(v)[None, :] + float(opts["s"]) * rng.standard_normal((R, V), dtype=cp.float32)
     p = cp.exp(z - z.max(axis=1, keepdims=True))
@@ -120,8 +51,8 @@ def rows(rng):
 def main():
     meter = power.require_meter()
     sync = cp.cuda.Device().synchronize
-    print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}: VMM {attribute(ATTR_VMM)}, "
-          f"generic compression {attribute(ATTR_COMPRESSION)}")
+    print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}: compressible memory offered: "
+          f"{compressible.supported()}")
     rng = cp.random.default_rng(0)
     logits0, target = rows(rng)
     grad_scale = 1.0 / TOKENS
@@ -140,16 +71,11 @@ def main():
     setups = {}
     for name, comp_d8, comp_logits in (("plain", False, False), ("compressed dlogits8", True, False),
                                        ("compressed all", True, True)):
-        if comp_logits:
-            logits, g_l = vmm_array((R, Vp), BF, True)
-            logits[...] = logits0
-        else:
-            logits, g_l = logits0, False
-        if comp_d8:
-            d8, g8 = vmm_array((R, Vp), np.uint8, True)
-            d8t, g8t = vmm_array((Vp, R), np.uint8, True)
-        else:
-            d8, d8t, g8, g8t = cp.empty((R, Vp), cp.uint8), cp.empty((Vp, R), cp.uint8), False, False
+        logits = compressible.empty((R, Vp), BF) if comp_logits else logits0.copy()
+        logits[...] = logits0
+        new = compressible.empty if comp_d8 else cp.empty
+        d8, d8t = new((R, Vp), np.uint8), new((Vp, R), np.uint8)
+        g_l, g8, g8t = (compressible.is_compressed(a) for a in (logits, d8, d8t))
         dx, dw = cp.empty((R, C), BF), cp.zeros((Vp, C), BF)
         print(f"{name}: compression granted -- logits {g_l}, dlogits8 {g8}, transpose {g8t}")
 
