@@ -410,7 +410,6 @@ class GPT2:
             self.keep_gelu = resolve_keep_gelu(self.keep_gelu_request, self.config, B, T, self.dtype, self.xp,
                                                fp8=self.fp8 is not None)
             specs = activation_specs(self.config, B, T, self.dtype, self.keep_gelu, self.fp8 is not None)
-            self._logits = None
             if self._compressible_logits():     # its own allocation, outside the flat buffer
                 spec = next(sp for sp in specs if sp[0] == "logits")
                 specs = [sp for sp in specs if sp[0] != "logits"]
