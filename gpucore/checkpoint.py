@@ -436,6 +436,10 @@ def save_training_checkpoint(path, model, optimizer, *, step, preset, train_load
         arrays["fp8_scale"], arrays["fp8_history"] = st["scale"], st["history"]
         meta["fp8"] = {"mode": fp8.scaling.mode, "started": [bool(b) for b in st["started"]],
                        "step_index": st["step_index"]}
+        if getattr(fp8, "fch_scaling", None) is not None:     # fch kept as E4M3: its delayed scales
+            st = fp8.fch_scaling.state()
+            arrays["fp8_fch_scale"], arrays["fp8_fch_history"] = st["scale"], st["history"]
+            meta["fp8"]["fch"] = {"started": [bool(b) for b in st["started"]], "step_index": st["step_index"]}
     return save_checkpoint(path, arrays, meta)
 
 

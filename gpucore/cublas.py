@@ -65,6 +65,8 @@ GEMMEX = "gemmex"                       # a plan's choice when plain gemmEx won 
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_AUX_POINTER, _DESC_AUX_LD = 11, 12
 _DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER, _DESC_FAST_ACCUM = 17, 18, 25
+_DESC_D_SCALE_POINTER, _DESC_AMAX_D_POINTER = 20, 21
+_SCALE_ATTRS = (_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER, _DESC_D_SCALE_POINTER, _DESC_AMAX_D_POINTER)
 _CUDA_R_8F_E4M3, _CUDA_R_8F_E5M2 = 28, 29     # cudaDataType_t of the FP8 formats
 FP8_TYPES = {"e4m3": _CUDA_R_8F_E4M3, "e5m2": _CUDA_R_8F_E5M2}
 _EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
@@ -274,11 +276,12 @@ def _capturing() -> bool:
 class Plan:
     """Descriptors, the heuristic's candidate algorithms and (once decided) the choice."""
 
-    def __init__(self, desc, lay_b, lay_a, lay_c, results, candidates, lt_types=None):
+    def __init__(self, desc, lay_b, lay_a, lay_c, results, candidates, lt_types=None, lay_d=None):
         self.desc, self.lay_b, self.lay_a, self.lay_c = desc, lay_b, lay_a, lay_c
+        self.lay_d = lay_c if lay_d is None else lay_d   # D's layout: C's but for an FP8 output
         self.results = results          # the heuristic-result array (kept alive: algos point into it)
         self.candidates = candidates    # indices of the usable results, heuristic order
-        self.lt_types = lt_types        # (Lt's A, B, C = D) cudaDataTypes: what AlgoInit needs (lt_search)
+        self.lt_types = lt_types        # (Lt's A, B, C[, D]) cudaDataTypes: what AlgoInit needs (lt_search)
         self.extra = []                 # 96-byte algorithm buffers added later (searched, or from the cache)
         self.raced = None               # the indices the race timed (candidates + searched), in order
         self.choice = None              # an index into results, GEMMEX, or None (not decided yet)
@@ -362,13 +365,13 @@ class CublasLt:
         """cublasLtMatmul of the plan's algorithm i on the shared workspace ws: D = alpha * (Lt's
         A = b, B = a) + beta * C (alpha, beta: ctypes floats)."""
         self._ok(self.lib.cublasLtMatmul(handle, plan.desc, ctypes.addressof(alpha), b_ptr, plan.lay_b, a_ptr,
-                                         plan.lay_a, ctypes.addressof(beta), c_ptr, plan.lay_c, d_ptr, plan.lay_c,
+                                         plan.lay_a, ctypes.addressof(beta), c_ptr, plan.lay_c, d_ptr, plan.lay_d,
                                          plan.algo_ptr(i), ws.data.ptr, LT_WORKSPACE_BYTES, stream), what)
 
     def set_pointers(self, plan, bias_ptr, aux_ptr, scale_ptrs=None):
         """The per-call epilogue and scale pointers (a plan is shared by every call of its shape)."""
         if scale_ptrs:
-            for attr, ptr in zip((_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER), scale_ptrs):
+            for attr, ptr in zip(_SCALE_ATTRS, scale_ptrs):
                 self._set(self.lib.cublasLtMatmulDescSetAttribute, plan.desc, attr, ctypes.c_void_p(ptr))
         if bias_ptr:
             self._set(self.lib.cublasLtMatmulDescSetAttribute, plan.desc, _DESC_BIAS_POINTER,
@@ -378,9 +381,10 @@ class CublasLt:
                       ctypes.c_void_p(aux_ptr))
 
     def plan(self, key, handle, op_b, op_a, N, M, K, ldb, lda, tb, ta, tc, epilogue, bias_ptr, aligns,
-             aux_ptr=0, scale_ptrs=None, fast_accum=False):
+             aux_ptr=0, scale_ptrs=None, fast_accum=False, td=None):
         """The Plan for C^T = op(B)^T op(A)^T (+ epilogue), or None if Lt has no algorithm.
-        scale_ptrs: (Lt's A = our b, Lt's B = our a) device float32 scale pointers (FP8)."""
+        scale_ptrs: (Lt's A = our b, Lt's B = our a[, D's scale, D's amax]) device float32 pointers
+        (FP8). td: D's cudaDataType when it is not C's (an FP8 output)."""
         if key in self.plans:
             return self.plans[key]
         lib = self.lib
@@ -391,7 +395,7 @@ class CublasLt:
         if bias_ptr:                          # the heuristic reads the pointers' alignment
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
         if scale_ptrs:
-            for attr, ptr in zip((_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER), scale_ptrs):
+            for attr, ptr in zip(_SCALE_ATTRS, scale_ptrs):
                 self._set(lib.cublasLtMatmulDescSetAttribute, desc, attr, ctypes.c_void_p(ptr))
         if fast_accum:
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, _DESC_FAST_ACCUM, ctypes.c_int8(1))
@@ -402,6 +406,7 @@ class CublasLt:
         lay_b = self._create(lib.cublasLtMatrixLayoutCreate, tb, *((N, K) if op_b == 0 else (K, N)), ldb)
         lay_a = self._create(lib.cublasLtMatrixLayoutCreate, ta, *((K, M) if op_a == 0 else (M, K)), lda)
         lay_c = self._create(lib.cublasLtMatrixLayoutCreate, tc, N, M, N)
+        lay_d = lay_c if td is None else self._create(lib.cublasLtMatrixLayoutCreate, td, N, M, N)
         pref = self._create(lib.cublasLtMatmulPreferenceCreate)
         self._set(lib.cublasLtMatmulPreferenceSetAttribute, pref, _PREF_MAX_WORKSPACE_BYTES,
                   ctypes.c_uint64(LT_WORKSPACE_BYTES))
@@ -409,7 +414,7 @@ class CublasLt:
             self._set(lib.cublasLtMatmulPreferenceSetAttribute, pref, attr, ctypes.c_uint32(al))
         results = (ctypes.c_ubyte * (LT_ALGO_CANDIDATES * _HEURISTIC_BYTES))()
         count = ctypes.c_int(0)
-        status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, lay_b, lay_a, lay_c, lay_c, pref,
+        status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, lay_b, lay_a, lay_c, lay_d, pref,
                                                     LT_ALGO_CANDIDATES, ctypes.addressof(results),
                                                     ctypes.byref(count))
         candidates = []
@@ -420,7 +425,8 @@ class CublasLt:
                 ws = int.from_bytes(bytes(results[off + 64:off + 72]), "little")
                 if state == 0 and ws <= LT_WORKSPACE_BYTES:
                     candidates.append(i)
-        plan = Plan(desc, lay_b, lay_a, lay_c, results, candidates, (tb, ta, tc)) if candidates else None
+        types = (tb, ta, tc) if td is None else (tb, ta, tc, td)
+        plan = Plan(desc, lay_b, lay_a, lay_c, results, candidates, types, lay_d) if candidates else None
         self.plans[key] = plan
         return plan
 
@@ -566,7 +572,7 @@ def lt_gemm(a, b, out, M, N, K, transpose_a=False, transpose_b=False, alpha=1.0,
 
 
 def lt_fp8_gemm(a8, b8, out, M, N, K, a_format, b_format, a_scale_inv, b_scale_inv, beta=0.0, bias=None,
-                fast_accum=False, gelu_aux=None, c=None) -> None:
+                fast_accum=False, gelu_aux=None, c=None, out_format=None, out_scale=None, out_amax=None) -> None:
     """Row-major out (M, N) = (a (M, K) @ b (N, K)^T) * a_scale_inv * b_scale_inv [+ bias] [+ beta * out].
 
     a8, b8: uint8 arrays holding FP8 bytes (a_format / b_format "e4m3" or "e5m2"; not both e5m2),
@@ -577,24 +583,35 @@ def lt_fp8_gemm(a8, b8, out, M, N, K, a_format, b_format, a_scale_inv, b_scale_i
     GELU (GELU_AUX(_BIAS), as lt_gemm). c (M, N) bf16, optional: Lt's C apart from D, as lt_gemm's
     (beta * c added, out only written). Raises RuntimeError when cuBLASLt cannot (no fallback:
     callers check fp8_supported() first).
+    out_format ("e4m3" / "e5m2"): out is uint8 and receives the result's FP8 bytes times out_scale
+    ((1,) float32 device array), saturating; out_amax ((1,) float32, optional) receives max |result|
+    before the scale. Needs beta = 0; Lt's C is then a bf16 layout at a8's address that beta = 0
+    never reads (Lt refuses C and D at one address with different types).
     """
     lt = lt_binding()
     if lt is None:
         raise RuntimeError("FP8 matmul needs cuBLASLt: " + lt_status())
     dev, handle, ws = lt.device_state()
-    ta, tb, tc = FP8_TYPES[a_format], FP8_TYPES[b_format], cuda_type(out.dtype)
+    ta, tb = FP8_TYPES[a_format], FP8_TYPES[b_format]
+    tc = cuda_type(out.dtype if out_format is None else dtypes.bfloat16)
+    td = None if out_format is None else FP8_TYPES[out_format]
+    if td is not None and (beta != 0.0 or c is not None or gelu_aux is not None):
+        raise ValueError("out_format: an FP8 output needs beta = 0, no c and no gelu_aux")
     epilogue = _epilogue(bias, gelu_aux is not None)
     bias_ptr = bias.data.ptr if bias is not None else 0
     aux_ptr = gelu_aux.data.ptr if gelu_aux is not None else 0
-    c_ptr = c.data.ptr if c is not None else 0
+    c_ptr = c.data.ptr if c is not None else (a8.data.ptr if td is not None else 0)
     aligns = tuple(_alignment(p) for p in (b8.data.ptr, a8.data.ptr, c_ptr or out.data.ptr, out.data.ptr))
     key = (dev, "fp8", M, N, K, ta, tb, tc, epilogue, _alignment(bias_ptr) if bias is not None else 0, aligns,
            _alignment(aux_ptr) if aux_ptr else 0, beta != 0.0, bool(fast_accum))
     if c is not None:
         key = key + ("c",)
     scales = (b_scale_inv.data.ptr, a_scale_inv.data.ptr)   # Lt's A is our b
+    if td is not None:          # appended only here: the keys (and tune-cache entries) of bf16 outputs stay
+        key = key + (td, out_amax is not None)
+        scales += (out_scale.data.ptr, out_amax.data.ptr if out_amax is not None else 0)
     plan = lt.plan(key, handle, 1, 0, N, M, K, K, K, tb, ta, tc, epilogue, bias_ptr, aligns,
-                   aux_ptr=aux_ptr, scale_ptrs=scales, fast_accum=fast_accum)
+                   aux_ptr=aux_ptr, scale_ptrs=scales, fast_accum=fast_accum, td=td)
     if plan is None:
         raise RuntimeError(f"cuBLASLt has no FP8 algorithm for ({M} x {K}) @ ({N} x {K})^T "
                            f"{a_format} x {b_format} (M, N, K must be multiples of 16)")

@@ -23,6 +23,16 @@ three scaled tensors are slots 12 L + {0, 1, 2}. With the E5M2-only dlogits, set
 (on) has the classifier thin them without bias below that probability (sparse_tau; the seed is
 GPT2.head_seed): ~97% zeros, which the head's two backward GEMMs multiply at a higher clock.
 
+fch, the fc GEMM's output and GELU's input, which the model keeps per layer for the backward: with
+adaptive scaling and settings.fp8_fch_e4m3 (on) the fc GEMM writes it as E4M3 bytes (cuBLASLt's FP8
+D, times a scale of its own) instead of bf16, and the GELU cast before fcproj and the GELU backward
+read those bytes back as bf16(e4m3 * scale_inv) (their _x8 kernels): 1 byte a value instead of 2,
+written once and read twice (~0.6 GB a d12 B=64 layer). Its scale cannot be checked and redone as
+adaptive scaling redoes a cast (the GEMM would have to run again), so it is delayed (Transformer
+Engine's recipe): the max of the last fp8_history steps' amax (cuBLASLt's amax of D, the last
+micro-batch's), 2^-fp8_margin below E4M3's largest value. A value above the range saturates for a
+step. Only the GELU's input rounds to E4M3 here; the bf16 arithmetic after it is the bf16 path's.
+
 x8T is written by the forward's cast of x (one pass writes both orientations) and kept per layer
 in the model's activations ("x8t", 1 byte per value), so the backward never reads x again. In
 exchange the model keeps no bf16 copy of the layernorm outputs (they exist only as one scratch)
@@ -58,6 +68,14 @@ from .ops.layernorm import fp8_forward_fits, layernorm_forward_fp8
 
 QKV, ATTPROJ, FC, FCPROJ = range(4)
 _X, _W, _G = range(3)
+
+
+def fch_in_e4m3(fp8) -> bool:
+    """Do FP8 linears with this scaling keep fch as E4M3 bytes (module docstring)? fp8: None or
+    False (no FP8 linears), True (the default scaling: adaptive) or a scaling mode."""
+    if not fp8:
+        return False
+    return (fp8 is True or fp8 == "adaptive") and settings.current().fp8_fch_e4m3
 
 
 def linear_shapes(cfg):
@@ -137,6 +155,12 @@ class Fp8Linears:
         self.scaling = Fp8Scaling(n, ["e4m3", "e4m3", "e5m2"] * (n // 3), xp, mode=mode,
                                   history=s.fp8_history if history is None else history,
                                   margin=s.fp8_margin if margin is None else margin, window=s.fp8_window)
+        # fch as E4M3 (fch_in_e4m3): a delayed scale per layer, apart from the adaptive slots (its
+        # GEMM cannot be re-run on the device when the scale was off)
+        self.fch8 = fch_in_e4m3(mode)
+        self.fch_scaling = (Fp8Scaling(L, ["e4m3"] * L, xp, mode="delayed",
+                                       history=s.fp8_history if history is None else history,
+                                       margin=s.fp8_margin if margin is None else margin) if self.fch8 else None)
         self.weights_current = s.fp8_weights_current
         self.head_dwte = self.lm_head and s.fp8_lm_head_dwte
         self.fast_dgrad = s.fp8_fast_accum_dgrad
@@ -178,6 +202,10 @@ class Fp8Linears:
     def _slot(self, l, j, t):
         return 12 * l + 3 * j + t
 
+    def _fch_scale_inv(self, l, fch):
+        """Layer l's fch scale_inv when fch (N, 4C) is its E4M3 bytes, else None (bf16 fch)."""
+        return self.fch_scaling.tensor(l)[1] if fch is not None and fch.dtype == np.uint8 else None
+
     def forward(self, l, j, x2d, weight, bias, out2d, gelu_out2d=None, x8t=None, ln=None, gelu_of=None,
                 make_x=None, residual=None):
         """out2d (N, M) = x2d (N, K) @ weight (M, K)^T + bias [+ residual (N, M), added in the GEMM's
@@ -207,12 +235,15 @@ class Fp8Linears:
                            again_x, ln.weight, ln.bias, s, out8=x8, out8_t=x8t, mean=ln.mean, rstd=ln.rstd,
                            gate=gate))
         elif gelu_of is not None and sc.can_produce(ix):
-            sc.produce(ix, lambda s, am: fp8_gelu_quantize(gelu_of, s, out=x8, out_t=x8t, amax=am),
-                       lambda s, gate: fp8_gelu_quantize_gated(gelu_of, s, gate, out=x8, out_t=x8t))
+            fsi = self._fch_scale_inv(l, gelu_of)
+            sc.produce(ix, lambda s, am: fp8_gelu_quantize(gelu_of, s, out=x8, out_t=x8t, amax=am, x_scale_inv=fsi),
+                       lambda s, gate: fp8_gelu_quantize_gated(gelu_of, s, gate, out=x8, out_t=x8t, x_scale_inv=fsi))
         elif make_x is not None and sc.can_produce(ix):
             sc.produce(ix, lambda s, am: make_x(x8, x8t, s, am),
                        lambda s, gate: fp8_requantize_gated(x2d, "e4m3", s, gate, out=x8, out_t=x8t))
         else:
+            if gelu_of is not None and gelu_of.dtype == np.uint8:
+                raise RuntimeError("fch in E4M3 needs adaptive scaling (fch_in_e4m3)")
             if make_x is not None:
                 make_x(None, None, None, None)
             if ln is not None:
@@ -221,6 +252,11 @@ class Fp8Linears:
                 gelu(gelu_of, out=x2d)
             sc.cast(ix, x2d, out=x8, out_t=x8t)
         sc.cast(iw, weight, out=w8, current=self.weights_current)
+        if out2d.dtype == np.uint8:     # fch kept as E4M3: cuBLASLt writes the bytes with fch's delayed scale
+            fs, _, famax = self.fch_scaling.tensor(l)
+            fp8_matmul(x8, w8, "e4m3", "e4m3", sc.tensor(ix)[1], sc.tensor(iw)[1], out=out2d, bias=bias,
+                       fast_accum=True, out_scale=fs, out_amax=famax)
+            return out2d
         fp8_matmul(x8, w8, "e4m3", "e4m3", sc.tensor(ix)[1], sc.tensor(iw)[1], out=out2d, bias=bias,
                    fast_accum=True, gelu_out=gelu_out2d, residual=residual)
         return out2d
@@ -261,14 +297,18 @@ class Fp8Linears:
         if gelu_x2d is not None and sc.can_produce(ig):
             db = dbias
             gt, gs = (then.x8t, then.x_scale) if then is not None else (None, None)
+            fsi = self._fch_scale_inv(l, gelu_x2d)
             # the gated re-run (a gradient scale that had to change) leaves gelu_t alone: its bytes
             # are made with the forward's scale, right the first time
             sc.produce(ig, lambda s, am: fp8_gelu_backward(dout2d, gelu_x2d, s, out=g8, out_t=g8t, amax=am, dbias=db,
-                                                           gelu_t=gt, gelu_scale=gs),
-                       lambda s, gate: fp8_gelu_backward_gated(dout2d, gelu_x2d, s, gate, out=g8, out_t=g8t))
+                                                           gelu_t=gt, gelu_scale=gs, x_scale_inv=fsi),
+                       lambda s, gate: fp8_gelu_backward_gated(dout2d, gelu_x2d, s, gate, out=g8, out_t=g8t,
+                                                               x_scale_inv=fsi))
             dbias = None
             remade_by_kernel = then is not None
         else:
+            if gelu_x2d is not None and gelu_x2d.dtype == np.uint8:
+                raise RuntimeError("fch in E4M3 needs adaptive scaling (fch_in_e4m3)")
             if gelu_x2d is not None:
                 gelu_backward(dout2d, gelu_x2d, dx=dout2d, dbias=dbias)
                 dbias = None
@@ -276,7 +316,8 @@ class Fp8Linears:
             dbias = None
         if then is not None:
             if not remade_by_kernel:
-                fp8_gelu_quantize(then.gelu_of, then.x_scale, out_t=then.x8t)
+                fp8_gelu_quantize(then.gelu_of, then.x_scale, out_t=then.x8t,
+                                  x_scale_inv=self._fch_scale_inv(l, then.gelu_of))
             then.run()
         sc.cast(iw, weight, out_t=w8t, record=False)    # the forward's scale
         if x8t is None:
@@ -371,3 +412,5 @@ class Fp8Linears:
 
     def end_step(self):
         self.scaling.end_step()
+        if self.fch_scaling is not None:
+            self.fch_scaling.end_step()

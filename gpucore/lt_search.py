@@ -101,7 +101,7 @@ def describe(lib, algo_ptr) -> str:
 def check(lib, handle, plan, algo, workspace_limit) -> bool:
     """AlgoCheck of a 96-byte buffer (algo + result) against the plan; the result lands in its tail."""
     res = (ctypes.c_ubyte * _RESULT_BYTES)()
-    st = _bind(lib).cublasLtMatmulAlgoCheck(handle, plan.desc, plan.lay_b, plan.lay_a, plan.lay_c, plan.lay_c,
+    st = _bind(lib).cublasLtMatmulAlgoCheck(handle, plan.desc, plan.lay_b, plan.lay_a, plan.lay_c, plan.lay_d,
                                             ctypes.addressof(algo), ctypes.addressof(res))
     if st != 0:
         return False
@@ -119,12 +119,12 @@ def mixed_radix(index: int, radices) -> list[int]:
 
 def _spaces(lib, handle, plan):
     """(base algo, attribute lists) per algorithm id the heuristic offered."""
-    ta, tb, tc = plan.lt_types
+    ta, tb, tc, td = (*plan.lt_types, plan.lt_types[2])[:4]     # D's type is C's unless a 4th is given
     out = []
     ids = sorted({config_id(lib, plan.algo_ptr(i)) for i in plan.candidates})
     for algo_id in ids:
         base = (ctypes.c_ubyte * _RESULT_BYTES)()
-        if lib.cublasLtMatmulAlgoInit(handle, _COMPUTE_32F, _R_32F, ta, tb, tc, tc, algo_id,
+        if lib.cublasLtMatmulAlgoInit(handle, _COMPUTE_32F, _R_32F, ta, tb, tc, td, algo_id,
                                       ctypes.addressof(base)) != 0:
             continue
         p = ctypes.addressof(base)

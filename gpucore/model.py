@@ -55,7 +55,7 @@ from .ops.gelu import gelu_backward
 from .ops.layernorm import LayerNormCall, layernorm_backward, layernorm_forward
 from .ops.matmul import matmul_backward, matmul_forward
 from .ops.reduce import reduce_sum as _sum
-from .fp8_linear import ATTPROJ, FC, FCPROJ, QKV, Fp8Linears, kept_x8t
+from .fp8_linear import ATTPROJ, FC, FCPROJ, QKV, Fp8Linears, fch_in_e4m3, kept_x8t
 from .tensors import TensorLayout
 
 GPT2_VOCAB = 50257
@@ -170,12 +170,14 @@ def head_chunk_rows(cfg: GPT2Config, BT: int, dtype) -> int:
     return min(BT, 1 << (limit.bit_length() - 1))
 
 
-def activation_specs(cfg: GPT2Config, B: int, T: int, dtype, keep_gelu: bool = False, fp8: bool = False):
+def activation_specs(cfg: GPT2Config, B: int, T: int, dtype, keep_gelu: bool = False, fp8: bool | str = False):
     """The forward activations kept for the backward pass (plus scratch), for a (B, T) batch.
     keep_gelu: fch_gelu is stored per layer (L, B, T, 4C) instead of one recomputed (B, T, 4C).
     fp8: the FP8 linears keep their inputs as transposed FP8 copies ("x8t", 1 byte per value;
     gpucore/fp8_linear.py), so ln1, ln2 and fch_gelu are one scratch each, not per layer; with
-    keep_gelu the GELU output is kept that way too (4C bytes per token instead of 8C)."""
+    keep_gelu the GELU output is kept that way too (4C bytes per token instead of 8C). fp8 may be the
+    scaling mode (True: the default, adaptive): with adaptive scaling and settings.fp8_fch_e4m3 fch is
+    kept as E4M3 bytes (fp8_linear.fch_in_e4m3)."""
     L, C, NH, Vp = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size
     f32 = dtypes.float32
     per_layer_ln = (B, T, C) if fp8 else (L, B, T, C)
@@ -186,7 +188,7 @@ def activation_specs(cfg: GPT2Config, B: int, T: int, dtype, keep_gelu: bool = F
         ("atty", (L, B, T, C), dtype), ("att_lse", (L, B, NH, T), f32),
         ("residual2", (L, B, T, C), dtype),        # residual + attention branch
         ("ln2", per_layer_ln, dtype), ("ln2_mean", (L, B, T), f32), ("ln2_rstd", (L, B, T), f32),
-        ("fch", (L, B, T, 4 * C), dtype),          # MLP pre-activation (GELU input)
+        ("fch", (L, B, T, 4 * C), np.uint8 if fch_in_e4m3(fp8) else dtype),   # MLP pre-activation (GELU input)
         ("residual3", (L, B, T, C), dtype),        # residual2 + MLP branch: layer output
         ("lnf", (B, T, C), dtype), ("lnf_mean", (B, T), f32), ("lnf_rstd", (B, T), f32),
         ("losses", (B, T), f32),
@@ -213,7 +215,7 @@ def grad_activation_specs(cfg: GPT2Config, B: int, T: int, dtype):
 
 
 def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "fp32",
-                keep_gelu: bool = False, fp8: bool = False, fp8_lm_head: bool | None = None) -> dict[str, int]:
+                keep_gelu: bool = False, fp8: bool | str = False, fp8_lm_head: bool | None = None) -> dict[str, int]:
     """Bytes of each flat buffer a training run at (B, T) allocates (nothing is allocated).
 
     The fp32 master copy exists only when the parameters are not fp32 and master_weights is
@@ -245,7 +247,7 @@ def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "f
 
 
 def resolve_keep_gelu(keep_gelu, cfg: GPT2Config, B: int, T: int, dtype, xp, master_weights: str = "fp32",
-                      device_bytes: int | None = None, fp8: bool = False) -> bool:
+                      device_bytes: int | None = None, fp8: bool | str = False) -> bool:
     """keep_gelu as given (True/False), or for None the default: on a GPU, keep the per-layer GELU
     outputs (the backward then skips L recomputations, ~0.28 ms each at d12 B=64 on an H100) when
     the whole plan with them stays within KEEP_GELU_DEVICE_FRACTION of the device's memory (d12
@@ -408,8 +410,8 @@ class GPT2:
             self.acts = self.grad_acts = self._acts_full = self._grad_full = self._logits = None   # free first
             self._shape = self._backward_ready = None
             self.keep_gelu = resolve_keep_gelu(self.keep_gelu_request, self.config, B, T, self.dtype, self.xp,
-                                               fp8=self.fp8 is not None)
-            specs = activation_specs(self.config, B, T, self.dtype, self.keep_gelu, self.fp8 is not None)
+                                               fp8=self._fp8_mode())
+            specs = activation_specs(self.config, B, T, self.dtype, self.keep_gelu, self._fp8_mode())
             if self._compressible_logits():     # its own allocation, outside the flat buffer
                 spec = next(sp for sp in specs if sp[0] == "logits")
                 specs = [sp for sp in specs if sp[0] != "logits"]
@@ -445,10 +447,14 @@ class GPT2:
             return self.fp8.head_sparse > 0
         return self.bf16_head_sparse > 0
 
+    def _fp8_mode(self):
+        """The FP8 linears' scaling mode, or False (what activation_specs and memory_plan take)."""
+        return self.fp8.scaling.mode if self.fp8 is not None else False
+
     def memory_plan(self, B: int, T: int) -> dict[str, int]:
         keep = resolve_keep_gelu(self.keep_gelu_request, self.config, B, T, self.dtype, self.xp,
-                                 fp8=self.fp8 is not None)
-        return memory_plan(self.config, B, T, self.dtype, keep_gelu=keep, fp8=self.fp8 is not None,
+                                 fp8=self._fp8_mode())
+        return memory_plan(self.config, B, T, self.dtype, keep_gelu=keep, fp8=self._fp8_mode(),
                            fp8_lm_head=self.fp8.lm_head if self.fp8 is not None else None)
 
     # -------------------------------------------------------------- forward

@@ -67,6 +67,9 @@ class Settings:
     fp8_fast_accum_dgrad: bool = True     # the linears' dx GEMMs (K <= 4C) on Hopper's fast FP8 accumulation too
     fp8_lm_head_sparse: float = 2.0 ** -13  # with fp8_lm_head_dwte: E5M2 dlogits below ~this probability thinned
                                           # without bias (fewer toggling bits for the head's GEMMs at the power cap); 0: off
+    fp8_fch_e4m3: bool = True             # adaptive scaling: the fc GEMM writes fch (the GELU input kept for the
+                                          # backward) as E4M3 with a delayed scale of its own, not bf16: half its bytes
+                                          # (written once, read by the GELU cast and the GELU backward)
     # ---- data parallel (gpucore/distributed/reducer.py)
     dp_overlap: bool = False              # True: reduce each layer's gradients while the backward runs (no CUDA graph)
 

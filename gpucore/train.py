@@ -264,8 +264,8 @@ def prepare(args: TrainArgs, echo, dp=None) -> RunSetup:
     if args.keep_gelu not in ("auto", "on", "off"):
         raise TrainError(f"--keep-gelu {args.keep_gelu}: expected auto, on or off")
     keep_gelu = resolve_keep_gelu({"auto": None, "on": True, "off": False}[args.keep_gelu], cfg, B, T, dtype, xp,
-                                  master_weights=args.master_weights, fp8=bool(fp8))
-    plan = memory_plan(cfg, B, T, dtype, master_weights=args.master_weights, keep_gelu=keep_gelu, fp8=bool(fp8))
+                                  master_weights=args.master_weights, fp8=fp8 or False)
+    plan = memory_plan(cfg, B, T, dtype, master_weights=args.master_weights, keep_gelu=keep_gelu, fp8=fp8 or False)
     try:
         cuda_graph, graph_why = step_graph.resolve(args.cuda_graph, device, data_parallel=dp is not None,
                                                    dp_overlap=settings.current().dp_overlap)
@@ -404,6 +404,10 @@ def build_model(args: TrainArgs, setup: RunSetup, echo=print):
             if model.fp8 is not None:
                 model.fp8.scaling.load_state({**meta["fp8"], "scale": arrays["fp8_scale"],
                                               "history": arrays["fp8_history"]})
+                fch = model.fp8.fch_scaling
+                if fch is not None and "fp8_fch_scale" in arrays:   # (a checkpoint without: fresh fch scales)
+                    fch.load_state({**meta["fp8"]["fch"], "scale": arrays["fp8_fch_scale"],
+                                    "history": arrays["fp8_fch_history"]})
             if meta.get("rng") is not None:
                 rng.bit_generator.state = meta["rng"]
             model.set_step(setup.start)       # the thinned dlogits draw as the run would have

@@ -26,6 +26,8 @@
  *   were written the other way (the LM head's weight gradient: dlogits8 and lnf8, K = tokens).
  * fp8_gelu_cast_kernel_e4m3: the same cast of gelu(in) (gelu.cu's bf16 GELU, rounded to bf16 first):
  *   the fcproj input of FP8 training, made from fch without the bf16 GELU output ever existing.
+ * _x8 kernels: the same, reading GELU's input kept as E4M3 bytes (settings.fp8_fch_e4m3), each value
+ *   bf16(e4m3 * scale_inv) (fp8_cast.cuh dequant8_e4m3) before the bf16 path's arithmetic.
  * gate (optional): the cast runs only when *gate != 0 (adaptive scaling's re-cast, decided on the
  *   device by fp8_guard_kernel at the end of this file: no host sync).
  * Scale update (fp8_update_scale_kernel, one thread per tensor; tensor k's scale, scale_inv and amax
@@ -122,17 +124,22 @@ __device__ __forceinline__ void colsum_write(float* partials, const TileColsum& 
 // COLSUM: also partials (ceil(R / TR), C) float32, each tile's column sums of in (the bf16 values
 // read) by TileColsum's tree -- the qkv bias gradient from the dqkv cast, without a colsum pass
 // reading dqkv again. A template flag: the sums cost the plain casts 12 registers (48 -> 60).
-template <int FMT, bool GELU = false, bool COLSUM = false, int TR = CAST_ROWS>
+// X8: `in` holds E4M3 bytes (in8, (R, C) uint8) read as bf16(e4m3 * *in_si) (dequant8_e4m3): fch kept
+// in E4M3 (settings.fp8_fch_e4m3); 8 bytes a pack instead of 16.
+template <int FMT, bool GELU = false, bool COLSUM = false, int TR = CAST_ROWS, bool X8 = false>
 __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __restrict__ amax,
                          float* __restrict__ partials, const bf16* __restrict__ in, const float* __restrict__ scale,
-                         const float* __restrict__ gate, int R, int C) {
+                         const float* __restrict__ gate, int R, int C,
+                         const u8* __restrict__ in8 = nullptr, const float* __restrict__ in_si = nullptr) {
     static_assert(!(GELU && COLSUM), "the GELU cast sums nothing");
+    static_assert(!(X8 && COLSUM), "E4M3 input: the GELU cast only");
     constexpr int H = TR / 32;                 // packs per thread
     __shared__ u32 tile[TR * 16];              // the cast bytes, for the transposed store
     __shared__ TileColsum cs;
     if (gate && *gate == 0.0f) return;         // the adaptive re-cast, not needed this time (block-uniform)
     const int t = threadIdx.x;
     const float s = *scale;
+    const float si = X8 ? *in_si : 0.0f;
     const int col = (t & 7) * 8;               // 8 columns per pack
     u32 m = 0;
     // Tiles in a grid-stride loop: a full grid runs each block once; the gated re-cast is launched
@@ -143,11 +150,15 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
     const int r0 = ty * TR, c0 = tx * TILE;
     if (out_t || COLSUM) __syncthreads();      // the last tile's shared reads are done
     uint4 p[H];
+    uint2 p8[H];                               // X8: the raw bytes, turned into bf16 packs after all loads
     #pragma unroll
     for (int h = 0; h < H; h++) {              // all loads first: H packs in flight
         const long long r = r0 + (t >> 3) + 32 * h;
         if (COLSUM) p[h] = make_uint4(0u, 0u, 0u, 0u);   // zero past the edges: the sums ignore them
-        if (r < R && c0 + col < C) p[h] = __ldcs(reinterpret_cast<const uint4*>(in + r * C + c0 + col));
+        if (r < R && c0 + col < C) {
+            if constexpr (X8) p8[h] = __ldcs(reinterpret_cast<const uint2*>(in8 + r * C + c0 + col));
+            else p[h] = __ldcs(reinterpret_cast<const uint4*>(in + r * C + c0 + col));
+        }
     }
     float sum[8];                              // partials: this thread's 8 columns over its H rows
     #pragma unroll
@@ -155,6 +166,7 @@ __device__ void fp8_cast(u8* __restrict__ out, u8* __restrict__ out_t, float* __
         const int row = (t >> 3) + 32 * h;
         const long long r = r0 + row;
         if (r < R && c0 + col < C) {           // C % 16 == 0: a pack is all in or all out
+            if constexpr (X8) p[h] = dequant8_e4m3(p8[h], si);
             const uint2 q = quantize8<FMT>(GELU ? gelu_pack8(p[h]) : p[h], s, m);
             tile[swz(row, col / 4)] = q.x;
             tile[swz(row, col / 4 + 1)] = q.y;
@@ -208,6 +220,13 @@ extern "C" __global__ void __launch_bounds__(256) fp8_gelu_cast_kernel_e4m3(
         const float* gate,                    // (1,) | null: cast only when *gate != 0
         int R, int C) {
     fp8_cast<E4M3, true>(out, out_t, amax, nullptr, in, scale, gate, R, C);
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp8_gelu_cast_kernel_e4m3_x8(
+        u8* out, u8* out_t, float* amax,      // as fp8_gelu_cast_kernel_e4m3
+        const u8* in8, const float* in_si,    // (R, C) E4M3 bytes of GELU's input (fch), (1,) their scale_inv
+        const float* scale, const float* gate, int R, int C) {
+    fp8_cast<E4M3, true, false, CAST_ROWS, true>(out, out_t, amax, nullptr, nullptr, scale, gate, R, C, in8, in_si);
 }
 
 // FP8 bytes transposed: out (C, R) = in (R, C)^T, uint8 row-major, R and C multiples of 16. The
@@ -276,12 +295,14 @@ extern "C" __global__ void __launch_bounds__(256) fp8_transpose_kernel(
 #ifndef GELU_BWD_ROWS
 #define GELU_BWD_ROWS 128   // 128: 82.8% of the copy bandwidth on an H200, 64: 75.6% (tools/probes/fp8_cast_rows.py)
 #endif
-template <int FMT, int TR = GELU_BWD_ROWS>
+// X8: x holds E4M3 bytes (x8, (R, C) uint8) read as bf16(e4m3 * *x_si), as fp8_cast's X8.
+template <int FMT, int TR = GELU_BWD_ROWS, bool X8 = false>
 __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, float* __restrict__ amax,
                                   float* __restrict__ partials, const bf16* __restrict__ dout,
                                   const bf16* __restrict__ x, const float* __restrict__ scale,
                                   const float* __restrict__ gate, u8* __restrict__ gelu_t,
-                                  const float* __restrict__ gelu_scale, int R, int C) {
+                                  const float* __restrict__ gelu_scale, int R, int C,
+                                  const u8* __restrict__ x8 = nullptr, const float* __restrict__ x_si = nullptr) {
     constexpr int H = TR / 32;                 // as fp8_cast
     __shared__ u32 tile[TR * 16];              // swizzled as fp8_cast's
     __shared__ u32 gtile[TR * 16];             // gelu(x)'s bytes, the same way (gelu_t only)
@@ -290,6 +311,7 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
     const int t = threadIdx.x;
     const float s = *scale;
     const float gs = gelu_t ? *gelu_scale : 0.0f;
+    const float xsi = X8 ? *x_si : 0.0f;
     const int col = (t & 7) * 8;
     u32 m = 0;
     // fp8_cast's tile loop, in row order: tile rows from the last (as fp8_cast) spilled at this
@@ -299,12 +321,14 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
     const int r0 = ty * TR, c0 = tx * TILE;
     if (out_t || partials || gelu_t) __syncthreads();   // the last tile's shared reads are done
     uint4 gp[H], vp[H];
+    uint2 vp8[H];                              // X8: x's raw bytes, turned into bf16 packs after all loads
     #pragma unroll
     for (int h = 0; h < H; h++) {              // all loads first
         const long long r = r0 + (t >> 3) + 32 * h;
         if (r < R && c0 + col < C) {
             gp[h] = __ldcs(reinterpret_cast<const uint4*>(dout + r * C + c0 + col));
-            vp[h] = __ldcs(reinterpret_cast<const uint4*>(x + r * C + c0 + col));
+            if constexpr (X8) vp8[h] = __ldcs(reinterpret_cast<const uint2*>(x8 + r * C + c0 + col));
+            else vp[h] = __ldcs(reinterpret_cast<const uint4*>(x + r * C + c0 + col));
         }
     }
     float sum[8];                              // this thread's 8 columns summed over its H rows, as stored
@@ -314,6 +338,7 @@ __device__ void fp8_gelu_backward(u8* __restrict__ out, u8* __restrict__ out_t, 
         const long long r = r0 + row;
         u32 d[4] = {0u, 0u, 0u, 0u};           // dx as bf16 pairs; zero past the edges (sums ignore them)
         if (r < R && c0 + col < C) {
+            if constexpr (X8) vp[h] = dequant8_e4m3(vp8[h], xsi);
             const u32 gw[4] = {gp[h].x, gp[h].y, gp[h].z, gp[h].w}, vw[4] = {vp[h].x, vp[h].y, vp[h].z, vp[h].w};
             #pragma unroll
             for (int k = 0; k < 4; k++)
@@ -353,6 +378,14 @@ extern "C" __global__ void __launch_bounds__(256, GELU_BWD_ROWS == 64 ? 4 : 3) f
         u8* gelu_t, const float* gelu_scale,                // (C, R) | null, (1,) | null: E4M3 gelu(x)^T
         int R, int C) {
     fp8_gelu_backward<E5M2>(out, out_t, amax, partials, dout, x, scale, gate, gelu_t, gelu_scale, R, C);
+}
+
+extern "C" __global__ void __launch_bounds__(256, GELU_BWD_ROWS == 64 ? 4 : 3) fp8_gelu_backward_kernel_e5m2_x8(
+        u8* out, u8* out_t, float* amax, float* partials,   // as fp8_gelu_backward_kernel_e5m2
+        const bf16* dout, const u8* x8, const float* x_si,  // (R, C) bf16, (R, C) E4M3 bytes of GELU's input, (1,)
+        const float* scale, const float* gate, u8* gelu_t, const float* gelu_scale, int R, int C) {
+    fp8_gelu_backward<E5M2, GELU_BWD_ROWS, true>(out, out_t, amax, partials, dout, nullptr, scale, gate, gelu_t,
+                                                 gelu_scale, R, C, x8, x_si);
 }
 
 // amax only (current scaling: the scale of this very tensor before its cast). Grid-stride over

@@ -7,6 +7,7 @@
  */
 #pragma once
 #include "common.cuh"
+#include "fast_packs.cuh"
 
 typedef unsigned char u8;
 
@@ -28,6 +29,34 @@ __device__ __forceinline__ unsigned short cvt_fp8x2(float lo, float hi) {
 #else
     __trap();
     return 0;
+#endif
+}
+
+// 8 E4M3 bytes (one uint2, memory order) times scale_inv -> 8 bf16 (one 16-byte pack as raw uint4):
+// each byte exactly to f16 and f32 (cvt.rn.f16x2.e4m3x2: 0x7f / 0xff stay NaN), one fp32 product,
+// rounded to nearest even -- bf16(f32(q) * f32(scale_inv)), ops/fp8.py's fp8_dequantize_bf16. The
+// readers of an E4M3-kept tensor (fch: the GELU cast and the GELU backward) turn it back into the
+// bf16 pack their bf16 path reads, and go on unchanged. sm_89+ (a trap below, as cvt_fp8x2).
+__device__ __forceinline__ uint4 dequant8_e4m3(uint2 q, float scale_inv) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    const u32 w[2] = {q.x, q.y};
+    u32 o[4];
+    #pragma unroll
+    for (int i = 0; i < 2; i++) {
+        #pragma unroll
+        for (int j = 0; j < 2; j++) {
+            u32 h2;
+            float lo, hi;
+            asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)(w[i] >> (16 * j))));
+            asm("{ .reg .f16 l, h;\n\t mov.b32 {l, h}, %2;\n\t cvt.f32.f16 %0, l;\n\t cvt.f32.f16 %1, h; }"
+                : "=f"(lo), "=f"(hi) : "r"(h2));
+            o[2 * i + j] = cvt_rn_bf16x2(lo * scale_inv, hi * scale_inv);
+        }
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+#else
+    __trap();
+    return make_uint4(0u, 0u, 0u, 0u);
 #endif
 }
 

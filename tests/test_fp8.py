@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gpucore import runtime
+from gpucore import runtime, settings
 from gpucore.dtypes import bfloat16
 from gpucore.ops.fp8 import (FORMATS, Fp8Scaling, fp8_amax, fp8_dequantize, fp8_gelu_backward, fp8_matmul_reference,
                              fp8_gelu_backward_gated, fp8_gelu_quantize, fp8_matmul, fp8_quantize, fp8_quantize_reference,
@@ -555,22 +555,27 @@ def test_model_fp8_scratch_lives_in_the_logits_chunk():
     assert memory_plan(micro, 2, 16, "bf16", fp8=True)["fp8 scratch"] > 0
 
 
+@pytest.mark.parametrize("fch8", [False, True])
 @pytest.mark.parametrize("keep", [False, True])
-def test_model_fp8_plans_less_memory_than_bf16(keep):
+def test_model_fp8_plans_less_memory_than_bf16(keep, fch8):
     """FP8 keeps x8t (3C or, with keep_gelu, 7C bytes per token and layer) instead of the bf16
     ln1/ln2 (4C) and kept GELU outputs (8C), and its GELU scratch (8C) is the backward's idle dbig:
     d12 B=64 plans (L + 4) x N x C bytes less without keep_gelu, (5L - 4) x N x C with it, and
-    nothing else changes without the FP8 LM head (the linears' scratch lives in the logits); the
-    head adds its own scratch and still plans under bf16 at this size."""
+    4 L x N x C less again with fch kept as E4M3 (adaptive scaling, settings.fp8_fch_e4m3); nothing
+    else changes without the FP8 LM head (the linears' scratch lives in the logits); the head adds
+    its own scratch and still plans under bf16 at this size."""
     from gpucore.model import memory_plan
     d12 = GPT2Config.from_preset("d12")
     L, N, C = d12.num_layers, 64 * 1024, d12.channels
-    p8 = memory_plan(d12, 64, 1024, "bf16", keep_gelu=keep, fp8=True, fp8_lm_head=False)
+    with settings.using(fp8_fch_e4m3=fch8):
+        p8 = memory_plan(d12, 64, 1024, "bf16", keep_gelu=keep, fp8=True, fp8_lm_head=False)
+        assert memory_plan(d12, 64, 1024, "bf16", keep_gelu=keep, fp8="current", fp8_lm_head=False)["activations"] \
+            == p8["activations"] + (4 * L * N * C if fch8 else 0)      # fch8 only with adaptive scaling
+        head = memory_plan(d12, 64, 1024, "bf16", keep_gelu=keep, fp8=True, fp8_lm_head=True)
     p16 = memory_plan(d12, 64, 1024, "bf16", keep_gelu=keep)
-    saved = ((5 * L - 4) if keep else (L + 4)) * N * C
+    saved = ((5 * L - 4) if keep else (L + 4)) * N * C + (4 * L * N * C if fch8 else 0)
     assert p16["activations"] - p8["activations"] == saved
     assert {k: v for k, v in p8.items() if k != "activations"} == {k: v for k, v in p16.items() if k != "activations"}
-    head = memory_plan(d12, 64, 1024, "bf16", keep_gelu=keep, fp8=True, fp8_lm_head=True)
     assert sum(p8.values()) < sum(head.values()) < sum(p16.values())
 
 
@@ -669,6 +674,8 @@ def test_train_fp8_cpu_resumes_bit_identically(shards, tmp_path, mode):
     assert resumed["losses"] == straight["losses"][2:]
     a, meta = load_checkpoint(tmp_path / "a" / "ckpt_000004.ckpt")
     assert meta["fp8"]["mode"] == mode and meta["fp8"]["step_index"] == 4 and "fp8_scale" in a
+    # adaptive keeps fch as E4M3 with delayed scales of its own: they travel too
+    assert ("fp8_fch_scale" in a and meta["fp8"]["fch"]["step_index"] == 4) == (mode == "adaptive")
 
 
 def test_train_fp8_resume_keeps_the_saved_lm_head_and_says_so(shards, tmp_path):
@@ -969,3 +976,198 @@ def test_model_bf16_lm_head_sparse_dlogits(device):
     assert m.bf16_head_sparse == prob and m.steps_done == 1
     with settings.using(bf16_lm_head_sparse=prob):    # float32 models keep dense dlogits
         assert GPT2(cfg, xp=xp, dtype="float32", seed=9).bf16_head_sparse == 0.0
+
+
+# ------------------------------------------------- fch kept as E4M3 (fp8_fch_e4m3) ----
+
+def _x8_case(rng, R, C, xp):
+    """E4M3 bytes of a GELU input (fch) with its scale_inv, and the bf16 values kernels read them as."""
+    from gpucore.ops.fp8 import fp8_dequantize_bf16
+    x = _bf16(rng, (R, C), 2.0)
+    x8 = fp8_quantize_reference(x, "e4m3", 448.0 / 8.0)
+    si = F32(8.0 / 448.0)
+    return xp.asarray(x8), xp.asarray(np.array([si], F32)), xp.asarray(fp8_dequantize_bf16(x8, si))
+
+
+def test_dequantize_bf16_is_the_fp32_product_rounded(rng):
+    """fp8_dequantize_bf16: every E4M3 byte times scale_inv in fp32, rounded to bf16 (nearest even);
+    the NaN bytes stay NaN."""
+    from gpucore.ops.fp8 import fp8_dequantize_bf16
+    q = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    si = F32(0.0123)
+    got = fp8_dequantize_bf16(q, si)
+    want = (q.view(ml_dtypes.float8_e4m3fn).astype(F32) * si).astype(bfloat16)
+    assert got.dtype == bfloat16 and got.tobytes() == want.tobytes()
+    assert np.isnan(got.astype(F32)).sum() == 2 and got.astype(F32)[0, 1] == np.float32(2.0 ** -9 * si).astype(bfloat16)   # subnormal
+
+
+def test_gelu_kernels_x8_numpy_read_the_dequantized_values(rng):
+    """NumPy: the GELU cast and the GELU backward given E4M3 x with x_scale_inv are their bf16 selves
+    on fp8_dequantize_bf16(x): bytes, amax, bias sums, gelu_t, gates; x's dtype must match."""
+    from gpucore.ops.fp8 import fp8_gelu_quantize, fp8_gelu_quantize_gated
+    x8, si, xd = _x8_case(rng, 48, 32, np)
+    dout = _bf16(rng, (48, 32), 1e-3)
+    s = np.array([40.0], F32)
+    outs = []
+    for x, kw in ((x8, dict(x_scale_inv=si)), (xd, {})):
+        q, qt, am = np.zeros((48, 32), np.uint8), np.zeros((32, 48), np.uint8), np.zeros(1, F32)
+        fp8_gelu_quantize(x, s, out=q, out_t=qt, amax=am, **kw)
+        g, gt, gam, db, gelt = (np.zeros((48, 32), np.uint8), np.zeros((32, 48), np.uint8), np.zeros(1, F32),
+                                np.zeros(32, F32), np.zeros((32, 48), np.uint8))
+        fp8_gelu_backward(dout, x, np.array([3000.0], F32), out=g, out_t=gt, amax=gam, dbias=db, gelu_t=gelt,
+                          gelu_scale=s, **kw)
+        gated = np.zeros((48, 32), np.uint8)
+        fp8_gelu_quantize_gated(x, s, np.zeros(1, F32), out=gated, **kw)
+        assert not gated.any()
+        fp8_gelu_backward_gated(dout, x, s, np.ones(1, F32), out=gated, **kw)
+        outs.append((q, qt, am, g, gt, gam, db, gelt, gated))
+    for a, b in zip(*outs):
+        assert a.tobytes() == b.tobytes()
+    assert outs[0][0].any() and outs[0][3].any()
+    with pytest.raises((TypeError, ValueError), match="x"):
+        fp8_gelu_quantize(xd, s, out=np.zeros((48, 32), np.uint8), x_scale_inv=si)      # bf16 x with a scale
+    with pytest.raises((TypeError, ValueError), match="x"):
+        fp8_gelu_backward(dout, x8, s, out=np.zeros((48, 32), np.uint8))             # E4M3 x without its scale
+
+
+def test_matmul_e4m3_out_reference_and_bad_input(rng):
+    """fp8_matmul(out_scale=): out gets the E4M3 bytes of the float32 result times out_scale
+    (saturating), out_amax max |result| (set, not folded); not with accumulate / gelu_out / residual."""
+    a, b, bias = _bf16(rng, (32, 64)), _bf16(rng, (48, 64), 0.05), _bf16(rng, (48,))
+    a8, b8 = fp8_quantize_reference(a, "e4m3", 64.0), fp8_quantize_reference(b, "e4m3", 2048.0)
+    sa, sb = np.array([1 / 64], F32), np.array([1 / 2048], F32)
+    r = fp8_matmul_reference(a8, b8, "e4m3", "e4m3", 1 / 64, 1 / 2048, bias).astype(F32)
+    out, amax = np.zeros((32, 48), np.uint8), np.full(1, 7.0, F32)
+    fp8_matmul(a8, b8, "e4m3", "e4m3", sa, sb, out=out, bias=bias, out_scale=np.array([50.0], F32), out_amax=amax)
+    assert out.tobytes() == fp8_quantize_reference(r, "e4m3", 50.0).tobytes()
+    assert amax[0] == np.abs(r).max()
+    big = fp8_matmul(a8, b8, "e4m3", "e4m3", sa, sb, bias=bias, out_scale=np.array([1e6], F32))
+    assert big.dtype == np.uint8 and set(np.unique(big & 0x7F)) <= {0, 0x7E} | set(range(0x7E))
+    assert (big & 0x7F).max() == 0x7E                                          # 448: saturated, not NaN
+    for kw in (dict(accumulate=True, out=out), dict(residual=_bf16(rng, (32, 48)))):
+        with pytest.raises(ValueError, match="out_scale"):
+            fp8_matmul(a8, b8, "e4m3", "e4m3", sa, sb, out_scale=np.ones(1, F32), **kw)
+    with pytest.raises(ValueError, match="out_amax"):
+        fp8_matmul(a8, b8, "e4m3", "e4m3", sa, sb, out_amax=np.zeros(1, F32))
+    with pytest.raises((TypeError, ValueError), match="out"):
+        fp8_matmul(a8, b8, "e4m3", "e4m3", sa, sb, out=np.zeros((32, 48), bfloat16), out_scale=np.ones(1, F32))
+
+
+def _fch_run(xp, fch8, mode="adaptive", steps=2):
+    """Two training steps of the tiny model in FP8 with settings.fp8_fch_e4m3 = fch8: (losses, grads,
+    model)."""
+    cfg = GPT2Config.from_preset("tiny")
+    x, y = _tokens(cfg, 4, 64)
+    with settings.using(fp8_fch_e4m3=fch8):
+        m = GPT2(cfg, xp=xp, dtype="bfloat16", seed=9, fp8=mode)
+        losses = []
+        for _ in range(steps):
+            m.zero_grad()
+            losses.append(float(m.forward(xp.asarray(x), xp.asarray(y), for_backward=True)))
+            m.backward()
+            m.end_step()
+    return losses, to_cpu(m.grads.flat()).astype(np.float64), m
+
+
+def test_model_fp8_fch_e4m3_numpy():
+    """NumPy: with adaptive scaling fch is kept as E4M3 (uint8 activations) with delayed scales of its
+    own, set from the fc GEMM's amax at end_step; losses and gradients stay close to bf16 fch's (one
+    more E4M3 rounding, of GELU's input); other scaling modes keep bf16 fch."""
+    l8, g8, m8 = _fch_run(np, True)
+    l16, g16, m16 = _fch_run(np, False)
+    assert m8.acts.fch.dtype == np.uint8 and m16.acts.fch.dtype == bfloat16 and m16.fp8.fch_scaling is None
+    fs = m8.fp8.fch_scaling
+    scale = np.asarray(fs.scale)
+    assert fs.mode == "delayed" and np.all(scale != 1.0) and np.all(np.isfinite(scale))
+    L = m8.config.num_layers
+    amax = np.asarray(fs.history).max(axis=0)
+    assert np.allclose(scale, 448.0 / amax * 2.0 ** -settings.current().fp8_margin, rtol=1e-6) and len(scale) == L
+    assert all(abs(a - b) < 1e-2 * b for a, b in zip(l8, l16))
+    assert rel_err(g8, g16) < 0.1
+    _, _, mc = _fch_run(np, True, mode="current", steps=1)
+    assert mc.acts.fch.dtype == bfloat16 and mc.fp8.fch_scaling is None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("R,C", [(64, 64), (1040, 784), (4096, 3072)])
+def test_gpu_gelu_kernels_x8_bitwise(rng, R, C):
+    """GPU: the _x8 GELU cast and GELU backward write the bytes, amax, gelu_t and (to float32
+    rounding) bias sums of their bf16 kernels on the dequantized x, bit for bit; gated alike."""
+    from gpucore.ops.fp8 import fp8_gelu_quantize, fp8_gelu_quantize_gated
+    _need_fp8()
+    cp = runtime.cupy
+    x8, si, xd = _x8_case(rng, R, C, cp)
+    dout = cp.asarray(_bf16(rng, (R, C), 1e-3))
+    s, gs = cp.asarray([40.0], F32), cp.asarray([3000.0], F32)
+    res = []
+    for x, kw in ((x8, dict(x_scale_inv=si)), (xd, {})):
+        q, qt, am = cp.zeros((R, C), np.uint8), cp.zeros((C, R), np.uint8), cp.zeros(1, F32)
+        fp8_gelu_quantize(x, s, out=q, out_t=qt, amax=am, **kw)
+        g, gt, gam, db, gelt = (cp.zeros((R, C), np.uint8), cp.zeros((C, R), np.uint8), cp.zeros(1, F32),
+                                cp.zeros(C, F32), cp.zeros((C, R), np.uint8))
+        fp8_gelu_backward(dout, x, gs, out=g, out_t=gt, amax=gam, dbias=db, gelu_t=gelt, gelu_scale=s, **kw)
+        q0, g0 = cp.zeros((R, C), np.uint8), cp.zeros((R, C), np.uint8)
+        fp8_gelu_quantize_gated(x, s, cp.zeros(1, F32), out=q0, **kw)
+        fp8_gelu_backward_gated(dout, x, gs, cp.zeros(1, F32), out=g0, **kw)
+        assert not bool(q0.any()) and not bool(g0.any())
+        q1, g1 = cp.zeros((R, C), np.uint8), cp.zeros((R, C), np.uint8)
+        fp8_gelu_quantize_gated(x, s, cp.ones(1, F32), out=q1, **kw)
+        fp8_gelu_backward_gated(dout, x, gs, cp.ones(1, F32), out=g1, **kw)
+        res.append([to_cpu(a) for a in (q, qt, am, g, gt, gam, gelt, q1, g1, db)])
+    for k, (a, b) in enumerate(zip(res[0][:-1], res[1][:-1])):
+        bad = np.argwhere(a != b)
+        assert len(bad) == 0, f"output {k}: {len(bad)} values differ, first at {tuple(bad[0])}"
+    assert res[0][0].any() and res[0][3].any()
+    assert np.array_equal(res[0][7], res[0][0]) and np.array_equal(res[0][8], res[0][3])
+    assert rel_err(res[0][-1].astype(np.float64), res[1][-1].astype(np.float64)) < 1e-5
+    # and both against the NumPy reference of the E4M3 input
+    want = np.zeros((R, C), np.uint8)
+    fp8_gelu_quantize(to_cpu(x8), np.array([40.0], F32), out=want, x_scale_inv=to_cpu(si))
+    assert np.array_equal(res[0][0], want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("M,N,K", [(64, 48, 96), (4096, 3072, 768), (1024, 6400, 1600)])
+def test_gpu_matmul_e4m3_out(rng, M, N, K):
+    """GPU: cuBLASLt's E4M3 output (fc's fch) against the reference cast of the float32 result: the
+    dequantized values within E4M3 rounding plus fast accumulation, >= 90% of the bytes equal, amax
+    within 1%, saturation to 448 (never NaN), deterministic."""
+    from gpucore.ops.fp8 import fp8_dequantize
+    _need_fp8()
+    cp = runtime.cupy
+    a, b, bias = _bf16(rng, (M, K)), _bf16(rng, (N, K), 0.05), _bf16(rng, (N,))
+    a8, b8 = fp8_quantize_reference(a, "e4m3", 100.0), fp8_quantize_reference(b, "e4m3", 2000.0)
+    sia, sib = cp.asarray([1 / 100], F32), cp.asarray([1 / 2000], F32)
+    r = fp8_matmul_reference(a8, b8, "e4m3", "e4m3", 1 / 100, 1 / 2000, bias).astype(F32)
+    scale = F32(224.0 / np.abs(r).max())
+    out, amax = cp.full((M, N), 0xAB, np.uint8), cp.zeros(1, F32)
+    fp8_matmul(cp.asarray(a8), cp.asarray(b8), "e4m3", "e4m3", sia, sib, out=out, bias=cp.asarray(bias),
+               fast_accum=True, out_scale=cp.asarray([scale]), out_amax=amax)
+    got, want = to_cpu(out), fp8_quantize_reference(r, "e4m3", scale)
+    assert (got == want).mean() > 0.9
+    assert rel_err(fp8_dequantize(got, "e4m3", 1 / scale).astype(np.float64), r.astype(np.float64)) < 0.05
+    assert abs(float(amax[0]) - np.abs(r).max()) < 1e-2 * np.abs(r).max()
+    again = cp.zeros((M, N), np.uint8)
+    fp8_matmul(cp.asarray(a8), cp.asarray(b8), "e4m3", "e4m3", sia, sib, out=again, bias=cp.asarray(bias),
+               fast_accum=True, out_scale=cp.asarray([scale]), out_amax=amax)
+    assert to_cpu(again).tobytes() == got.tobytes()
+    fp8_matmul(cp.asarray(a8), cp.asarray(b8), "e4m3", "e4m3", sia, sib, out=again, bias=cp.asarray(bias),
+               fast_accum=True, out_scale=cp.asarray([scale * 64]))
+    sat = to_cpu(again) & 0x7F
+    assert sat.max() == 0x7E and (sat == 0x7E).mean() > 0.05           # 448, not NaN (0x7F)
+
+
+@pytest.mark.cuda
+def test_gpu_model_fp8_fch_e4m3_close_and_deterministic():
+    """GPU: FP8 training steps with fch kept as E4M3 stay close to bf16 fch's, repeat bit for bit, and
+    agree with the NumPy references (the same casts; GEMM rounding apart)."""
+    _need_fp8()
+    cp = runtime.cupy
+    l8, g8, m8 = _fch_run(cp, True)
+    l8b, g8b, _ = _fch_run(cp, True)
+    l16, g16, _ = _fch_run(cp, False)
+    l8n, g8n, _ = _fch_run(np, True)
+    assert m8.acts.fch.dtype == np.uint8
+    assert l8 == l8b and g8.tobytes() == g8b.tobytes()
+    assert all(abs(a - b) < 1e-2 * b for a, b in zip(l8, l16)) and rel_err(g8, g16) < 0.1
+    assert all(abs(a - b) < 2e-3 * b for a, b in zip(l8, l8n)) and rel_err(g8, g8n) < 6e-2

@@ -91,6 +91,9 @@ class GradientReducer:
         scaling = getattr(getattr(self.model, "fp8", None), "scaling", None)
         if scaling is not None:    # FP8: every rank's next scales from the max of all ranks' amaxes
             self._on_stream(lambda: self.comm.all_reduce_max(scaling.amax_slots))
+        fch = getattr(getattr(self.model, "fp8", None), "fch_scaling", None)
+        if fch is not None:        # fch kept as E4M3: its delayed scales alike
+            self._on_stream(lambda: self.comm.all_reduce_max(fch.amax_slots))
         if self._gpu:
             self._done.record(self.stream)
             runtime.cupy.cuda.get_current_stream().wait_event(self._done)

@@ -6,7 +6,8 @@
     fp8_amax(x, amax)                                    amax = max(amax, max |x|)
     fp8_transpose(x8, out=)                              FP8 bytes (R, C) -> (C, R)
     fp8_dequantize(q, fmt, scale_inv)                    float32 q * scale_inv (the reference's view)
-    fp8_matmul(a8, b8, a_fmt, b_fmt, a_si, b_si, ...)    bf16 (a @ b^T) * a_si * b_si [+ bias] [+=]
+    fp8_dequantize_bf16(q, scale_inv)                    bf16 of E4M3 q * scale_inv (how kernels read an E4M3-kept fch)
+    fp8_matmul(a8, b8, a_fmt, b_fmt, a_si, b_si, ...)    bf16 (a @ b^T) * a_si * b_si [+ bias] [+=], or its E4M3 bytes
     Fp8Scaling(n, formats, xp, ...)                      scale / scale_inv / amax / amax history of n tensors
 
 The recipe is Transformer Engine's: E4M3 (4 exponent bits, max 448) for weights and activations,
@@ -100,6 +101,13 @@ def fp8_dequantize(q, fmt: str, scale_inv: float = 1.0) -> np.ndarray:
     return np.asarray(q, dtype=np.uint8).view(t).astype(np.float32) * np.float32(scale_inv)
 
 
+def fp8_dequantize_bf16(q, scale_inv) -> np.ndarray:
+    """bfloat16 values of E4M3 bytes q (NumPy uint8) times scale_inv: one fp32 product, rounded to
+    nearest even -- how the GELU cast and the GELU backward read an fch kept in E4M3 (fp8_cast.cuh
+    dequant8_e4m3), before the bf16 path's arithmetic."""
+    return fp8_dequantize(q, "e4m3", np.float32(scale_inv)).astype(dtypes.bfloat16)
+
+
 def _fold_amax(amax, m) -> None:
     """amax (1,) = max(amax, m) with a NaN on either side staying NaN (the kernels' bit max)."""
     amax[...] = m if np.isnan(m) else max(float(amax[0]), float(m))
@@ -140,17 +148,20 @@ def fp8_requantize_gated(x, fmt: str, scale, gate, *, out=None, out_t=None):
 
 
 @profiler.profiled("fp8 gelu cast", nbytes=profiler.io_bytes)
-def fp8_gelu_quantize(x, scale, *, out=None, out_t=None, amax=None):
+def fp8_gelu_quantize(x, scale, *, out=None, out_t=None, amax=None, x_scale_inv=None):
     """E4M3 bytes of gelu(x) * scale: the same bits as gelu(x) (bf16, gelu.cu's kernel) followed by
     fp8_quantize(., "e4m3", scale, ...), in one pass that never writes the bf16 GELU output. x (R, C)
-    bfloat16 (the fc output, GELU's input); out / out_t / amax (of gelu(x)) as fp8_quantize's."""
-    return _quantize(x, "e4m3", scale, out, out_t, amax, None, gelu_first=True)
+    bfloat16 (the fc output, GELU's input); out / out_t / amax (of gelu(x)) as fp8_quantize's.
+    x_scale_inv (1,) float32, optional: x is E4M3 bytes (uint8) read as fp8_dequantize_bf16(x,
+    x_scale_inv) (fch kept in E4M3, settings.fp8_fch_e4m3)."""
+    return _quantize(x, "e4m3", scale, out, out_t, amax, None, gelu_first=True, x_scale_inv=x_scale_inv)
 
 
 @profiler.profiled("fp8 gelu cast (gated re-run)")
-def fp8_gelu_quantize_gated(x, scale, gate, *, out=None, out_t=None):
-    """fp8_gelu_quantize(x, scale, out=, out_t=) when gate (1,) != 0 on the device (adaptive scaling)."""
-    return _quantize(x, "e4m3", scale, out, out_t, None, gate, gelu_first=True)
+def fp8_gelu_quantize_gated(x, scale, gate, *, out=None, out_t=None, x_scale_inv=None):
+    """fp8_gelu_quantize(x, scale, out=, out_t=, x_scale_inv=) when gate (1,) != 0 on the device
+    (adaptive scaling)."""
+    return _quantize(x, "e4m3", scale, out, out_t, None, gate, gelu_first=True, x_scale_inv=x_scale_inv)
 
 
 def check_cast_args(x, fmt, scale, out, out_t, amax, gate, xp, xname="x"):
@@ -198,9 +209,19 @@ def _check_dbias(dbias, C, xp, xname):
         raise TypeError(f"dbias: must live on the same device as {xname}")
 
 
-def _quantize(x, fmt, scale, out, out_t, amax, gate, gelu_first=False, dbias=None):
-    check_array("x", x, dtype=dtypes.bfloat16, ndim=2)
-    xp = runtime.array_module(x, scale, out, out_t, amax, gate, dbias)
+def _check_x8(x, x_scale_inv, xp, what):
+    """x_scale_inv given: x must be E4M3 bytes read by the GELU kernels (their _x8 variants)."""
+    if not what:
+        raise ValueError("x_scale_inv: only the GELU cast reads an E4M3 x")
+    _check_scalar("x_scale_inv", x_scale_inv, xp)
+
+
+def _quantize(x, fmt, scale, out, out_t, amax, gate, gelu_first=False, dbias=None, x_scale_inv=None):
+    x8 = x_scale_inv is not None
+    check_array("x", x, dtype=np.uint8 if x8 else dtypes.bfloat16, ndim=2)
+    xp = runtime.array_module(x, scale, out, out_t, amax, gate, dbias, x_scale_inv)
+    if x8:
+        _check_x8(x, x_scale_inv, xp, gelu_first)
     check_cast_args(x, fmt, scale, out, out_t, amax, gate, xp)
     R, C = x.shape
     if dbias is not None:
@@ -210,6 +231,8 @@ def _quantize(x, fmt, scale, out, out_t, amax, gate, gelu_first=False, dbias=Non
     if xp is np:
         if gate is not None and float(gate[0]) == 0.0:
             return out, out_t
+        if x8:
+            x = fp8_dequantize_bf16(x, _host_scalar(x_scale_inv))
         if gelu_first:
             x = gelu_reference(x).astype(dtypes.bfloat16)
         q = fp8_quantize_reference(x, fmt, _host_scalar(scale))
@@ -232,6 +255,12 @@ def _quantize(x, fmt, scale, out, out_t, amax, gate, gelu_first=False, dbias=Non
                         null if amax is None else amax, partials, x, scale, np.int32(R), np.int32(C)))
         reduce_partials(dbias, partials)
         return out, out_t
+    if x8:
+        runtime.launch(runtime.get_kernel("fp8", "fp8_gelu_cast_kernel_e4m3_x8"), _grid(R, C, gate is not None, CAST_ROWS),
+                       256, (null if out is None else out, null if out_t is None else out_t,
+                             null if amax is None else amax, x, x_scale_inv, scale, null if gate is None else gate,
+                             np.int32(R), np.int32(C)))
+        return out, out_t
     kernel = runtime.get_kernel("fp8", "fp8_gelu_cast_kernel_e4m3" if gelu_first else f"fp8_cast_kernel_{fmt}")
     runtime.launch(kernel, _grid(R, C, gate is not None, CAST_ROWS), 256,
                    (null if out is None else out, null if out_t is None else out_t, null if amax is None else amax,
@@ -241,7 +270,7 @@ def _quantize(x, fmt, scale, out, out_t, amax, gate, gelu_first=False, dbias=Non
 
 @profiler.profiled("fp8 gelu backward", nbytes=profiler.io_bytes)
 def fp8_gelu_backward(dout, x, scale, *, out=None, out_t=None, amax=None, dbias=None, gelu_t=None,
-                      gelu_scale=None):
+                      gelu_scale=None, x_scale_inv=None):
     """E5M2 bytes of dx * scale, dx = gelu'(x) * dout in bf16 (gelu_backward's dx, never stored):
     the same bits as gelu_backward followed by fp8_quantize(dx, "e5m2", scale, ...), in one pass.
 
@@ -251,22 +280,27 @@ def fp8_gelu_backward(dout, x, scale, *, out=None, out_t=None, amax=None, dbias=
     reference). gelu_t (C, R) uint8 with gelu_scale (1,) float32, optional: also the E4M3 bytes of
     gelu(x) * gelu_scale, transposed -- the bits of fp8_gelu_quantize(x, gelu_scale, out_t=gelu_t)
     from the same pass (the GELU output a model did not keep, remade for fcproj's weight gradient).
+    x_scale_inv (1,) float32, optional: x is E4M3 bytes (uint8), read as fp8_dequantize_bf16(x,
+    x_scale_inv) (fch kept in E4M3, settings.fp8_fch_e4m3).
     Returns (out, out_t).
     """
-    return _gelu_backward(dout, x, scale, out, out_t, amax, dbias, None, gelu_t, gelu_scale)
+    return _gelu_backward(dout, x, scale, out, out_t, amax, dbias, None, gelu_t, gelu_scale, x_scale_inv)
 
 
 @profiler.profiled("fp8 gelu backward (gated re-run)")
-def fp8_gelu_backward_gated(dout, x, scale, gate, *, out=None, out_t=None):
-    """fp8_gelu_backward(dout, x, scale, out=, out_t=) when gate (1,) != 0 on the device (adaptive
-    scaling's re-cast: dout is still intact, since dx was never written)."""
-    return _gelu_backward(dout, x, scale, out, out_t, None, None, gate)
+def fp8_gelu_backward_gated(dout, x, scale, gate, *, out=None, out_t=None, x_scale_inv=None):
+    """fp8_gelu_backward(dout, x, scale, out=, out_t=, x_scale_inv=) when gate (1,) != 0 on the
+    device (adaptive scaling's re-cast: dout is still intact, since dx was never written)."""
+    return _gelu_backward(dout, x, scale, out, out_t, None, None, gate, x_scale_inv=x_scale_inv)
 
 
-def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate, gelu_t=None, gelu_scale=None):
+def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate, gelu_t=None, gelu_scale=None, x_scale_inv=None):
+    x8 = x_scale_inv is not None
     check_array("dout", dout, dtype=dtypes.bfloat16, ndim=2)
-    check_array("x", x, dtype=dtypes.bfloat16, shape=dout.shape)
-    xp = runtime.array_module(dout, x, scale, out, out_t, amax, dbias, gate, gelu_t, gelu_scale)
+    check_array("x", x, dtype=np.uint8 if x8 else dtypes.bfloat16, shape=dout.shape)
+    xp = runtime.array_module(dout, x, scale, out, out_t, amax, dbias, gate, gelu_t, gelu_scale, x_scale_inv)
+    if x8:
+        _check_x8(x, x_scale_inv, xp, True)
     R, C = dout.shape
     if dbias is not None:
         _check_dbias(dbias, C, xp, "dout")
@@ -282,6 +316,8 @@ def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate, gelu_t=None, g
             _check_scalar("gate", gate, xp)
             if float(gate[0]) == 0.0:
                 return out, out_t
+        if x8:
+            x = fp8_dequantize_bf16(x, _host_scalar(x_scale_inv))
         if gelu_t is not None:
             _quantize(x, "e4m3", gelu_scale, None, gelu_t, None, None, gelu_first=True)
         dx = gelu_backward_reference(dout, x).astype(dtypes.bfloat16)
@@ -298,9 +334,12 @@ def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate, gelu_t=None, g
         return out, out_t
     partials = xp.empty((tiles, C), np.float32) if dbias is not None else None
     null = np.uint64(0)
-    runtime.launch(runtime.get_kernel("fp8", "fp8_gelu_backward_kernel_e5m2"), _grid(R, C, gate is not None, GELU_BWD_ROWS), 256,
+    # the _x8 kernel takes x's scale_inv right after x (fp8.cu)
+    xs = (x, x_scale_inv) if x8 else (x,)
+    runtime.launch(runtime.get_kernel("fp8", "fp8_gelu_backward_kernel_e5m2" + ("_x8" if x8 else "")),
+                   _grid(R, C, gate is not None, GELU_BWD_ROWS), 256,
                    (null if out is None else out, null if out_t is None else out_t, null if amax is None else amax,
-                    null if partials is None else partials, dout, x, scale, null if gate is None else gate,
+                    null if partials is None else partials, dout, *xs, scale, null if gate is None else gate,
                     null if gelu_t is None else gelu_t, null if gelu_scale is None else gelu_scale,
                     np.int32(R), np.int32(C)))
     if dbias is not None:
@@ -547,7 +586,7 @@ def fp8_matmul_reference(a8, b8, a_fmt, b_fmt, a_scale_inv, b_scale_inv, bias=No
 
 @profiler.profiled("fp8 matmul", flops=lambda r, args, kw: 2.0 * args[0].shape[0] * args[1].shape[0] * args[0].shape[1])
 def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=None, bias=None,
-               accumulate=False, fast_accum=False, gelu_out=None, residual=None):
+               accumulate=False, fast_accum=False, gelu_out=None, residual=None, out_scale=None, out_amax=None):
     """out (M, N) bfloat16 = (a (M, K) @ b (N, K)^T) * a_scale_inv * b_scale_inv [+ bias (N,)] [+ out].
 
     a8, b8: uint8 FP8 bytes (not both "e5m2"); scales (1,) float32 on the same device.
@@ -556,6 +595,10 @@ def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=
     epilogue; when Lt has no such FP8 algorithm, the gelu kernel after the GEMM).
     residual (M, N) bfloat16, optional: added before the rounding into out (cuBLASLt's C apart
     from D; matmul_forward's residual); not overlapping out, not with accumulate or gelu_out.
+    out_scale (1,) float32, optional: out (M, N) is uint8 and receives the E4M3 bytes of the result
+    times out_scale (saturating: fp8_quantize_reference of the float32 result; cuBLASLt's FP8 D), and
+    out_amax (1,) float32, optional, is SET to max |result| (before the scale). Not with accumulate,
+    gelu_out or residual. fch kept in E4M3 (settings.fp8_fch_e4m3).
     """
     _fmt(a_fmt), _fmt(b_fmt)
     if a_fmt == b_fmt == "e5m2":
@@ -571,9 +614,18 @@ def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=
     _check_scalar("b_scale_inv", b_scale_inv, xp)
     if accumulate and out is None:
         raise ValueError("out: accumulate=True adds into out, so out must be given")
+    out8 = out_scale is not None
+    if out8:
+        _check_scalar("out_scale", out_scale, xp)
+        if out_amax is not None:
+            _check_scalar("out_amax", out_amax, xp)
+        if accumulate or gelu_out is not None or residual is not None:
+            raise ValueError("out_scale: an E4M3 output not with accumulate, gelu_out or residual")
+    elif out_amax is not None:
+        raise ValueError("out_amax: only with out_scale (an E4M3 output)")
     if out is None:
-        out = xp.empty((M, N), dtype=dtypes.bfloat16)
-    check_array("out", out, dtype=dtypes.bfloat16, shape=(M, N), max_elements=None)
+        out = xp.empty((M, N), dtype=np.uint8 if out8 else dtypes.bfloat16)
+    check_array("out", out, dtype=np.uint8 if out8 else dtypes.bfloat16, shape=(M, N), max_elements=None)
     if bias is not None:
         check_array("bias", bias, dtype=dtypes.bfloat16, shape=(N,))
     if gelu_out is not None:
@@ -588,6 +640,12 @@ def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=
             raise ValueError("residual: must not overlap out (accumulate=True adds into out itself)")
     if xp is np:
         r = fp8_matmul_reference(a8, b8, a_fmt, b_fmt, _host_scalar(a_scale_inv), _host_scalar(b_scale_inv), bias)
+        if out8:
+            r32 = r.astype(np.float32)
+            out[...] = fp8_quantize_reference(r32, "e4m3", _host_scalar(out_scale))
+            if out_amax is not None:
+                out_amax[...] = np.abs(r32).max() if r32.size else 0.0
+            return out
         r = r + (out.astype(np.float64) if accumulate else 0)
         r = r + (residual.astype(np.float64) if residual is not None else 0)
         out[...] = r.astype(out.dtype)
@@ -597,6 +655,10 @@ def fp8_matmul(a8, b8, a_fmt: str, b_fmt: str, a_scale_inv, b_scale_inv, *, out=
     if M % 16 or N % 16 or K % 16:
         raise ValueError(f"a8, b8: the FP8 GEMM needs M, N, K multiples of 16, got {M}, {N}, {K}")
     _require_fp8()
+    if out8:
+        cublas.lt_fp8_gemm(a8, b8, out, M, N, K, a_fmt, b_fmt, a_scale_inv, b_scale_inv, bias=bias,
+                           fast_accum=fast_accum, out_format="e4m3", out_scale=out_scale, out_amax=out_amax)
+        return out
     if gelu_out is not None:
         try:
             cublas.lt_fp8_gemm(a8, b8, gelu_out, M, N, K, a_fmt, b_fmt, a_scale_inv, b_scale_inv, bias=bias,
