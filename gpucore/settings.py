@@ -70,6 +70,8 @@ class Settings:
     fp8_fch_e4m3: bool = True             # adaptive scaling: the fc GEMM writes fch (the GELU input kept for the
                                           # backward) as E4M3 with a delayed scale of its own, not bf16: half its bytes
                                           # (written once, read by the GELU cast and the GELU backward)
+    fp8_fch_margin: int = 4               # fch's scales 2^-this below the history's amax: a value beyond saturates
+                                          # (no re-run), so more headroom than the casts' (a spike at step 11 with 1)
     # ---- data parallel (gpucore/distributed/reducer.py)
     dp_overlap: bool = False              # True: reduce each layer's gradients while the backward runs (no CUDA graph)
 

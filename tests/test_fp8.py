@@ -1081,7 +1081,7 @@ def test_model_fp8_fch_e4m3_numpy():
     assert fs.mode == "delayed" and np.all(scale != 1.0) and np.all(np.isfinite(scale))
     L = m8.config.num_layers
     amax = np.asarray(fs.history).max(axis=0)
-    assert np.allclose(scale, 448.0 / amax * 2.0 ** -settings.current().fp8_margin, rtol=1e-6) and len(scale) == L
+    assert np.allclose(scale, 448.0 / amax * 2.0 ** -settings.current().fp8_fch_margin, rtol=1e-6) and len(scale) == L
     assert all(abs(a - b) < 1e-2 * b for a, b in zip(l8, l16))
     assert rel_err(g8, g16) < 0.1
     _, _, mc = _fch_run(np, True, mode="current", steps=1)
