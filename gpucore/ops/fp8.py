@@ -209,9 +209,10 @@ def _check_dbias(dbias, C, xp, xname):
         raise TypeError(f"dbias: must live on the same device as {xname}")
 
 
-def _check_x8(x, x_scale_inv, xp, what):
-    """x_scale_inv given: x must be E4M3 bytes read by the GELU kernels (their _x8 variants)."""
-    if not what:
+def _check_x8(x_scale_inv, xp, gelu: bool):
+    """x_scale_inv given (x holds E4M3 bytes, checked by the caller): only the GELU kernels read such
+    an x (their _x8 variants)."""
+    if not gelu:
         raise ValueError("x_scale_inv: only the GELU cast reads an E4M3 x")
     _check_scalar("x_scale_inv", x_scale_inv, xp)
 
@@ -221,7 +222,7 @@ def _quantize(x, fmt, scale, out, out_t, amax, gate, gelu_first=False, dbias=Non
     check_array("x", x, dtype=np.uint8 if x8 else dtypes.bfloat16, ndim=2)
     xp = runtime.array_module(x, scale, out, out_t, amax, gate, dbias, x_scale_inv)
     if x8:
-        _check_x8(x, x_scale_inv, xp, gelu_first)
+        _check_x8(x_scale_inv, xp, gelu_first)
     check_cast_args(x, fmt, scale, out, out_t, amax, gate, xp)
     R, C = x.shape
     if dbias is not None:
@@ -300,7 +301,7 @@ def _gelu_backward(dout, x, scale, out, out_t, amax, dbias, gate, gelu_t=None, g
     check_array("x", x, dtype=np.uint8 if x8 else dtypes.bfloat16, shape=dout.shape)
     xp = runtime.array_module(dout, x, scale, out, out_t, amax, dbias, gate, gelu_t, gelu_scale, x_scale_inv)
     if x8:
-        _check_x8(x, x_scale_inv, xp, True)
+        _check_x8(x_scale_inv, xp, True)
     R, C = dout.shape
     if dbias is not None:
         _check_dbias(dbias, C, xp, "dout")
