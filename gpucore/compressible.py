@@ -19,6 +19,7 @@ changes speed only, never a result.
     supported()           whether this GPU offers compressible memory
     is_compressed(a)      whether a's memory is a granted compressible allocation
     held_bytes()          bytes held by these allocations now (outside CuPy's memory pool)
+    device_bytes()        CuPy's pool plus held_bytes(): what a run holds on the device
 """
 from __future__ import annotations
 
@@ -218,3 +219,9 @@ def is_compressed(a) -> bool:
 def held_bytes() -> int:
     """Bytes held by compressible allocations now: device memory outside CuPy's pool."""
     return _held[0]
+
+
+def device_bytes() -> int:
+    """Device bytes a run holds now: CuPy's default pool and these allocations beside it (the
+    figure `gpucore train` reports as its peak and `gpucore memory` measures)."""
+    return int(runtime.cupy.get_default_memory_pool().total_bytes()) + held_bytes()

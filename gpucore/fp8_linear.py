@@ -34,10 +34,13 @@ micro-batch's), 2^-fp8_fch_margin (4) below E4M3's largest value. A value beyond
 saturate for a step (nothing re-runs the GEMM), so fch gets 16x headroom, which costs E4M3 nothing
 but range at the bottom (normal values down to amax / 1800). Only the GELU's input rounds to E4M3
 here; the bf16 arithmetic after it is the bf16 path's. Off by default: d12 x1.003-1.005 and d48
-x1.011 for 2.5 / 5.1 GB less, within noise over three 1,000-step seeds, but d12 runs without warmup
-took a one-step loss spike at step 11 (7.3 -> 12.5-13.4, three variants) that bf16 fch did not (two
-variants), with no saturated byte and fch's amax at 1/15 of its scale's range
-(tools/probes/fch_saturation.py): unexplained (tools/notes/fp8.md, 52nd session).
+x1.011 for 2.5 / 5.1 GB less, within noise over three 1,000-step seeds with warmup. Without warmup
+(lr 3e-4 from step 1) d12 runs can take a one-step loss spike at step 11: with bf16 fch in one seed
+of four, with E4M3 fch in two of four and larger (7.5 -> 10.9-12.5). Step 11 rerun from an E4M3
+run's step-10 checkpoint spikes with bf16 fch as well, so the weights reached make the spike, not
+that step's E4M3 rounding; whether E4M3 fch reaches such weights more often is unresolved
+(tools/notes/fp8.md, 52nd and 53rd sessions). A resume with the setting changed goes on (fresh fch
+scales, or none) and is not bitwise the straight run.
 
 x8T is written by the forward's cast of x (one pass writes both orientations) and kept per layer
 in the model's activations ("x8t", 1 byte per value), so the backward never reads x again. In

@@ -78,7 +78,7 @@ def measure_one_step(cfg, B: int, T: int, dtype, optimizer: str = "adamw", maste
     y = cp.asarray(rng.integers(0, cfg.vocab_size, (B, T), dtype=np.int32))
     float(train_step(model, opt, lambda: (x, y), 1, 1e-4)[0])
     cp.cuda.Device().synchronize()
-    return int(pool.total_bytes()) + compressible.held_bytes()
+    return compressible.device_bytes()
 
 
 def format_report(report: MemoryReport, top: int = 6) -> str:

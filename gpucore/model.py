@@ -170,14 +170,19 @@ def head_chunk_rows(cfg: GPT2Config, BT: int, dtype) -> int:
     return min(BT, 1 << (limit.bit_length() - 1))
 
 
-def activation_specs(cfg: GPT2Config, B: int, T: int, dtype, keep_gelu: bool = False, fp8: bool | str = False):
+def activation_specs(cfg: GPT2Config, B: int, T: int, dtype, keep_gelu: bool = False, fp8: bool | str = False,
+                     fp8_fch: bool | None = None):
     """The forward activations kept for the backward pass (plus scratch), for a (B, T) batch.
     keep_gelu: fch_gelu is stored per layer (L, B, T, 4C) instead of one recomputed (B, T, 4C).
     fp8: the FP8 linears keep their inputs as transposed FP8 copies ("x8t", 1 byte per value;
     gpucore/fp8_linear.py), so ln1, ln2 and fch_gelu are one scratch each, not per layer; with
     keep_gelu the GELU output is kept that way too (4C bytes per token instead of 8C). fp8 may be the
     scaling mode (True: the default, adaptive): with adaptive scaling and settings.fp8_fch_e4m3 fch is
-    kept as E4M3 bytes (fp8_linear.fch_in_e4m3)."""
+    kept as E4M3 bytes (fp8_linear.fch_in_e4m3). fp8_fch: that choice as a model's Fp8Linears made it
+    (GPT2 passes its own, so that a setting changed after the model was built cannot part the
+    buffer from the kernels that fill it); None: decided from the settings now."""
+    if fp8_fch is None:
+        fp8_fch = fch_in_e4m3(fp8)
     L, C, NH, Vp = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size
     f32 = dtypes.float32
     per_layer_ln = (B, T, C) if fp8 else (L, B, T, C)
@@ -188,7 +193,7 @@ def activation_specs(cfg: GPT2Config, B: int, T: int, dtype, keep_gelu: bool = F
         ("atty", (L, B, T, C), dtype), ("att_lse", (L, B, NH, T), f32),
         ("residual2", (L, B, T, C), dtype),        # residual + attention branch
         ("ln2", per_layer_ln, dtype), ("ln2_mean", (L, B, T), f32), ("ln2_rstd", (L, B, T), f32),
-        ("fch", (L, B, T, 4 * C), np.uint8 if fch_in_e4m3(fp8) else dtype),   # MLP pre-activation (GELU input)
+        ("fch", (L, B, T, 4 * C), np.uint8 if fp8_fch else dtype),   # MLP pre-activation (GELU input)
         ("residual3", (L, B, T, C), dtype),        # residual2 + MLP branch: layer output
         ("lnf", (B, T, C), dtype), ("lnf_mean", (B, T), f32), ("lnf_rstd", (B, T), f32),
         ("losses", (B, T), f32),
@@ -215,8 +220,10 @@ def grad_activation_specs(cfg: GPT2Config, B: int, T: int, dtype):
 
 
 def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "fp32",
-                keep_gelu: bool = False, fp8: bool | str = False, fp8_lm_head: bool | None = None) -> dict[str, int]:
+                keep_gelu: bool = False, fp8: bool | str = False, fp8_lm_head: bool | None = None,
+                fp8_fch: bool | None = None) -> dict[str, int]:
     """Bytes of each flat buffer a training run at (B, T) allocates (nothing is allocated).
+    fp8_lm_head, fp8_fch: a model's own choices (None: from the settings now; activation_specs).
 
     The fp32 master copy exists only when the parameters are not fp32 and master_weights is
     "fp32"; "kahan" adds a bf16 compensation buffer (gpucore.optim.bytes_per_parameter).
@@ -233,7 +240,7 @@ def memory_plan(cfg: GPT2Config, B: int, T: int, dtype, master_weights: str = "f
         "master": n * per["master"],
         "m": n * per["m"],
         "v": n * per["v"],
-        "activations": TensorLayout(activation_specs(cfg, B, T, dtype, keep_gelu, fp8)).nbytes,
+        "activations": TensorLayout(activation_specs(cfg, B, T, dtype, keep_gelu, fp8, fp8_fch)).nbytes,
         "grad scratch": TensorLayout(grad_activation_specs(cfg, B, T, dtype)).nbytes,
     }
     if per["kahan"]:
@@ -411,7 +418,8 @@ class GPT2:
             self._shape = self._backward_ready = None
             self.keep_gelu = resolve_keep_gelu(self.keep_gelu_request, self.config, B, T, self.dtype, self.xp,
                                                fp8=self._fp8_mode())
-            specs = activation_specs(self.config, B, T, self.dtype, self.keep_gelu, self._fp8_mode())
+            specs = activation_specs(self.config, B, T, self.dtype, self.keep_gelu, self._fp8_mode(),
+                                     fp8_fch=self._fp8_fch())
             if self._compressible_logits():     # its own allocation, outside the flat buffer
                 spec = next(sp for sp in specs if sp[0] == "logits")
                 specs = [sp for sp in specs if sp[0] != "logits"]
@@ -451,11 +459,15 @@ class GPT2:
         """The FP8 linears' scaling mode, or False (what activation_specs and memory_plan take)."""
         return self.fp8.scaling.mode if self.fp8 is not None else False
 
+    def _fp8_fch(self) -> bool:
+        """Whether this model's FP8 linears keep fch as E4M3 (decided once, when they were built)."""
+        return self.fp8 is not None and self.fp8.fch8
+
     def memory_plan(self, B: int, T: int) -> dict[str, int]:
         keep = resolve_keep_gelu(self.keep_gelu_request, self.config, B, T, self.dtype, self.xp,
                                  fp8=self._fp8_mode())
         return memory_plan(self.config, B, T, self.dtype, keep_gelu=keep, fp8=self._fp8_mode(),
-                           fp8_lm_head=self.fp8.lm_head if self.fp8 is not None else None)
+                           fp8_lm_head=self.fp8.lm_head if self.fp8 is not None else None, fp8_fch=self._fp8_fch())
 
     # -------------------------------------------------------------- forward
 

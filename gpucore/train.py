@@ -59,7 +59,7 @@ import numpy as np
 from .startup import (TrainError, check_gpu_memory, check_host_memory, check_metrics_file, check_output_dir, choose_device,
                       format_plan, gpu_name, oom_error_types, oom_message, os_reason, peak_flops, resolve_backend,
                       trim_metrics)
-from . import settings, step_graph
+from . import compressible, settings, step_graph
 from .checkpoint import (CHECKPOINT_GLOB, CheckpointError, checkpoint_path, prune_checkpoints,
                          read_training_checkpoint, remove_stale_temp_files, save_training_checkpoint)
 
@@ -636,7 +636,7 @@ class Trainer:
             except KeyboardInterrupt:
                 self.interrupted()
         if self.setup.device == "cuda":
-            self.result["peak_gpu_bytes"] = _pool_bytes()
+            self.result["peak_gpu_bytes"] = compressible.device_bytes()
         self.log({"event": "end", "step": self.result["step"], "peak_gpu_bytes": self.result["peak_gpu_bytes"]})
         return self.result
 
@@ -690,7 +690,7 @@ class Trainer:
         # only now is step `done` complete, its metrics row included
         self.after_step = (done, self.train_loader.state_dict(), self.rng.bit_generator.state)
         if done == s.start + 1 and s.device == "cuda":
-            self.result["peak_gpu_bytes"] = _pool_bytes()
+            self.result["peak_gpu_bytes"] = compressible.device_bytes()
             self.echo(f"GPU memory after the first step: {self.result['peak_gpu_bytes'] / 2**30:.2f} GiB held by "
                       "CuPy's memory pool (its high-water mark) and the compressible buffers")
         if args.checkpoint and ((args.ckpt_every and done % args.ckpt_every == 0) or done == args.steps):
@@ -777,9 +777,3 @@ class Trainer:
         text = tokenizer.decode(ids)
         self.echo(f"step {step:>5d} | sample: {text!r}")
         self.log({"step": step, "sample": text})
-
-
-def _pool_bytes() -> int:
-    """Device bytes the run holds: CuPy's pool and the compressible buffers beside it."""
-    from . import compressible, runtime
-    return int(runtime.cupy.get_default_memory_pool().total_bytes()) + compressible.held_bytes()

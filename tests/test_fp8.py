@@ -496,7 +496,7 @@ def test_matmul_residual_reference_and_bad_input(rng):
 
 # -------------------------------------------------- the model's FP8 linears ----
 
-from gpucore.model import GPT2, GPT2Config                      # noqa: E402
+from gpucore.model import GPT2, GPT2Config, memory_plan         # noqa: E402
 
 
 def _model_grads(cfg, xp, x, y, fp8):
@@ -1087,6 +1087,26 @@ def test_model_fp8_fch_e4m3_numpy():
     assert rel_err(g8, g16) < 0.1
     _, _, mc = _fch_run(np, True, mode="current", steps=1)
     assert mc.acts.fch.dtype == bfloat16 and mc.fp8.fch_scaling is None
+
+
+def test_model_fp8_fch_choice_is_the_models():
+    """fch's dtype follows the model's FP8 linears (decided when they were built), not the settings
+    when the buffers are allocated: a model built with fp8_fch_e4m3 and first run outside it keeps fch
+    as E4M3, with the losses of a run made wholly inside it; and the other way round."""
+    cfg = GPT2Config.from_preset("tiny")
+    x, y = _tokens(cfg, 4, 64)
+    for fch8 in (True, False):
+        with settings.using(fp8_fch_e4m3=fch8):
+            m = GPT2(cfg, xp=np, dtype="bfloat16", seed=9, fp8="adaptive")
+        with settings.using(fp8_fch_e4m3=not fch8):
+            m.zero_grad()
+            loss = float(m.forward(x, y, for_backward=True))
+            plan = m.memory_plan(4, 64)
+        assert m.acts.fch.dtype == (np.uint8 if fch8 else bfloat16)
+        mine, other = (memory_plan(cfg, 4, 64, "bfloat16", keep_gelu=m.keep_gelu, fp8="adaptive", fp8_fch=f)
+                       for f in (fch8, not fch8))
+        assert plan["activations"] == mine["activations"] != other["activations"]
+        assert loss == _fch_run(np, fch8, steps=1)[0][0]
 
 
 @pytest.mark.cuda

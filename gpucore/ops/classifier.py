@@ -186,6 +186,12 @@ def v3_fp8_grid(kernel, N: int, n_packs: int) -> int:
     return min(N, runtime.sm_count() * runtime.resident_blocks(kernel, V3_BLOCK, n_packs * 16))
 
 
+def _seed_arg(sparse_seed):
+    """The v3 kernels' sparse seed pointer: the (1,) array, or null when there is none (not read
+    while sparse_tau is 0)."""
+    return np.uint64(0) if sparse_seed is None else sparse_seed
+
+
 def _launch_v3(kernel, grid: int, n_packs: int, args):
     _set_carveout(kernel)
     runtime.launch(kernel, grid, V3_BLOCK, args, shared_mem=n_packs * 16)
@@ -205,8 +211,7 @@ def launch_fused(logits, targets, losses, V: int, grad_scale: float, version=Non
     if version == 3:
         n_packs = Vp // (16 // logits.dtype.itemsize)
         kernel = runtime.get_kernel("classifier", f"classifier_backward_kernel_v3_k{_v3_k(n_packs)}_{suf}")
-        seed = np.uint64(0) if sparse_seed is None else sparse_seed     # null: not read while sparse_tau is 0
-        _launch_v3(kernel, N, n_packs, args + (np.float32(sparse_tau), seed, np.int32(sparse_row0)))
+        _launch_v3(kernel, N, n_packs, args + (np.float32(sparse_tau), _seed_arg(sparse_seed), np.int32(sparse_row0)))
         return losses
     if sparse_tau:
         raise ValueError("sparse_tau: runs in the v3 kernel only")
@@ -336,10 +341,10 @@ def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=N
         raise ValueError("write_dlogits=False: needs dlogits8 (the only output left)")
     sparse = _check_sparse(sparse_tau, sparse_seed, sparse_row0, logits, dlogits8, dlogits8_scale, write_dlogits,
                            xp)
-    if sparse and xp is not np and pick_version(version, logits, Vp) != 3:
-        raise ValueError("sparse_tau: runs in the v3 kernels only (bf16 rows that fit their shared memory)")
     if xp is not np:
-        pick_version(version, logits, Vp)           # a bad version fails before the sync below
+        version = pick_version(version, logits, Vp)     # once; a bad version fails before the sync below
+        if sparse and version != 3:
+            raise ValueError("sparse_tau: runs in the v3 kernels only (bf16 rows that fit their shared memory)")
     if grad_scale is not None and (isinstance(grad_scale, bool) or not isinstance(grad_scale, numbers.Real)):
         raise TypeError(f"grad_scale: expected a float, got {type(grad_scale).__name__}")
     if check_targets or grad_scale is None or xp is np:
@@ -356,7 +361,7 @@ def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=N
                                                    logits.shape)
         if write_dlogits:
             logits[...] = dlogits
-    elif dlogits8 is not None and pick_version(version, logits, Vp) == 3:
+    elif dlogits8 is not None and version == 3:
         return launch_fused_fp8(logits, targets, losses, V, float(grad_scale), dlogits8, float(dlogits8_scale),
                                  write_dlogits, sparse_tau if sparse else 0.0, sparse_seed, sparse_row0)
     else:
@@ -388,8 +393,6 @@ def launch_fused_fp8(logits, targets, losses, V, grad_scale, dlogits8, scale, wr
                      sparse_tau=0.0, sparse_seed=None, sparse_row0=0):
     """v3's FP8 kernel alone, on checked CuPy arrays (bf16 logits whose rows v3 takes, no target
     check): what fused_classifier runs for dlogits8, and what the benchmark times."""
-    if sparse_seed is None:             # null: not read while sparse_tau is 0
-        sparse_seed = np.uint64(0)
     Vp = logits.shape[-1]
     N = targets.size
     if N == 0:
@@ -398,7 +401,7 @@ def launch_fused_fp8(logits, targets, losses, V, grad_scale, dlogits8, scale, wr
     kernel = runtime.get_kernel("classifier", f"classifier_backward_fp8_kernel_v3_k{_v3_k(n_packs)}_bf16")
     _launch_v3(kernel, v3_fp8_grid(kernel, N, n_packs), n_packs,
                (losses, logits, dlogits8, targets, np.float32(grad_scale), np.float32(scale), np.int32(N),
-                np.int32(V), np.int32(Vp), np.int32(bool(write_dlogits)), np.float32(sparse_tau), sparse_seed,
+                np.int32(V), np.int32(Vp), np.int32(bool(write_dlogits)), np.float32(sparse_tau), _seed_arg(sparse_seed),
                 np.int32(sparse_row0)))
     return losses
 

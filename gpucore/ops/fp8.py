@@ -256,16 +256,11 @@ def _quantize(x, fmt, scale, out, out_t, amax, gate, gelu_first=False, dbias=Non
                         null if amax is None else amax, partials, x, scale, np.int32(R), np.int32(C)))
         reduce_partials(dbias, partials)
         return out, out_t
-    if x8:
-        runtime.launch(runtime.get_kernel("fp8", "fp8_gelu_cast_kernel_e4m3_x8"), _grid(R, C, gate is not None, CAST_ROWS),
-                       256, (null if out is None else out, null if out_t is None else out_t,
-                             null if amax is None else amax, x, x_scale_inv, scale, null if gate is None else gate,
-                             np.int32(R), np.int32(C)))
-        return out, out_t
-    kernel = runtime.get_kernel("fp8", "fp8_gelu_cast_kernel_e4m3" if gelu_first else f"fp8_cast_kernel_{fmt}")
-    runtime.launch(kernel, _grid(R, C, gate is not None, CAST_ROWS), 256,
+    name = ("fp8_gelu_cast_kernel_e4m3" + ("_x8" if x8 else "")) if gelu_first else f"fp8_cast_kernel_{fmt}"
+    xs = (x, x_scale_inv) if x8 else (x,)    # the _x8 kernel takes x's scale_inv right after x (fp8.cu)
+    runtime.launch(runtime.get_kernel("fp8", name), _grid(R, C, gate is not None, CAST_ROWS), 256,
                    (null if out is None else out, null if out_t is None else out_t, null if amax is None else amax,
-                    x, scale, null if gate is None else gate, np.int32(R), np.int32(C)))
+                    *xs, scale, null if gate is None else gate, np.int32(R), np.int32(C)))
     return out, out_t
 
 
