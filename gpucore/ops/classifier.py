@@ -401,8 +401,8 @@ def launch_fused_fp8(logits, targets, losses, V, grad_scale, dlogits8, scale, wr
     kernel = runtime.get_kernel("classifier", f"classifier_backward_fp8_kernel_v3_k{_v3_k(n_packs)}_bf16")
     _launch_v3(kernel, v3_fp8_grid(kernel, N, n_packs), n_packs,
                (losses, logits, dlogits8, targets, np.float32(grad_scale), np.float32(scale), np.int32(N),
-                np.int32(V), np.int32(Vp), np.int32(bool(write_dlogits)), np.float32(sparse_tau), _seed_arg(sparse_seed),
-                np.int32(sparse_row0)))
+                np.int32(V), np.int32(Vp), np.int32(bool(write_dlogits)), np.float32(sparse_tau),
+                _seed_arg(sparse_seed), np.int32(sparse_row0)))
     return losses
 
 
