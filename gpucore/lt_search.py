@@ -119,7 +119,8 @@ def mixed_radix(index: int, radices) -> list[int]:
 
 def _spaces(lib, handle, plan):
     """(base algo, attribute lists) per algorithm id the heuristic offered."""
-    ta, tb, tc, td = (*plan.lt_types, plan.lt_types[2])[:4]     # D's type is C's unless a 4th is given
+    ta, tb, tc = plan.lt_types[:3]
+    td = plan.lt_types[3] if len(plan.lt_types) > 3 else tc     # D's type is C's unless a 4th is given
     out = []
     ids = sorted({config_id(lib, plan.algo_ptr(i)) for i in plan.candidates})
     for algo_id in ids:
