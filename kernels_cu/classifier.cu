@@ -412,64 +412,6 @@ __device__ __forceinline__ u32 sparse_signed(u32 v, u32 t2, float tau) {
     return sign | (a > t ? (__float_as_uint(tau) >> 16) : 0u);
 }
 
-// ---- the thinned E5M2 rows' skim: most packs decided in logit space, with no exp ----
-// Why: the FP8 kernel is issue-bound (the thinning's ~3.6 instructions a value showed in full), and
-// nearly every value of a thinned row ends up 0 or tau, which needs no exp, scale or rounding --
-// only which side of its draw's threshold the logit lies on. With v = exp(x - sh) * fscale (the
-// folded scale) and the pack's threshold t = U tau: v > t  <=>  x > x_t = base + ln U, where
-// base = sh + ln(tau / fscale) is the row's. A pack whose logits all lie below base - 1/64
-// (so every v < tau e^-1/64, below tau after any rounding) is written as tau's byte where
-// x > x_t, else 0: each value still kept with probability v / tau (now of the unrounded v).
-// Every other pack (a value near or above tau, the target's, the padding's) takes the exact path,
-// bit for bit the bf16 kernel's thinned bytes. sm_90 (bf16x2 compares); older GPUs take the exact
-// path everywhere.
-
-// The largest bf16 <= x, as a bf16 pair (x finite or -inf): a bf16 y satisfies y > x <=> y > that.
-__device__ __forceinline__ u32 bf16x2_round_down(float x) {
-    u32 b = __float_as_uint(x);
-    b = (b + ((u32)((int)b >> 31) & 0xffffu)) & 0xffff0000u;   // negative: away from zero
-    return b | (b >> 16);
-}
-
-// Does any bf16 of the pack reach the bf16 pair lim2 (a max.bf16x2 tree, one compare)?
-__device__ __forceinline__ bool skim_has_big(const uint4& r, u32 lim2) {
-#if __CUDA_ARCH__ >= 900
-    u32 a, b, ge;
-    asm("max.bf16x2 %0, %1, %2;" : "=r"(a) : "r"(r.x), "r"(r.y));
-    asm("max.bf16x2 %0, %1, %2;" : "=r"(b) : "r"(r.z), "r"(r.w));
-    asm("max.bf16x2 %0, %1, %2;" : "=r"(a) : "r"(a), "r"(b));
-    asm("set.ge.u32.bf16x2 %0, %1, %2;" : "=r"(ge) : "r"(a), "r"(lim2));
-    return ge != 0u;
-#else
-    return true;
-#endif
-}
-
-// The pack's 8 E5M2 bytes (memory order): tau8x4's byte where the logit > x_t = base + ln U (the
-// pack's draw h), else 0.
-__device__ __forceinline__ uint2 skim_pack(const uint4& r, u32 h, float base, u32 tau8x4) {
-#if __CUDA_ARCH__ >= 900
-    const float u = __uint_as_float(0x3f800000u | (h & 0x7fffffu)) - 1.0f;   // U, exact
-    float lu;
-    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(lu) : "f"(u));                  // U = 0: -inf, all kept
-    const u32 t2 = bf16x2_round_down(fmaf(lu, 0.69314718055994531f, base));
-    u32 m[4];
-    const u32 w[4] = {r.x, r.y, r.z, r.w};
-    #pragma unroll
-    for (int k = 0; k < 4; k++) asm("set.gt.u32.bf16x2 %0, %1, %2;" : "=r"(m[k]) : "r"(w[k]), "r"(t2));
-    // byte e of the result: column e's mask (bytes 0 and 2 of each 32-bit mask word)
-    return make_uint2(__byte_perm(m[0], m[1], 0x6420) & tau8x4, __byte_perm(m[2], m[3], 0x6420) & tau8x4);
-#else
-    return make_uint2(0u, 0u);
-#endif
-}
-
-#if __CUDA_ARCH__ >= 900
-#define SKIM_ARCH true
-#else
-#define SKIM_ARCH false
-#endif
-
 // K packs per thread at most (the launcher picks K >= ceil(Vp / P / 512)); the row
 // sits in dynamic shared memory, n_packs x 16 bytes. FUSED = false is cross_entropy:
 // the loss only, the logits are left as they are. FP8 (bf16 only): dlogits8 gets the E5M2
@@ -507,12 +449,11 @@ __device__ __forceinline__ void v3_copy_row(uint4* s_row, const uint4* xr, int n
 // conversion). LEAN: the exponent in one FFMA and the hardware bf16 rounding (finite rows of bf16);
 // otherwise the two-op exponent and the exact rounding (NaN bits, float32 rows). next: the block's
 // next row (WALK), copied into each slot right after its pack is stored, or null.
-template <typename T, int K, bool FP8, bool LEAN, bool FOLD, bool SPARSE = false, bool SKIM = false>
+template <typename T, int K, bool FP8, bool LEAN, bool FOLD, bool SPARSE = false>
 __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const uint4* next, int n_packs,
                                          int V, int t, int tpack, float sh, float fscale, float tsub,
                                          float fp8_scale, bool store_bf16,
-                                         u32 rowkey = 0u, float tau = 0.0f, u32 tau2 = 0u,
-                                         float skim_base = 0.0f, u32 skim_big2 = 0u, u32 tau8x4 = 0u) {
+                                         u32 rowkey = 0u, float tau = 0.0f, u32 tau2 = 0u) {
     using R = Raw<T>;
     constexpr int P = R::P;
     constexpr int KH = (K + 1) / 2;
@@ -521,10 +462,7 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
     #pragma unroll
     for (int k = 0; k < K; k++) {
         const int i = tid + k * CLS3_BLOCK;
-        if (i < n_packs && SKIM && i != tpack && (i + 1) * P <= V && !skim_has_big(s_row[i], skim_big2)) {
-            __stcs(reinterpret_cast<uint2*>(d8) + i, skim_pack(s_row[i], rowkey + (u32)i * SPARSE_PHI, skim_base, tau8x4));
-            if (next) cp_async16(smem_u32(s_row + i), next + i, 16);
-        } else if (i < n_packs) {
+        if (i < n_packs) {
             float f[P];
             R::unpack(s_row[i], f);
             #pragma unroll
@@ -689,16 +627,10 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
         // scale a caller passes takes the multiply after the rounding, as before.)
         const u32 rowkey = (sparse_tau > 0.0f) ? fmix32(seed_base + (u32)(row0 + row)) : 0u;   // the row's draws
         if (sizeof(T) == 2 && !exact && exp_fma_ok(sh)) {
-            if (FP8 && !write_bf16 && is_pow2(fp8_scale) && sparse_tau > 0.0f) {
-                // the skim's row constants: x_t = base + ln U, packs reaching base - 1/64 exact
-                const float fs = scale * fp8_scale;
-                const float base = sh + logf(sparse_tau) - logf(fs);
-                const u32 tau8 = cvt_fp8x2<E5M2>(sparse_tau, sparse_tau) & 0xffu;
-                v3_pass2<T, K, FP8, true, true, true, SKIM_ARCH>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,
-                                                      fs, grad_scale * fp8_scale, fp8_scale, false,
-                                                      rowkey, sparse_tau, tau2,
-                                                      base, bf16x2_round_down(base - 0.015625f), tau8 * 0x01010101u);
-            }
+            if (FP8 && !write_bf16 && is_pow2(fp8_scale) && sparse_tau > 0.0f)
+                v3_pass2<T, K, FP8, true, true, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,
+                                                      scale * fp8_scale, grad_scale * fp8_scale, fp8_scale, false,
+                                                      rowkey, sparse_tau, tau2);
             else if (FP8 && !write_bf16 && is_pow2(fp8_scale))
                 v3_pass2<T, K, FP8, true, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,
                                                         scale * fp8_scale, grad_scale * fp8_scale, fp8_scale, false);
