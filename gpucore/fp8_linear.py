@@ -268,8 +268,13 @@ class Fp8Linears:
                    fast_accum=True, gelu_out=gelu_out2d, residual=residual, out_scale=fs, out_amax=famax)
         return out2d
 
+    def dout_amax(self, l, j):
+        """Where the op that writes linear j's output gradient (layer l) may fold its max |dout|,
+        for backward(dout_measured=True): Fp8Scaling.measured_amax; None unless adaptive."""
+        return self.scaling.measured_amax(self._slot(l, j, _G))
+
     def backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias=None, x8t=None, gelu_x2d=None,
-                 gelu_of=None, defer_dweight=False, then=None):
+                 gelu_of=None, defer_dweight=False, then=None, dout_measured=False):
         """dx2d (N, K) = dout2d @ weight [=]; dweight (M, K) += dout2d^T @ x [+=]; dbias (M,) += dout2d's
         column sums (of the bf16 values, as matmul_backward's), summed by the pass that casts dout2d
         (fp8_quantize(dbias=): no pass of its own) or by the fused GELU backward. x: its transposed
@@ -285,7 +290,9 @@ class Fp8Linears:
         and bias sums come from one fused kernel and the bf16 gradient is never written; else
         gelu_backward runs first, into dout2d (as the bf16 path does).
         then (DeferredWeightGrad of the linear after this one, fcproj's; needs gelu_x2d): made
-        right after this layer's GELU backward, before this layer's own GEMMs."""
+        right after this layer's GELU backward, before this layer's own GEMMs.
+        dout_measured: dout2d's producer folded its max |dout2d| into dout_amax(l, j) (qkv's: the
+        attention backward), so its cast runs once with the right scale (Fp8Scaling.cast)."""
         N, M = dout2d.shape
         K = weight.shape[1]
         x8b, xtb, gb, gtb, _, wtb = self._buffers(N)
@@ -319,7 +326,8 @@ class Fp8Linears:
             if gelu_x2d is not None:
                 gelu_backward(dout2d, gelu_x2d, dx=dout2d, dbias=dbias)
                 dbias = None
-            sc.cast(ig, dout2d, out=g8, out_t=g8t, dbias=dbias)    # the bias gradient from the cast's pass
+            sc.cast(ig, dout2d, out=g8, out_t=g8t, dbias=dbias,    # the bias gradient from the cast's pass
+                    measured=dout_measured)
             dbias = None
         if then is not None:
             if not remade_by_kernel:

@@ -633,13 +633,14 @@ class GPT2:
             return self.fp8.forward(l, j, None, weight, bias, out2d, gelu_out2d, x8t=x8t, ln=ln)
         return matmul_forward(ln.run(), weight, bias, out=out2d, gelu_out=gelu_out2d)
 
-    def _linear_backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias, gelu_of=None):
+    def _linear_backward(self, l, j, dout2d, x2d, weight, dx2d, dweight, dbias, gelu_of=None, dout_measured=False):
         """Its backward: dx2d = [, dweight +=, dbias += (when not None)]. FP8: x from the kept x8t
         when the forward kept it (then x2d is not read), else from x2d, or recomputed as
-        GELU(gelu_of) inside its cast."""
+        GELU(gelu_of) inside its cast; dout_measured: see Fp8Linears.backward."""
         if self.fp8 is not None:
             return self.fp8.backward(l, j, dout2d, x2d, weight, dx2d, dweight, dbias,
-                                     x8t=self._kept_x8t(l, j, dout2d.shape[0]), gelu_of=gelu_of)
+                                     x8t=self._kept_x8t(l, j, dout2d.shape[0]), gelu_of=gelu_of,
+                                     dout_measured=dout_measured)
         return matmul_backward(dout2d, x2d, weight, dx=dx2d, dweight=dweight, dbias=dbias,
                                need_dbias=dbias is not None)
 
@@ -735,10 +736,14 @@ class GPT2:
             # attention branch: residual2 = residual + attproj(attention(qkv(ln1(residual))))
             lin_bwd(l, ATTPROJ, _2d(dres), _2d(a.atty[l]), p.attprojw[l], _2d(dsmall), g.attprojw[l],
                     None if fuse else g.attprojb[l])
-            # fused: qkv's bias gradient summed by the attention backward as it writes dqkv
+            # fused: qkv's bias gradient summed by the attention backward as it writes dqkv. FP8 with
+            # adaptive scaling: it also takes dqkv's amax, so dqkv's cast (the gradient re-cast most
+            # often) is right the first time
+            dqkv_amax = self.fp8.dout_amax(l, QKV) if self.fp8 is not None else None
             attention_backward(dsmall, a.qkv[l], a.atty[l], a.att_lse[l], NH, dqkv=dqkv,
-                               dbias=g.qkvb[l] if fuse else None)
-            lin_bwd(l, QKV, _2d(dqkv), _2d(ln1(l)), p.qkvw[l], _2d(dsmall), g.qkvw[l], None if fuse else g.qkvb[l])
+                               dbias=g.qkvb[l] if fuse else None, amax=dqkv_amax)
+            lin_bwd(l, QKV, _2d(dqkv), _2d(ln1(l)), p.qkvw[l], _2d(dsmall), g.qkvw[l], None if fuse else g.qkvb[l],
+                    dout_measured=dqkv_amax is not None)
             layernorm_backward(dsmall, residual, p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l],
                                dx=dres, dweight=g.ln1w[l], dbias=g.ln1b[l],
                                dx_colsum=g.fcprojb[l - 1] if fuse and l > 0 else None)

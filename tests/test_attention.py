@@ -22,6 +22,7 @@ import gpucore
 from gpucore import runtime, settings
 from gpucore.bench.attention import peak_hook
 from gpucore.ops import attention as attn
+from gpucore.ops.fp8 import fp8_amax
 from attention_checks import (BF16, check_v2_config_limits, check_v3_backward, check_v3_bwd_config_limits,
                               check_v3_forward, check_v3_fwd_config_limits, instantiations, kernel_rows, locate,
                               lse_locate, make_qkv, need_sm90, v2_instantiations, v2_names, v3_backward_bits,
@@ -775,6 +776,78 @@ def test_gpu_attention_backward_dbias_from_the_onepass_kernel(rng, case):
         colsum_partials(part[b1:], cp.asarray(ref[b1:]).reshape(-1, 3 * C))
         emu = (np.float32(0.5) + stage2_order_sum(to_cpu(part))).astype(np.float32)
         assert emu.tobytes() == runs[0], "split dbias: not stage 2 over the one-pass sums, then the chunks"
+
+
+# --------------------------------- dqkv's amax (--dtype fp8: its cast knows its scale first) ----
+
+# qkv's thirds scaled so that dQ, then dK, then dV holds the largest |value| (S = QK^T unchanged in
+# the first two): a kernel that left one part out of the amax fails one of the three
+AMAX_THIRDS = {"dq": (1 / 8, 8, 1), "dk": (8, 1 / 8, 1), "dv": (1, 1, 1 / 16)}
+
+
+def _amax_case(rng, xp, B, NH, T, which):
+    C = NH * 64
+    f = np.repeat(np.array(AMAX_THIRDS[which], np.float32), C)
+    qkv = xp.asarray((make_qkv(rng, B, T, NH, 64) * f).astype(BF16))
+    dout = xp.asarray(rng.standard_normal((B, T, C)).astype(BF16))
+    out, lse = gpucore.attention_forward(qkv, NH)
+    return qkv, dout, out, lse
+
+
+def _largest_third(dqkv, C):
+    m = [float(np.abs(to_cpu(dqkv).astype(np.float32)[..., k * C:(k + 1) * C]).max()) for k in range(3)]
+    return ["dq", "dk", "dv"][int(np.argmax(m))]
+
+
+def test_attention_backward_amax_numpy_and_bad_input(rng):
+    """NumPy: amax = max(amax, max |dqkv|) of the bf16 dqkv written; dqkv unchanged by asking."""
+    B, T, NH = 1, 40, 2
+    for which in AMAX_THIRDS:
+        qkv, dout, out, lse = _amax_case(rng, np, B, NH, T, which)
+        plain = gpucore.attention_backward(dout, qkv, out, lse, NH)
+        assert _largest_third(plain, NH * 64) == which
+        am = np.full(1, 1e-3, np.float32)
+        got = gpucore.attention_backward(dout, qkv, out, lse, NH, amax=am)
+        assert got.tobytes() == plain.tobytes()
+        assert am[0] == np.abs(plain.astype(np.float32)).max()
+    with pytest.raises(ValueError, match="amax"):
+        gpucore.attention_backward(dout, qkv, out, lse, NH, amax=np.zeros(2, np.float32))
+    with pytest.raises(TypeError, match="amax"):
+        q32 = qkv.astype(np.float32)
+        gpucore.attention_backward(dout.astype(np.float32), q32, out.astype(np.float32), lse, NH,
+                                   amax=np.zeros(1, np.float32))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["whole batch one-pass", "split", "two-pass"])
+def test_gpu_attention_backward_amax_is_fp8_amax_of_dqkv(rng, case):
+    """The amax the backward takes as it writes dqkv -- the one-pass kernel's _sums variant over the
+    whole batch (T = 1000, not a tile multiple), the d48 split (one-pass part in the kernel, the
+    two-pass part by fp8_amax on the side stream), the v2 fallback (fp8_amax after) -- is bit for
+    bit fp8_amax over the dqkv written, with dQ, dK or dV holding the largest value, with and
+    without dbias; dqkv is unchanged by asking."""
+    need_sm90()
+    cp = runtime.cupy
+    sms = runtime.sm_count()
+    version = 2 if case == "two-pass" else None
+    if case == "split":
+        B, NH, T = 16, 25, 256
+        assert attn.onepass_batches(B, NH, 64, sms) < B
+    else:
+        NH, T = 4, 1000
+        B = next(b for b in range(-(-sms // NH), 8 * sms) if attn.onepass_batches(b, NH, 64, sms) == b)
+    C = NH * 64
+    for which in AMAX_THIRDS:
+        qkv, dout, out, lse = _amax_case(rng, cp, B, NH, T, which)
+        ref = gpucore.attention_backward(dout, qkv, out, lse, NH, version=version)
+        assert _largest_third(ref, C) == which
+        want = cp.zeros(1, np.float32)
+        fp8_amax(ref, want)
+        for dbias in (None, cp.zeros(3 * C, np.float32)):
+            am = cp.zeros(1, np.float32)
+            got = gpucore.attention_backward(dout, qkv, out, lse, NH, version=version, dbias=dbias, amax=am)
+            assert to_cpu(got).tobytes() == to_cpu(ref).tobytes(), "dqkv changed when its amax was asked for"
+            assert to_cpu(am)[0] == to_cpu(want)[0], (which, dbias is None, to_cpu(am), to_cpu(want))
 
 
 # ------------------------------------------- FP8 output (--dtype fp8's attproj input) ----

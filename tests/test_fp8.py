@@ -139,16 +139,19 @@ def test_scaling_delayed_and_current(rng):
     assert np.array_equal(s2.scale, s.scale) and s2.step_index == s.step_index
 
 
-def _adaptive_steps(xp, rng):
+def _adaptive_steps(xp, rng, measured=False):
     """Four casts of one E4M3 tensor under adaptive scaling (margin 1, window 2), with end_step
-    between them: (x, the scale each cast ended with, the bytes, the gate, the step's amax)."""
+    between them: (x, the scale each cast ended with, the bytes, the gate, the step's amax).
+    measured: x's amax folded into measured_amax first (as a producer does), then one cast."""
     base = _bf16(rng, (64, 48), 0.01)
     s = Fp8Scaling(1, ["e4m3"], xp, mode="adaptive", margin=1, window=2, history=16)
     out = []
     for k, factor in enumerate([1.0, 1.5, 8.0, 1 / 64]):   # start, inside the window, saturating, too small
         x = (base.astype(F32) * F32(factor)).astype(bfloat16)
         q, qt = xp.zeros((64, 48), np.uint8), xp.zeros((48, 64), np.uint8)
-        s.cast(0, xp.asarray(x), out=q, out_t=qt)
+        if measured:
+            fp8_amax(xp.asarray(x), s.measured_amax(0))
+        s.cast(0, xp.asarray(x), out=q, out_t=qt, measured=measured)
         out.append((x, float(to_cpu(s.scale)[0]), to_cpu(q), to_cpu(qt), float(to_cpu(s._slots[3, 0, 1])),
                     float(to_cpu(s.amax)[0])))
         s.end_step()
@@ -179,6 +182,29 @@ def test_scaling_adaptive(rng):
     assert t.scale[0] == 1.0 and np.isnan(t.amax[0]) and t._slots[3, 0, 1] == 0
     with pytest.raises(ValueError, match="mode"):
         Fp8Scaling(1, ["e4m3"], np, mode="sometimes")
+
+
+@pytest.mark.parametrize("device", ["numpy", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_scaling_adaptive_measured_is_the_cast_then_recast(rng, device):
+    """A producer's amax (cast(measured=True)): the guard first, then one cast -- the same scales,
+    gates, bytes and recorded amax as the cast and its gated re-cast, step by step; the slot is
+    zero again after each use. Other modes have no such slot."""
+    xp = np if device == "numpy" else runtime.cupy
+    if xp is not np:
+        _need_fp8()
+    seed = int(rng.integers(1 << 30))
+    _, want = _adaptive_steps(xp, np.random.default_rng(seed))
+    s, got = _adaptive_steps(xp, np.random.default_rng(seed), measured=True)
+    assert [w[4] for w in want] == [1.0, 0.0, 1.0, 1.0]        # both re-cast kinds and a kept scale
+    for k, (w, g) in enumerate(zip(want, got)):
+        assert g[1] == w[1] and g[4] == w[4] and g[5] == w[5], f"cast {k}: scale/gate/amax {g[1], g[4], g[5]} vs {w[1], w[4], w[5]}"
+        assert np.array_equal(g[2], w[2]) and np.array_equal(g[3], w[3]), f"cast {k}: bytes differ"
+    assert float(to_cpu(s.measured_amax(0))[0]) == 0.0
+    for mode in ("current", "delayed"):
+        t = Fp8Scaling(1, ["e5m2"], np, mode=mode)
+        assert t.measured_amax(0) is None
+        with pytest.raises(ValueError, match="adaptive"):
+            t.cast(0, _bf16(rng, (16, 16)), out=np.zeros((16, 16), np.uint8), measured=True)
 
 
 def _gelu_case(rng, R, C, xp):

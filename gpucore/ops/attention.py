@@ -66,7 +66,7 @@ from .. import dtypes, runtime, settings
 from .. import profiler
 from ._common import check_array, check_same_dtype, output
 from .colsum import colsum, colsum_chunks, colsum_partials, colsum_reference, reduce_partials
-from .fp8 import check_cast_args, fp8_quantize
+from .fp8 import check_cast_args, fp8_amax, fp8_quantize
 from .matmul import batched_matmul
 
 F32, BF16 = dtypes.float32, dtypes.bfloat16
@@ -514,7 +514,8 @@ def onepass_batches(B, NH, hd, sms, mode=None) -> int:
     return next((b for b in range(B, 0, -1) if wave_fill(b * NH, sms) >= ONEPASS_MIN_WAVE_FILL), 0)
 
 
-ONEPASS_SUMS_BYTES = 8 * 128 * 4 + 2 * 64 * 4   # the _sums variant's running sums: per warp dK, dV; per warpgroup dQ
+# the _sums variant's running sums (per warp dK, dV; per warpgroup dQ) and a max |dqkv| word per thread
+ONEPASS_SUMS_BYTES = 8 * 128 * 4 + 2 * 64 * 4 + 128 * max(ONEPASS_WGS) * 4
 
 
 def v3_onepass_smem(hd, wgs):
@@ -525,14 +526,17 @@ def v3_onepass_smem(hd, wgs):
     return 1024 + (4 * wgs + 2 * 4 + 2 * wgs) * 64 * hd * 2 + 3 * hd * 64 * 4 + 2 * 4 * 64 * 4
 
 
-def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None, D=None, sums=None):
+def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None, D=None, sums=None, amax=None):
     """v3 one-pass backward (attention/flash_v3_bwd1.cu, hd 64): v2's preprocess (D; or given),
     then one block per (batch, head) computing dK, dV and dQ together, dQ summed over the KV tiles
     in order in an f32 scratch (B*NH, ceil(T/64), hd, 64): 5 tile products per tile pair instead of
     the two-pass backward's 7, deterministic. wgs: warpgroups per block (ONEPASS_WGS).
     sums (B, 3C) float32, optional: row b = the column sums of dqkv[b] as written (the qkv bias
-    gradient's stage 1, by the kernel's _sums variant: no pass over dqkv of its own)."""
+    gradient's stage 1, by the kernel's _sums variant: no pass over dqkv of its own).
+    amax (1,) float32, optional (needs sums): amax = max(amax, max |dqkv|), taken by the same variant."""
     cp = runtime.cupy
+    if amax is not None and sums is None:
+        raise ValueError("amax: taken by the _sums variant; pass sums too")
     B, T, C3 = qkv.shape
     hd = C3 // 3 // NH
     if hd not in ONEPASS_HD:
@@ -546,10 +550,10 @@ def backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, wgs=None, D=None, sums=No
     k = runtime.get_kernel("attention/flash_v3_bwd1", name, options=v3_compile_options(), arch=V3_ARCH)
     args = (dqkv, dqacc, qkv, dout, lse, D, np.int32(T), np.int32(NH), np.float32(1.0 / math.sqrt(hd)))
     smem = v3_onepass_smem(hd, wgs) + (ONEPASS_SUMS_BYTES if sums is not None else 0)
-    runtime.launch(k, B * NH, 128 * wgs, args + ((sums,) if sums is not None else ()), shared_mem=smem)
+    runtime.launch(k, B * NH, 128 * wgs, args + ((sums, amax) if sums is not None else ()), shared_mem=smem)
 
 
-def backward_v3_split(dout, qkv, out, lse, NH, dqkv, b1, dbias=None):
+def backward_v3_split(dout, qkv, out, lse, NH, dqkv, b1, dbias=None, amax=None):
     """The one-pass backward for batch elements [0, b1) on the caller's stream and the two-pass
     backward for [b1, B) beside it on a side stream (onepass_batches says why); D for all heads by
     one preprocess first, so that nothing is allocated on the side stream. Each head's bits are
@@ -558,12 +562,14 @@ def backward_v3_split(dout, qkv, out, lse, NH, dqkv, b1, dbias=None):
     (a partial row per batch element), the two-pass part's from the column sum's stage 1 over its
     rows only, run on the side stream behind its backward; one stage 2 adds them all, in partial
     order (b1 rows, then the chunks). d48 B=16 splits 15 + 1: a pass over 1/16 of dqkv, not all of
-    it (the whole pass was 43 us a layer, 2.1 ms a d48 step, H200)."""
+    it (the whole pass was 43 us a layer, 2.1 ms a d48 step, H200). amax (1,), optional: max |dqkv|
+    folded in, the one-pass part's by its _sums variant, the two-pass part's by fp8_amax over its
+    rows on the side stream."""
     cp = runtime.cupy
     B, T, C3 = qkv.shape
     D = _preprocess(dout, out, NH)
     partials = None
-    if dbias is not None:
+    if dbias is not None or amax is not None:
         partials = cp.empty((b1 + colsum_chunks((B - b1) * T), C3), dtype=F32)
     main = cp.cuda.get_current_stream()
     side, forked, joined = runtime.side_stream("attention two-pass part")
@@ -572,14 +578,16 @@ def backward_v3_split(dout, qkv, out, lse, NH, dqkv, b1, dbias=None):
     # the one-pass blocks (a whole head each) first in launch order: the two-pass part's small
     # blocks take the SMs its last wave leaves
     backward_v3_onepass(dout[:b1], qkv[:b1], out[:b1], lse[:b1], NH, dqkv[:b1], D=D[:b1],
-                        sums=None if partials is None else partials[:b1])
+                        sums=None if partials is None else partials[:b1], amax=amax)
     with side:
         backward_v3(dout[b1:], qkv[b1:], out[b1:], lse[b1:], NH, dqkv[b1:], D=D[b1:])
-        if partials is not None:
+        if dbias is not None:
             colsum_partials(partials[b1:], dqkv[b1:].reshape(-1, C3))
+        if amax is not None:     # atomicMax of bits: the same result beside the one-pass kernel's
+            fp8_amax(dqkv[b1:], amax)
     joined.record(side)
     main.wait_event(joined)      # whatever the caller queues next (and D's release) sees both done
-    if partials is not None:
+    if dbias is not None:
         reduce_partials(dbias, partials)
 
 
@@ -666,7 +674,7 @@ def attention_forward(qkv, num_heads, out=None, lse=None, version=None, *, out8=
 
 
 @profiler.profiled("attention backward", flops=profiler.attention_backward_flops)
-def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None, dbias=None):
+def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None, dbias=None, amax=None):
     """dqkv (B, T, 3C) = gradient of the causal attention w.r.t. qkv, given dout (B, T, C).
 
     out and lse are attention_forward's results for this qkv. dqkv is an
@@ -676,6 +684,9 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None, 
     dbias (3C,), optional, qkv's dtype or float32: dbias += dqkv's column sums (the qkv linear's
     bias gradient; float32 in a fixed order). Where the one-pass kernel takes the whole batch it
     sums them as it writes dqkv; elsewhere a column-sum pass over dqkv follows.
+    amax (1,) float32 on dqkv's device, optional: amax = max(amax, max |dqkv|) (bf16 dqkv; the bits of
+    fp8_amax(dqkv, amax)) -- dqkv's FP8 cast then knows its scale before it runs. The one-pass
+    kernel takes it as it writes dqkv; elsewhere fp8_amax reads dqkv once more.
     """
     B, T, C, NH, hd = _check_qkv(qkv, num_heads)
     _check_version(version)
@@ -683,8 +694,12 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None, 
     check_array("out", out, shape=(B, T, C))
     check_array("lse", lse, dtype=F32, shape=(B, NH, T))
     check_same_dtype(qkv=qkv, dout=dout, out=out)
-    xp = runtime.array_module(dout, qkv, out, lse, dqkv, dbias)
+    xp = runtime.array_module(dout, qkv, out, lse, dqkv, dbias, amax)
     dqkv = output("dqkv", dqkv, xp, (B, T, 3 * C), qkv.dtype)
+    if amax is not None:
+        check_array("amax", amax, dtype=F32, shape=(1,))
+        if qkv.dtype != BF16:
+            raise TypeError(f"amax: taken of bfloat16 dqkv, got {dtypes.name(qkv.dtype)}")
     if dbias is not None:
         check_array("dbias", dbias, shape=(3 * C,))
         if dbias.dtype not in (qkv.dtype, np.dtype(F32)):
@@ -693,6 +708,8 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None, 
         dqkv[...] = attention_backward_reference(dout, qkv, NH).astype(dqkv.dtype)
         if dbias is not None:
             colsum_reference(dbias, dqkv.reshape(-1, 3 * C))
+        if amax is not None:
+            fp8_amax(dqkv, amax)
         return dqkv
     version = pick_version("backward", version, qkv.dtype, hd, runtime.device_arch(),
                            _misaligned((("qkv", qkv), ("dout", dout), ("out", out), ("dqkv", dqkv))))
@@ -700,13 +717,13 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None, 
         return dqkv
     b1 = onepass_batches(B, NH, hd, runtime.sm_count()) if version == 3 else 0
     if version == 3 and b1 == B:
-        sums = xp.empty((B, 3 * C), F32) if dbias is not None else None
-        backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, sums=sums)
+        sums = xp.empty((B, 3 * C), F32) if dbias is not None or amax is not None else None
+        backward_v3_onepass(dout, qkv, out, lse, NH, dqkv, sums=sums, amax=amax)
         if dbias is not None:
             reduce_partials(dbias, sums)
         return dqkv
     if version == 3 and b1 > 0:
-        backward_v3_split(dout, qkv, out, lse, NH, dqkv, b1, dbias=dbias)
+        backward_v3_split(dout, qkv, out, lse, NH, dqkv, b1, dbias=dbias, amax=amax)
         return dqkv
     if version == 3:
         backward_v3(dout, qkv, out, lse, NH, dqkv)
@@ -716,6 +733,8 @@ def attention_backward(dout, qkv, out, lse, num_heads, dqkv=None, version=None, 
         _backward_v1(dout, qkv, NH, dqkv)
     if dbias is not None:
         colsum(dbias, dqkv.reshape(B * T, 3 * C))
+    if amax is not None:
+        fp8_amax(dqkv, amax)
     return dqkv
 
 

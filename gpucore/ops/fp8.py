@@ -454,13 +454,24 @@ class Fp8Scaling:
         rank turns the same history into the same scales (gpucore/distributed/reducer.py)."""
         return self._slots[2]
 
-    def cast(self, i: int, x, *, out=None, out_t=None, record: bool = True, current: bool = False, dbias=None):
+    def cast(self, i: int, x, *, out=None, out_t=None, record: bool = True, current: bool = False, dbias=None,
+             measured: bool = False):
         """Tensor i (x, bf16 (R, C)) into out and/or out_t by the mode's rule; record=False: with
         the scale it already has and no amax (the backward's re-cast of a forward tensor);
         current=True: current scaling for this cast whatever the mode (the weights); dbias (an
-        e5m2 tensor's): += x's column sums, from the first cast's pass (fp8_quantize)."""
+        e5m2 tensor's): += x's column sums, from the first cast's pass (fp8_quantize).
+        measured=True (adaptive): x's producer already folded max |x| into measured_amax(i), so
+        the guard runs first and one cast follows with the scale it leaves -- the bytes, scale and
+        amax of the cast-then-re-cast, without the second pass."""
         fmt = self.formats[i]
         scale, _, amax = self.tensor(i)
+        if measured:
+            if self.mode != "adaptive":
+                raise ValueError(f"measured: a producer's amax is used by adaptive scaling only, not {self.mode!r}")
+            cast_amax, gate = self._views[i][3:]
+            self.started[i] = True
+            self._guard(i, cast_amax, gate)
+            return fp8_quantize(x, fmt, scale, out=out, out_t=out_t, dbias=dbias)
         if not record:
             return fp8_quantize(x, fmt, scale, out=out, out_t=out_t, dbias=dbias)
         if self.can_produce(i) and not current:
@@ -468,6 +479,12 @@ class Fp8Scaling:
                                 lambda sc, gate: fp8_requantize_gated(x, fmt, sc, gate, out=out, out_t=out_t))
         self.prepare(i, x, current=current)
         return fp8_quantize(x, fmt, scale, out=out, out_t=out_t, amax=amax, dbias=dbias)
+
+    def measured_amax(self, i: int):
+        """Adaptive mode: the (1,) float32 slot (zero between uses) into which the op that makes
+        tensor i may fold its max |x| as it writes x (fp8_amax's bit max), for cast(i, x,
+        measured=True); None in the other modes."""
+        return self._views[i][3] if self.mode == "adaptive" else None
 
     def can_produce(self, i: int) -> bool:
         """Can tensor i be cast by the kernel that makes it (produce), with no bf16 copy to measure

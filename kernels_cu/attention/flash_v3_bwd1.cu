@@ -56,6 +56,7 @@
 #include "wgmma.cuh"
 #include "attention/flash_v3.cuh"
 #include "attention/flash_v3_bwd.cuh"   // v3_store_acc, v3_product_kk / rs
+#include "fp8_cast.cuh"                 // block_amax: the _sums variant's amax of dqkv
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -93,10 +94,12 @@ __device__ __forceinline__ void v3_dq_prefetch(u32 s_old, const float* qtile) {
 // qsum (SUMS): this warpgroup's 64 running sums of the dQ values written (bf16, as stored), one per
 // head-dim row: at the last KV tile each thread sums its rows' values over its query columns, the
 // quad (t4) combines them by two fixed shuffles and lane t4 = 0 adds them in (one owner per row).
+// amx (SUMS): this thread's running max |dqkv| (the bf16 bits as written, as fp32 bits) in its own
+// shared word: the values it stores here (rows t < T) are folded in.
 template <int NJ, bool SUMS = false>
 __device__ __forceinline__ void v3_dq_store(bf16* dq_g, float* s_old, const float* dq, int i,
                                             int c0, bool first, bool last, float scale, int T, int stride,
-                                            int w4, int lane, float* qsum = nullptr) {
+                                            int w4, int lane, float* qsum = nullptr, u32* amx = nullptr) {
     const int g = lane >> 2, t4 = lane & 3;
     if (!last) {
         #pragma unroll
@@ -115,6 +118,7 @@ __device__ __forceinline__ void v3_dq_store(bf16* dq_g, float* s_old, const floa
     // diagonal's finish was ~0.12 ms of the d12 kernel; this made the kernel x1.034). 16-byte stores
     // (a second swap between lanes t4 and t4 ^ 2) measured the same (1.012 vs 1.013 ms): not kept.
     float rs[2] = {0.f, 0.f};                     // SUMS: rows 16 w4 + g (+8)
+    u32 m = 0;                                    // SUMS: max |value| as fp32 bits
     static_assert(NJ == 4, "the diagonal's finish holds one Q tile's 4 n8 blocks a thread");
     u32 pk[8];
     {
@@ -132,8 +136,14 @@ __device__ __forceinline__ void v3_dq_store(bf16* dq_g, float* s_old, const floa
             pk[k] = pack_bf16x2_rn((old[k].x + dq[e]) * scale, (old[k].y + dq[e + 1]) * scale);
             if constexpr (SUMS) {
                 const int q = 64 * i + c0 + 8 * jj + 2 * t4;
-                if (q < T) rs[r] += __uint_as_float(pk[k] << 16);
-                if (q + 1 < T) rs[r] += __uint_as_float(pk[k] & 0xffff0000u);
+                if (q < T) {
+                    rs[r] += __uint_as_float(pk[k] << 16);
+                    m = max(m, (pk[k] << 16) & 0x7fffffffu);
+                }
+                if (q + 1 < T) {
+                    rs[r] += __uint_as_float(pk[k] & 0xffff0000u);
+                    m = max(m, pk[k] & 0x7fff0000u);
+                }
             }
         }
     }
@@ -156,20 +166,25 @@ __device__ __forceinline__ void v3_dq_store(bf16* dq_g, float* s_old, const floa
             v += __shfl_xor_sync(0xffffffffu, v, 2);
             if (t4 == 0) qsum[16 * w4 + g + 8 * r] += v;
         }
+        *amx = max(*amx, m);
     }
 }
 
 // SUMS: a warp's 16 staged rows (bf16, as v3_store_acc_staged left them, swizzled) summed into its
-// running column sums (lane c: columns 2c, 2c + 1; rows in order). Rows past T hold zeros.
-__device__ __forceinline__ void v3_warp_colsum(float2* csum, const unsigned char* rows, int lane) {
+// running column sums (lane c: columns 2c, 2c + 1; rows in order), and their max |value| into the
+// thread's amx word (as v3_dq_store's). Rows past T hold zeros.
+__device__ __forceinline__ void v3_warp_colsum(float2* csum, u32* amx, const unsigned char* rows, int lane) {
     float2 cs = *csum;
+    u32 m = 0;
     #pragma unroll
     for (int r = 0; r < 16; r++) {
         const u32 v = *reinterpret_cast<const u32*>(rows + wg_swz128(r, lane >> 2) + 4 * (lane & 3));
         cs.x += __uint_as_float(v << 16);
         cs.y += __uint_as_float(v & 0xffff0000u);
+        m = max(m, max((v << 16) & 0x7fffffffu, v & 0x7fff0000u));
     }
     *csum = cs;
+    *amx = max(*amx, m);
     __syncwarp();                                 // the next staged store may overwrite the rows
 }
 
@@ -201,11 +216,14 @@ __device__ __forceinline__ void v3_dq_discard(const float* qtile) {
 // SUMS: also the head's column sums of dQ, dK and dV as written (bf16) into part (B, 3C), row b,
 // columns h HD.. of each third: the qkv bias gradient's stage 1 without a pass over dqkv. Running
 // sums in shared memory after D (per warp for dK, dV; per warpgroup and head-dim row for dQ),
-// combined in a fixed order at the end: deterministic.
+// combined in a fixed order at the end: deterministic. And when amax is not null, the max |dqkv|
+// of the values written (bf16) folded into *amax by atomicMax on the bits (fp8_amax's rule: the
+// same in any order), so that dqkv's FP8 cast knows its scale before it runs (adaptive scaling's
+// re-cast of dqkv, its most frequent, goes away: tools/notes/fp8.md, fifty-fifth session).
 template <int HD, int NWG, bool SUMS = false>
 __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, const bf16* qkv, const bf16* dout,
                                                      const float* lse, const float* Dv, int T, int NH, float scale,
-                                                     float* part = nullptr) {
+                                                     float* part = nullptr, float* amax = nullptr) {
     static_assert(HD == 64, "one-pass backward: head dim 64");
     static_assert(NWG == 2, "one-pass backward: 2 warpgroups (1 lost and spills: tools/notes/attention.md)");
     // ST ring stages: Q tiles copied two tiles ahead; the stage a running group reads (the previous
@@ -248,13 +266,16 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
     float* qacc = dqacc + (size_t)bh * HD * Tp;   // nt tiles of HD x 64 (v3_dq_off)
     const float sl2 = scale * FA_LOG2E;
     // SUMS: per warp 64 float2 (dK's columns, then dV's: lane c's 2c, 2c + 1 at c and 32 + c), then per
-    // warpgroup 64 dQ rows (ONEPASS_SUMS_BYTES in gpucore/ops/attention.py)
+    // warpgroup 64 dQ rows, then a max |value| word per thread (ONEPASS_SUMS_BYTES in
+    // gpucore/ops/attention.py)
     float2* ksum = reinterpret_cast<float2*>(sD + ST * BM) + warp * 64 + lane;
     float* qsums = sD + ST * BM + 8 * 128;        // 2 warpgroups x 64 rows
     float* qsum = qsums + 64 * wg;
+    u32* amx = reinterpret_cast<u32*>(qsums + 128) + threadIdx.x;
     if constexpr (SUMS) {
         ksum[0] = ksum[32] = make_float2(0.f, 0.f);
         if (threadIdx.x < 128) qsums[threadIdx.x] = 0.f;   // read by other threads after the first barrier
+        *amx = 0u;
     }
 
     // Q/dO copied evict_first too, although each pass re-reads them: with the serpentine order
@@ -273,7 +294,7 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         if (pj == pi * BM / BN && pj > 0)        // the diagonal: the sums copied in (waited for at the
             v3_dq_discard(qacc + pi * HD * 64);  // loop top / before this call) are dead in the scratch
         v3_dq_store<QN / 8, SUMS>(dq_g, old, dq, pi, QN * wg, pj == 0, pj == pi * BM / BN, scale, T, stride,
-                                  w4, lane, qsum);
+                                  w4, lane, qsum, amx);
     };
     auto load_kv_tile = [&](int jj) {
         const u32 k_s = sK + (jj & 1) * 2 * KV_BYTES;
@@ -447,9 +468,9 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
         const u32 stage = sS + wg * (64 * HD * 2);
         unsigned char* stage_gen = sS_gen + wg * (64 * HD * 2);
         v3_store_acc_staged<HD>(dk_g, dk, scale, wk0, T, stride, stage, stage_gen, w4, lane);
-        if constexpr (SUMS) v3_warp_colsum(ksum, stage_gen + 16 * w4 * 128, lane);
+        if constexpr (SUMS) v3_warp_colsum(ksum, amx, stage_gen + 16 * w4 * 128, lane);
         v3_store_acc_staged<HD>(dk_g + C, dv, 1.f, wk0, T, stride, stage, stage_gen, w4, lane);
-        if constexpr (SUMS) v3_warp_colsum(ksum + 32, stage_gen + 16 * w4 * 128, lane);
+        if constexpr (SUMS) v3_warp_colsum(ksum + 32, amx, stage_gen + 16 * w4 * 128, lane);
     }
     cp_async_wait<0>();
     if constexpr (SUMS) {                          // the head's sums, in a fixed order
@@ -467,12 +488,13 @@ __device__ __forceinline__ void flash_bwd_onepass_v3(bf16* dqkv, float* dqacc, c
             for (int w = 1; w < 4 * NWG; w++) acc += kred[w * 128 + c];
             prow[(c < HD ? C : 2 * C) + (c & (HD - 1))] = acc;
         }
+        if (amax) block_amax(amax, *amx);          // uniform: every thread of the block calls it
     }
 }
 
 #define V3_BWD1_BODY(HD, NWG) flash_bwd_onepass_v3<HD, NWG>(dqkv, dqacc, qkv, dout, lse, D, T, NH, scale)
 #define V3_BWD1_SUMS_BODY(HD, NWG) \
-    flash_bwd_onepass_v3<HD, NWG, true>(dqkv, dqacc, qkv, dout, lse, D, T, NH, scale, part)
+    flash_bwd_onepass_v3<HD, NWG, true>(dqkv, dqacc, qkv, dout, lse, D, T, NH, scale, part, amax)
 #else
 #define V3_BWD1_BODY(HD, NWG) __trap()    // not sm_90a: Python never launches this
 #define V3_BWD1_SUMS_BODY(HD, NWG) __trap()
@@ -492,11 +514,12 @@ FLASH_V3_BWD1(64, 2)
 
 // The same, and the qkv bias gradient's stage 1: part (B, 3C) f32, row b = the column sums of dqkv[b]
 // (as written, bf16) over t < T; each block writes its head's 3 x HD (colsum's stage 2 adds the rows).
+// amax (1,) f32 or null: *amax = max(*amax, max |dqkv|) (bit max, as fp8_amax_kernel folds it).
 #define FLASH_V3_BWD1_SUMS(HD, NWG)                                                                \
     extern "C" __global__ void __launch_bounds__(128 * NWG, 2 / NWG)                              \
     attention_backward_onepass_kernel_v3_hd##HD##_g##NWG##_bf16_sums(bf16* dqkv, float* dqacc,    \
             const bf16* qkv, const bf16* dout, const float* lse, const float* D, int T, int NH,     \
-            float scale, float* part) {                                                            \
+            float scale, float* part, float* amax) {                                               \
         V3_BWD1_SUMS_BODY(HD, NWG);                                                                \
     }
 
