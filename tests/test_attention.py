@@ -736,6 +736,16 @@ def test_attention_backward_dbias_numpy_and_bad_input(rng):
         gpucore.attention_backward(dout, qkv, out, lse, NH, dbias=np.zeros(3 * NH * hd, np.float16))
 
 
+def _onepass_shape(split: bool):
+    """(B, NH, T) where the one-pass backward takes the whole batch on this GPU (NH 4, T = 1000: not
+    a tile multiple), or with split, d48's B=16 NH=25, where it takes only part of it."""
+    sms = runtime.sm_count()
+    if split:
+        assert attn.onepass_batches(16, 25, 64, sms) < 16
+        return 16, 25, 256
+    return next(b for b in range(-(-sms // 4), 8 * sms) if attn.onepass_batches(b, 4, 64, sms) == b), 4, 1000
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", ["whole batch one-pass", "split"])
 def test_gpu_attention_backward_dbias_from_the_onepass_kernel(rng, case):
@@ -748,12 +758,7 @@ def test_gpu_attention_backward_dbias_from_the_onepass_kernel(rng, case):
     need_sm90()
     cp = runtime.cupy
     sms = runtime.sm_count()
-    if case == "split":
-        B, NH, T = 16, 25, 256
-        assert attn.onepass_batches(B, NH, 64, sms) < B
-    else:
-        NH, T = 4, 1000
-        B = next(b for b in range(-(-sms // NH), 8 * sms) if attn.onepass_batches(b, NH, 64, sms) == b)
+    B, NH, T = _onepass_shape(case == "split")
     NH, qkv, dout, out, lse = v3_backward_case(rng, 64, B=B, NH=NH, T=T)
     C = NH * 64
     ref = to_cpu(gpucore.attention_backward(dout, qkv, out, lse, NH))
@@ -828,14 +833,8 @@ def test_gpu_attention_backward_amax_is_fp8_amax_of_dqkv(rng, case):
     without dbias; dqkv is unchanged by asking."""
     need_sm90()
     cp = runtime.cupy
-    sms = runtime.sm_count()
     version = 2 if case == "two-pass" else None
-    if case == "split":
-        B, NH, T = 16, 25, 256
-        assert attn.onepass_batches(B, NH, 64, sms) < B
-    else:
-        NH, T = 4, 1000
-        B = next(b for b in range(-(-sms // NH), 8 * sms) if attn.onepass_batches(b, NH, 64, sms) == b)
+    B, NH, T = _onepass_shape(case == "split")
     C = NH * 64
     for which in AMAX_THIRDS:
         qkv, dout, out, lse = _amax_case(rng, cp, B, NH, T, which)
