@@ -302,6 +302,8 @@ class Fp8Linears:
                              "pass defer_dweight=True and hand the result to it as `then`")
         if then is not None and gelu_x2d is None:
             raise ValueError("then: a deferred weight gradient needs the GELU backward (gelu_x2d) that remakes its input")
+        if dout_measured and gelu_x2d is not None:    # the slot would stay filled for the next cast's guard
+            raise ValueError("dout_measured: not with gelu_x2d (dout is the GELU backward's input, not what is cast)")
         # A deferred dweight GEMM keeps its g8T past the next linear's backward, which writes the g8 /
         # g8T scratch itself: it goes into the x8 scratch instead (the forward's only, idle here).
         g8, g8t = gb[: N * M].reshape(N, M), (x8b if deferred else gtb)[: N * M].reshape(M, N)

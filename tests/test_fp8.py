@@ -634,7 +634,8 @@ def test_model_fp8_kept_x8t(mode):
 def test_fp8_linears_deferred_weight_grad_contract():
     """fcproj without its kept x8t: Fp8Linears.backward refuses to run unless told to defer its
     weight gradient (its input is remade by fc's GELU backward), and `then` needs that GELU
-    backward; deferred, dweight is untouched until fc's backward runs it."""
+    backward; deferred, dweight is untouched until fc's backward runs it. A measured dout (its
+    producer's amax) cannot go with the GELU backward, which casts another tensor than dout."""
     from gpucore.fp8_linear import FC, FCPROJ
     cfg = GPT2Config.from_preset("tiny")
     x, y = _tokens(cfg, 2, 16)
@@ -651,6 +652,9 @@ def test_fp8_linears_deferred_weight_grad_contract():
     with pytest.raises(ValueError, match="gelu_x2d"):
         m.fp8.backward(0, FC, dfch, a.ln2.reshape(N, C), p.fcw[0], np.zeros((N, C), p.fcw.dtype),
                        np.zeros_like(p.fcw[0]), then=later)
+    with pytest.raises(ValueError, match="dout_measured"):
+        m.fp8.backward(0, FC, dfch, a.ln2.reshape(N, C), p.fcw[0], np.zeros((N, C), p.fcw.dtype),
+                       np.zeros_like(p.fcw[0]), gelu_x2d=fch, dout_measured=True)
     dwfc = np.zeros_like(p.fcw[0])
     m.fp8.backward(0, FC, dfch, a.ln2.reshape(N, C), p.fcw[0], np.zeros((N, C), p.fcw.dtype), dwfc,
                    np.zeros(4 * C, np.float32), x8t=m._kept_x8t(0, FC, N), gelu_x2d=fch, then=later)
