@@ -61,6 +61,14 @@ def prune24(d):
     return (g * mask).reshape(R, V)
 
 
+def _search(comp, b, alpha):
+    """cuSPARSELt's own search over its algorithms (0 when this torch has none)."""
+    try:
+        return int(torch._cslt_sparse_mm_search(comp, b, alpha=alpha))
+    except Exception:                                               # noqa: BLE001
+        return 0
+
+
 def main():
     meter = power.require_meter()
     sync = torch.cuda.synchronize
@@ -102,6 +110,11 @@ def main():
                 err = ((y.float() - ref).norm() / ref.norm()).item()
                 print(f"  bf16 2:4 {backend}: relative error against the dense product {err:.2e}")
                 runs[f"bf16 2:4 sparse ({backend})"] = (lambda sp=sp: torch.mm(sp, wb))
+                if not cutlass:
+                    comp16 = torch._cslt_compress(dl24)
+                    alg = _search(comp16, wb, None)
+                    runs[f"bf16 2:4 sparse (cuSPARSELt alg {alg})"] = (
+                        lambda alg=alg: torch._cslt_sparse_mm(comp16, wb, alg_id=alg))
             except Exception as e:                                  # noqa: BLE001 -- report and go on
                 print(f"  bf16 2:4 {backend}: unavailable ({type(e).__name__}: {str(e)[:160]})")
     except ImportError as e:
@@ -128,11 +141,17 @@ def main():
         runs["fp8 torch dense e4m3, thinned 2:4"] = lambda: torch._scaled_mm(a8, bt, sa, sb, out_dtype=torch.bfloat16,
                                                                             use_fast_accum=True)
         comp = torch._cslt_compress(a8)
-        y = torch._cslt_sparse_mm(comp, b8, alpha=sa * sb, out_dtype=torch.bfloat16)
-        err = ((y.float() - ref).norm() / ref.norm()).item()
-        print(f"  fp8 e4m3 2:4 cuSPARSELt: relative error against the bf16 dense product {err:.2e}")
-        runs["fp8 e4m3 2:4 sparse (cuSPARSELt)"] = lambda: torch._cslt_sparse_mm(comp, b8, alpha=sa * sb,
-                                                                                 out_dtype=torch.bfloat16)
+        for layout, bm in (("B row-major", b8), ("B column-major", bt)):
+            try:
+                alg = _search(comp, bm, sa * sb)
+                y = torch._cslt_sparse_mm(comp, bm, alpha=sa * sb, out_dtype=torch.bfloat16, alg_id=alg)
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                print(f"  fp8 e4m3 2:4 cuSPARSELt, {layout}, alg {alg}: relative error against the bf16 product {err:.2e}")
+                runs[f"fp8 e4m3 2:4 sparse ({layout})"] = (
+                    lambda bm=bm, alg=alg: torch._cslt_sparse_mm(comp, bm, alpha=sa * sb, out_dtype=torch.bfloat16,
+                                                                  alg_id=alg))
+            except Exception as e:                                  # noqa: BLE001
+                print(f"  fp8 2:4 {layout}: unavailable ({type(e).__name__}: {str(e)[:120]})")
     except Exception as e:                                          # noqa: BLE001
         print(f"  fp8 2:4: unavailable ({type(e).__name__}: {str(e)[:200]})")
 
