@@ -16,6 +16,8 @@ rows (classifier_sparse_cost.py's), thinned at the default tau: interleaved medi
 each variant 1 s a round under NVML's energy counter (2 rounds, alternating). Also prints how many
 E5M2 bytes differ from the tree's kernel (expected: few -- double rounding through bf16 vs f16, the
 threshold's truncation, and the target column, which the probe's f16 path leaves unhandled).
+Measured (tools/notes/fp8.md, fifty-eighth session): both switches x1.011 alone on an H100, x1.063
+alone and x1.049 at the cap on an H200 -- ~0.2-0.25% of a d12 FP8 step there. Not built.
 Run (GPU):  PYTHONPATH=. python3 tools/probes/classifier_fp8_f16.py
 """
 import tempfile
