@@ -57,7 +57,9 @@
  *   without bias: each becomes +-sparse_tau or 0, kept with probability |v| / sparse_tau, the draw a
  *   hash of the step's seed (read from device memory), the row and the column pack (sparse_pack;
  *   the NumPy rule is ops/classifier.py's sparse_dlogits_reference). Most dlogits are tiny softmax
- *   probabilities, and the LM head's GEMMs draw less power on zeros (tools/notes/fp8.md).
+ *   probabilities, and the LM head's GEMMs draw less power on zeros (tools/notes/fp8.md). The FP8
+ *   kernel's thinned rows are f16, not bf16 (fewer instructions at the power cap; see v3_pass2):
+ *     dlogits8[r, c] = e5m2(thin(f16(dlogits[r, c] * fp8_scale)))
  * Determinism: fixed element-to-thread mapping and reduction trees.
  */
 #include "common.cuh"
@@ -412,6 +414,46 @@ __device__ __forceinline__ u32 sparse_signed(u32 v, u32 t2, float tau) {
     return sign | (a > t ? (__float_as_uint(tau) >> 16) : 0u);
 }
 
+// The FP8 kernel's thinned rows (E5M2 only) run the same rule on f16 packs: E5M2 is f16's top byte,
+// so the bytes come from one cvt a pair (e5m2_of_f16_pack) instead of bf16 -> fp32 -> E5M2, ~3
+// instructions a pair (H200, one 8192-row chunk alone: x1.057; tools/notes/fp8.md, 58th/59th
+// sessions). The draw is the same U; t is its f16 truncation (cvt.rz keeps f16 subnormals, so t
+// lies on the values' own grid and P(v > t) = v / tau stays exact).
+__device__ __forceinline__ u32 f16x2_of(float x) {                 // x rounded to f16, as a pair
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ float f16_bits_to_float(u32 h) {       // the low 16 bits, exactly
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
+    return f;
+}
+__device__ __forceinline__ u32 sparse_threshold2_f16(u32 h, float tau) {
+    const float t = fmaf(__uint_as_float(0x3f800000u | (h & 0x7fffffu)), tau, -tau);
+    u32 r;
+    asm("cvt.rz.f16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(t));
+    return r;
+}
+// sparse_pack on f16 pairs (tau2, t2: f16 pairs): max.NaN.f16x2 (sm_80+) and set.gtu.u32.f16x2.
+__device__ __forceinline__ uint4 sparse_pack_f16(const uint4& p, u32 t2, u32 tau2) {
+    u32 w[4] = {p.x, p.y, p.z, p.w};
+    #pragma unroll
+    for (int k = 0; k < 4; k++) {
+        u32 m, keep;
+        asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(m) : "r"(w[k]), "r"(tau2));
+        asm("set.gtu.u32.f16x2 %0, %1, %2;" : "=r"(keep) : "r"(w[k]), "r"(t2));   // NaN: kept
+        w[k] = m & keep;
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+// sparse_signed on one f16 value (raw bits; tau2: tau as an f16 pair).
+__device__ __forceinline__ u32 sparse_signed_f16(u32 v, u32 t2, u32 tau2) {
+    const float a = f16_bits_to_float(v & 0x7fffu), t = f16_bits_to_float(t2), tau = f16_bits_to_float(tau2);
+    if (!(a < tau)) return v;                                   // big, inf, NaN
+    return (v & 0x8000u) | (a > t ? (tau2 & 0xffffu) : 0u);
+}
+
 // K packs per thread at most (the launcher picks K >= ceil(Vp / P / 512)); the row
 // sits in dynamic shared memory, n_packs x 16 bytes. FUSED = false is cross_entropy:
 // the loss only, the logits are left as they are. FP8 (bf16 only): dlogits8 gets the E5M2
@@ -449,6 +491,10 @@ __device__ __forceinline__ void v3_copy_row(uint4* s_row, const uint4* xr, int n
 // conversion). LEAN: the exponent in one FFMA and the hardware bf16 rounding (finite rows of bf16);
 // otherwise the two-op exponent and the exact rounding (NaN bits, float32 rows). next: the block's
 // next row (WALK), copied into each slot right after its pack is stored, or null.
+// FP8 && FOLD && SPARSE (the FP8 head's thinned E5M2-only rows, the --dtype fp8 default) round to f16
+// instead (H16): thinned on f16 pairs, E5M2 in one cvt a pair, and fscale is folded into the
+// exponent (ex2(x log2e + c + log2 fscale): one FMUL a logit fewer; x1.023 alone on an H200). tau2
+// is then an f16 pair.
 template <typename T, int K, bool FP8, bool LEAN, bool FOLD, bool SPARSE = false>
 __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const uint4* next, int n_packs,
                                          int V, int t, int tpack, float sh, float fscale, float tsub,
@@ -458,7 +504,8 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
     constexpr int P = R::P;
     constexpr int KH = (K + 1) / 2;
     const int tid = threadIdx.x;
-    const float c = -sh * LOG2E;
+    constexpr bool H16 = FP8 && FOLD && SPARSE && LEAN && P == 8;
+    const float c = -sh * LOG2E + (H16 ? log2f(fscale) : 0.0f);
     #pragma unroll
     for (int k = 0; k < K; k++) {
         const int i = tid + k * CLS3_BLOCK;
@@ -467,7 +514,8 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
             R::unpack(s_row[i], f);
             #pragma unroll
             for (int e = 0; e < P; e++)
-                f[e] = ex2_ftz(LEAN ? fmaf(f[e], LOG2E, c) : (f[e] - sh) * LOG2E) * fscale;
+                f[e] = H16 ? ex2_ftz(fmaf(f[e], LOG2E, c))
+                           : ex2_ftz(LEAN ? fmaf(f[e], LOG2E, c) : (f[e] - sh) * LOG2E) * fscale;
             if (i == tpack) {                           // the one pack holding the target
                 // a bit mask, not f[t - i * P]: a dynamic index would put f in local memory
                 const u32 hit = 1u << (t - i * P);
@@ -480,17 +528,21 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
                 for (int e = 0; e < P; e++)
                     if (i * P + e >= V) f[e] = 0.0f;
             }
-            uint4 packed = LEAN ? R::pack_fast(f) : R::pack_exact(f);
-            if (SPARSE) {                               // bf16 lean rows: thinned before they are stored
-                const u32 t2 = sparse_threshold2(rowkey + (u32)i * SPARSE_PHI, tau);
+            uint4 packed;
+            if constexpr (H16) packed = pack_f16(f);
+            else packed = LEAN ? R::pack_fast(f) : R::pack_exact(f);
+            if (SPARSE) {                               // bf16 lean rows (FP8: f16): thinned before they are stored
+                const u32 h = rowkey + (u32)i * SPARSE_PHI;
+                const u32 t2 = H16 ? sparse_threshold2_f16(h, tau) : sparse_threshold2(h, tau);
                 const uint4 dense = packed;
-                packed = sparse_pack(dense, t2, tau2);
+                packed = H16 ? sparse_pack_f16(dense, t2, tau2) : sparse_pack(dense, t2, tau2);
                 if (i == tpack) {                       // the target column, the one negative value
                     // its bf16 is half e % 2 of word e / 2 (selects, not a dynamic index: that
                     // would put the pack in local memory)
                     const int e = t - i * P, wi = e >> 1;
                     const u32 wd = wi == 0 ? dense.x : wi == 1 ? dense.y : wi == 2 ? dense.z : dense.w;
-                    const u32 v = sparse_signed((e & 1) ? wd >> 16 : wd & 0xffffu, t2, tau);
+                    const u32 half = (e & 1) ? wd >> 16 : wd & 0xffffu;
+                    const u32 v = H16 ? sparse_signed_f16(half, t2, tau2) : sparse_signed(half, t2, tau);
                     const u32 keep = (e & 1) ? 0x0000ffffu : 0xffff0000u, put = (e & 1) ? v << 16 : v;
                     if (wi == 0) packed.x = (packed.x & keep) | put;
                     else if (wi == 1) packed.y = (packed.y & keep) | put;
@@ -498,11 +550,12 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
                     else packed.w = (packed.w & keep) | put;
                 }
             }
-            if (store_bf16) __stcs(xr + i, packed);     // a predicated store, no branch
+            if (!H16 && store_bf16) __stcs(xr + i, packed);   // a predicated store, no branch
             if (FP8) {                                  // the E5M2 copy of the bf16 values just rounded
                 u32 unused = 0;
                 __stcs(reinterpret_cast<uint2*>(d8) + i,
-                       FOLD ? e5m2_of_bf16_pack(packed) : quantize8<E5M2>(packed, fp8_scale, unused));
+                       H16 ? e5m2_of_f16_pack(packed)
+                           : FOLD ? e5m2_of_bf16_pack(packed) : quantize8<E5M2>(packed, fp8_scale, unused));
             }
             // the slot's value is in `packed` (the stores above used it): refill it with the next row
             if (next) cp_async16(smem_u32(s_row + i), next + i, 16);
@@ -534,7 +587,8 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
     // sparse_tau > 0 (bf16 rows; FP8: E5M2 only, power-of-two scale -- the launcher checks): the hash's base,
     // from the step's seed in device memory (a CUDA graph replays this launch's arguments as they were)
     const u32 seed_base = (sparse_tau > 0.0f) ? fmix32(*sparse_seed ^ SPARSE_PHI) : 0u;
-    const u32 tau2 = __byte_perm(__float_as_uint(sparse_tau), 0u, 0x3232);   // sparse_tau as a bf16 pair
+    // sparse_tau as a pair in the thinned rows' format: f16 (the FP8 kernel's, see v3_pass2) or bf16
+    const u32 tau2 = FP8 ? f16x2_of(sparse_tau) : __byte_perm(__float_as_uint(sparse_tau), 0u, 0x3232);
     int row = blockIdx.x;
     do {   // one pass where !WALK (the condition is then constant false); `continue` goes to it
         // Few registers live across the passes: the target is read here, the next row's address

@@ -32,6 +32,34 @@ __device__ __forceinline__ unsigned short cvt_fp8x2(float lo, float hi) {
 #endif
 }
 
+// Two floats -> an f16 pair (lo = first element), round to nearest even (f16 subnormals kept).
+__device__ __forceinline__ u32 cvt_rn_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// 8 floats -> 8 f16 (one 16-byte pack, memory order).
+__device__ __forceinline__ uint4 pack_f16(const float (&f)[8]) {
+    return make_uint4(cvt_rn_f16x2(f[0], f[1]), cvt_rn_f16x2(f[2], f[3]), cvt_rn_f16x2(f[4], f[5]),
+                      cvt_rn_f16x2(f[6], f[7]));
+}
+
+// 8 f16 (one pack) -> 8 E5M2 bytes, unscaled, RNE, saturating: one cvt a pair. E5M2 is f16's top byte
+// (same exponent range), so this is the one rounding from the f16 value. sm_89+ (a trap below).
+__device__ __forceinline__ uint2 e5m2_of_f16_pack(const uint4& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    const u32 w[4] = {p.x, p.y, p.z, p.w};
+    unsigned short o[4];
+    #pragma unroll
+    for (int i = 0; i < 4; i++) asm("cvt.rn.satfinite.e5m2x2.f16x2 %0, %1;" : "=h"(o[i]) : "r"(w[i]));
+    return make_uint2((u32)o[0] | ((u32)o[1] << 16), (u32)o[2] | ((u32)o[3] << 16));
+#else
+    __trap();
+    return make_uint2(0u, 0u);
+#endif
+}
+
 // 8 E4M3 bytes (one uint2, memory order) times scale_inv -> 8 bf16 (one 16-byte pack as raw uint4):
 // each byte exactly to f16 and f32 (cvt.rn.f16x2.e4m3x2: 0x7f / 0xff stay NaN), one fp32 product,
 // rounded to nearest even -- bf16(f32(q) * f32(scale_inv)), ops/fp8.py's fp8_dequantize_bf16. The

@@ -37,7 +37,8 @@ of two (`dlogits_fp8_scale(grad_scale)`: |dlogits| <= grad_scale, so no amax is
 needed). v3's FP8 kernel writes them beside the bf16 dlogits in the same pass, bit
 for bit fp8_quantize of the bf16 values; elsewhere (NumPy, v1/v2) the cast runs after.
 With `write_dlogits=False` it writes only those bytes (the FP8 LM head that takes dwte from them
-too, settings.fp8_lm_head_dwte): a third of the kernel's writes. The FP8 kernel runs on persistent
+too, settings.fp8_lm_head_dwte): a third of the kernel's writes. Thinned (`sparse_tau=`, the
+--dtype fp8 default) those bytes come from f16 values instead: e5m2(thin(f16(dlogits * scale))). The FP8 kernel runs on persistent
 blocks that stream their next row in while they finish one (v3_fp8_grid).
 """
 from __future__ import annotations
@@ -251,14 +252,24 @@ def fmix32(h) -> np.ndarray:
     return h
 
 
-def sparse_dlogits_reference(v, tau: float, seed: int, row0: int = 0) -> np.ndarray:
+def _f16_toward_zero(x: np.ndarray) -> np.ndarray:
+    """float32 x >= 0 truncated to float16 (round toward zero, subnormals kept), as float32."""
+    h = x.astype(np.float16)                                # nearest even
+    over = h.astype(np.float32) > x                         # rounded up: one step back toward zero
+    h = np.where(over, (h.view(np.uint16) - np.uint16(1)).view(np.float16), h)
+    return h.astype(np.float32)
+
+
+def sparse_dlogits_reference(v, tau: float, seed: int, row0: int = 0, fmt: str = "bf16") -> np.ndarray:
     """The classifier's stochastic sparsification (sparse_tau), on v (N, Vp): the bf16 dlogits (FP8:
-    scaled by dlogits8_scale), as float32. |v| >= tau, inf and NaN stay; each smaller
-    value becomes sign(v) * tau where |v| > t, else sign(v) * 0, with t the bf16 truncation of U * tau
-    and U = (h & 0x7fffff) / 2^23, one draw a pack of 8 columns:
+    the f16 values of the dlogits scaled by dlogits8_scale, fmt="f16"), as float32. |v| >= tau, inf
+    and NaN stay; each smaller value becomes sign(v) * tau where |v| > t, else sign(v) * 0, with t
+    the truncation to fmt of U * tau and U = (h & 0x7fffff) / 2^23, one draw a pack of 8 columns:
         h = fmix32(fmix32(seed ^ PHI) + row0 + r) + pack * PHI   (uint32, PHI = 0x9e3779b9)
-    (a Weyl sequence along each row from a hash of the seed and the row). For bf16 |v| < tau,
-    P(|v| > t) = |v| / tau: E[out] = v."""
+    (a Weyl sequence along each row from a hash of the seed and the row). For |v| < tau on fmt's
+    grid, P(|v| > t) = |v| / tau: E[out] = v."""
+    if fmt not in ("bf16", "f16"):
+        raise ValueError(f"fmt: expected 'bf16' or 'f16', got {fmt!r}")
     v = np.asarray(v, dtype=np.float32)
     N, Vp = v.shape
     n_packs = Vp // 8
@@ -270,13 +281,22 @@ def sparse_dlogits_reference(v, tau: float, seed: int, row0: int = 0) -> np.ndar
         h = rowkey[:, None] + np.arange(n_packs, dtype=np.uint32)[None, :] * phi
     u = ((h & np.uint32(0x7FFFFF)) | np.uint32(0x3F800000)).view(np.float32)
     t = u * tau32 - tau32                                   # exact: tau is a power of two
-    t = (t.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    if fmt == "bf16":
+        t = (t.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    else:
+        t = _f16_toward_zero(t)
     t = np.repeat(t, 8, axis=1)
     a = np.abs(v)
     with np.errstate(invalid="ignore"):
         keep = ~(a <= t)                                    # NaN: kept
         out = np.where(keep, np.where(np.isnan(a), a, np.maximum(a, tau32)), np.float32(0.0))
     return np.copysign(out, v).astype(np.float32)
+
+
+def sparse_fp8_values(dlogits, scale: float) -> np.ndarray:
+    """What the FP8 kernel thins (sparse_tau with dlogits8): f16(dlogits * scale), as float32 --
+    rounded once from the float64 dlogits (the kernel's fp32 softmax is within ~1e-6 of them)."""
+    return (np.asarray(dlogits, np.float64) * float(scale)).astype(np.float16).astype(np.float32)
 
 
 def _check_sparse(sparse_tau, sparse_seed, sparse_row0, logits, dlogits8, dlogits8_scale, write_dlogits, xp):
@@ -330,7 +350,8 @@ def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=N
     (sparse_dlogits_reference), drawn from a hash of sparse_seed ((1,) uint32 on the logits' device,
     read by the kernel: a new value each step), the row (sparse_row0 + r) and the column. Either the
     bf16 dlogits (no dlogits8) or, with dlogits8 and write_dlogits=False (a power-of-two
-    dlogits8_scale), the E5M2 ones, thinned on the scaled values before their rounding. On the GPU
+    dlogits8_scale), the E5M2 ones, thinned on the scaled values rounded to f16 (sparse_fp8_values:
+    E5M2 is f16's top byte; the kernel converts each f16 pair in one instruction). On the GPU
     it runs in the v3 kernels (rows with non-finite values are left dense, where it changes nothing
     but NaN payloads). Why: the LM head's GEMMs draw less power on zeros (tools/notes/fp8.md).
     """
@@ -352,9 +373,9 @@ def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=N
     if grad_scale is None:
         grad_scale = 1.0 / max(count, 1)
     if xp is np:
-        ref_losses, dlogits = classifier_reference(logits, targets, V, grad_scale)
+        ref_losses, exact = classifier_reference(logits, targets, V, grad_scale)
         losses[...] = ref_losses
-        dlogits = dlogits.astype(logits.dtype)
+        dlogits = exact.astype(logits.dtype)
         if sparse and dlogits8 is None:   # the bf16 dlogits thinned
             dlogits = sparse_dlogits_reference(dlogits.reshape(-1, Vp).astype(np.float32), sparse_tau,
                                                int(sparse_seed[0]), sparse_row0).astype(logits.dtype).reshape(
@@ -368,14 +389,15 @@ def fused_classifier(logits, targets, vocab_size=None, grad_scale=None, losses=N
         launch_fused(logits, targets, losses, V, float(grad_scale), version, sparse_tau if sparse else 0.0,
                      sparse_seed, sparse_row0)
         dlogits = logits
-    if dlogits8 is not None:          # the general path: the bf16 dlogits, then their cast
+    if dlogits8 is not None and sparse:   # NumPy only (checked above): the scaled f16 values thinned, cast
+        from .fp8 import fp8_quantize_reference
+        thin = sparse_dlogits_reference(sparse_fp8_values(exact.reshape(-1, Vp), dlogits8_scale), sparse_tau,
+                                        int(sparse_seed[0]), sparse_row0, fmt="f16")
+        dlogits8.reshape(-1, Vp)[...] = fp8_quantize_reference(thin, "e5m2", 1.0)
+    elif dlogits8 is not None:            # the general path: the bf16 dlogits, then their cast
         from .fp8 import fp8_quantize
-        d2, scale = dlogits.reshape(-1, Vp), dlogits8_scale
-        if sparse:                    # NumPy only (checked above): thin the scaled values, then cast them
-            d2 = sparse_dlogits_reference(d2.astype(np.float32) * np.float32(scale), sparse_tau,
-                                          int(sparse_seed[0]), sparse_row0).astype(logits.dtype)
-            scale = 1.0
-        fp8_quantize(d2, "e5m2", xp.full(1, scale, np.float32), out=dlogits8.reshape(-1, Vp))
+        fp8_quantize(dlogits.reshape(-1, Vp), "e5m2", xp.full(1, dlogits8_scale, np.float32),
+                     out=dlogits8.reshape(-1, Vp))
     return losses
 
 
