@@ -374,10 +374,14 @@ __device__ __forceinline__ u32 fmix32(u32 h) {
 // row (every U uniform: rowkey is a hash of the step's seed and the row), one add a pack.
 #define SPARSE_PHI 0x9e3779b9u
 
-// t = the bf16 truncation of U tau (U tau exact: tau is a power of two), as a bf16 pair.
+// U tau from the draw h (exact: tau is a power of two).
+__device__ __forceinline__ float sparse_draw(u32 h, float tau) {
+    return fmaf(__uint_as_float(0x3f800000u | (h & 0x7fffffu)), tau, -tau);
+}
+
+// t = the bf16 truncation of U tau, as a bf16 pair.
 __device__ __forceinline__ u32 sparse_threshold2(u32 h, float tau) {
-    const float t = fmaf(__uint_as_float(0x3f800000u | (h & 0x7fffffu)), tau, -tau);
-    return __byte_perm(__float_as_uint(t), 0u, 0x3232);
+    return __byte_perm(__float_as_uint(sparse_draw(h, tau)), 0u, 0x3232);
 }
 
 // One pack of 8 scaled bf16 dlogits v >= +0 (every column but the target's; tau2: tau as a bf16
@@ -386,20 +390,27 @@ __device__ __forceinline__ u32 sparse_threshold2(u32 h, float tau) {
 // its expectation. One U serves the pack's 8 columns (adjacent tokens, whose wte rows are
 // independent): each column stays unbiased, only their errors are correlated. Three instructions
 // a pair: a bf16x2 max, a bf16x2 compare to a mask, an and. A negative value (the target column)
-// comes out 0 here: v3_pass2 redoes it with sparse_signed.
+// comes out 0 here: v3_pass2 redoes it with sparse_signed. H16: the same on f16 pairs (tau2 and t2
+// f16 pairs too; the FP8 kernel's rows, see below): max.NaN.f16x2 (sm_80+), set.gtu.u32.f16x2.
+template <bool H16 = false>
 __device__ __forceinline__ uint4 sparse_pack(const uint4& p, u32 t2, u32 tau2) {
     u32 w[4] = {p.x, p.y, p.z, p.w};
     #pragma unroll
     for (int k = 0; k < 4; k++) {
         u32 m, keep;
-        asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(w[k]), "r"(tau2));
+        if (H16) {
+            asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(m) : "r"(w[k]), "r"(tau2));
+            asm("set.gtu.u32.f16x2 %0, %1, %2;" : "=r"(keep) : "r"(w[k]), "r"(t2));   // NaN: kept
+        } else {
+            asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(w[k]), "r"(tau2));
 #if __CUDA_ARCH__ >= 900
-        asm("set.gtu.u32.bf16x2 %0, %1, %2;" : "=r"(keep) : "r"(w[k]), "r"(t2));   // NaN: kept
-#else   // set.bf16x2 is sm_90's: compare in fp32 (the same result)
-        const float lo = __uint_as_float(w[k] << 16), hi = __uint_as_float(w[k] & 0xffff0000u);
-        const float tf = __uint_as_float(t2 << 16);
-        keep = (!(lo <= tf) ? 0x0000ffffu : 0u) | (!(hi <= tf) ? 0xffff0000u : 0u);
+            asm("set.gtu.u32.bf16x2 %0, %1, %2;" : "=r"(keep) : "r"(w[k]), "r"(t2));   // NaN: kept
+#else       // set.bf16x2 is sm_90's: compare in fp32 (the same result)
+            const float lo = __uint_as_float(w[k] << 16), hi = __uint_as_float(w[k] & 0xffff0000u);
+            const float tf = __uint_as_float(t2 << 16);
+            keep = (!(lo <= tf) ? 0x0000ffffu : 0u) | (!(hi <= tf) ? 0xffff0000u : 0u);
 #endif
+        }
         w[k] = m & keep;
     }
     return make_uint4(w[0], w[1], w[2], w[3]);
@@ -416,8 +427,8 @@ __device__ __forceinline__ u32 sparse_signed(u32 v, u32 t2, float tau) {
 
 // The FP8 kernel's thinned rows (E5M2 only) run the same rule on f16 packs: E5M2 is f16's top byte,
 // so the bytes come from one cvt a pair (e5m2_of_f16_pack) instead of bf16 -> fp32 -> E5M2, ~3
-// instructions a pair (H200, one 8192-row chunk alone: x1.057; tools/notes/fp8.md, 58th/59th
-// sessions). The draw is the same U; t is its f16 truncation (cvt.rz keeps f16 subnormals, so t
+// instructions a pair (with the scale in the exponent, an H200's 8192-row chunk alone: x1.036; an
+// H100's x1.002, not held by the cap; tools/notes/fp8.md, 59th session). The draw is the same U; t is its f16 truncation (cvt.rz keeps f16 subnormals, so t
 // lies on the values' own grid and P(v > t) = v / tau stays exact).
 __device__ __forceinline__ u32 f16x2_of(float x) {                 // x rounded to f16, as a pair
     u32 r;
@@ -429,23 +440,10 @@ __device__ __forceinline__ float f16_bits_to_float(u32 h) {       // the low 16 
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
     return f;
 }
-__device__ __forceinline__ u32 sparse_threshold2_f16(u32 h, float tau) {
-    const float t = fmaf(__uint_as_float(0x3f800000u | (h & 0x7fffffu)), tau, -tau);
+__device__ __forceinline__ u32 sparse_threshold2_f16(u32 h, float tau) {   // t in f16, as a pair
     u32 r;
-    asm("cvt.rz.f16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(t));
+    asm("cvt.rz.f16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(sparse_draw(h, tau)));
     return r;
-}
-// sparse_pack on f16 pairs (tau2, t2: f16 pairs): max.NaN.f16x2 (sm_80+) and set.gtu.u32.f16x2.
-__device__ __forceinline__ uint4 sparse_pack_f16(const uint4& p, u32 t2, u32 tau2) {
-    u32 w[4] = {p.x, p.y, p.z, p.w};
-    #pragma unroll
-    for (int k = 0; k < 4; k++) {
-        u32 m, keep;
-        asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(m) : "r"(w[k]), "r"(tau2));
-        asm("set.gtu.u32.f16x2 %0, %1, %2;" : "=r"(keep) : "r"(w[k]), "r"(t2));   // NaN: kept
-        w[k] = m & keep;
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
 }
 // sparse_signed on one f16 value (raw bits; tau2: tau as an f16 pair).
 __device__ __forceinline__ u32 sparse_signed_f16(u32 v, u32 t2, u32 tau2) {
@@ -535,7 +533,7 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
                 const u32 h = rowkey + (u32)i * SPARSE_PHI;
                 const u32 t2 = H16 ? sparse_threshold2_f16(h, tau) : sparse_threshold2(h, tau);
                 const uint4 dense = packed;
-                packed = H16 ? sparse_pack_f16(dense, t2, tau2) : sparse_pack(dense, t2, tau2);
+                packed = sparse_pack<H16>(dense, t2, tau2);
                 if (i == tpack) {                       // the target column, the one negative value
                     // its bf16 is half e % 2 of word e / 2 (selects, not a dynamic index: that
                     // would put the pack in local memory)
