@@ -428,8 +428,9 @@ __device__ __forceinline__ u32 sparse_signed(u32 v, u32 t2, float tau) {
 // The FP8 kernel's thinned rows (E5M2 only) run the same rule on f16 packs: E5M2 is f16's top byte,
 // so the bytes come from one cvt a pair (e5m2_of_f16_pack) instead of bf16 -> fp32 -> E5M2, ~3
 // instructions a pair (with the scale in the exponent, an H200's 8192-row chunk alone: x1.036; an
-// H100's x1.002, not held by the cap; tools/notes/fp8.md, 59th session). The draw is the same U; t is its f16 truncation (cvt.rz keeps f16 subnormals, so t
-// lies on the values' own grid and P(v > t) = v / tau stays exact).
+// H100's x1.002, not held by the cap; tools/notes/fp8.md, 59th session). The draw is the same U; t
+// is its f16 truncation (cvt.rz keeps f16 subnormals, so t lies on the values' own grid and
+// P(v > t) = v / tau stays exact).
 __device__ __forceinline__ u32 f16x2_of(float x) {                 // x rounded to f16, as a pair
     u32 r;
     asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(x));

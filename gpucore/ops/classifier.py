@@ -38,8 +38,9 @@ needed). v3's FP8 kernel writes them beside the bf16 dlogits in the same pass, b
 for bit fp8_quantize of the bf16 values; elsewhere (NumPy, v1/v2) the cast runs after.
 With `write_dlogits=False` it writes only those bytes (the FP8 LM head that takes dwte from them
 too, settings.fp8_lm_head_dwte): a third of the kernel's writes. Thinned (`sparse_tau=`, the
---dtype fp8 default) those bytes come from f16 values instead: e5m2(thin(f16(dlogits * scale))). The FP8 kernel runs on persistent
-blocks that stream their next row in while they finish one (v3_fp8_grid).
+--dtype fp8 default) those bytes come from f16 values instead: e5m2(thin(f16(dlogits * scale))).
+The FP8 kernel runs on persistent blocks that stream their next row in while they finish one
+(v3_fp8_grid).
 """
 from __future__ import annotations
 

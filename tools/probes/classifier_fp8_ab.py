@@ -70,8 +70,9 @@ print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}: one {R}-row c
 print(f"{'tree':5s} {'ms alone':>9s} {'% copy':>7s} {'ms at cap':>10s} {'mJ':>6s} {'W':>5s} {'MHz':>5s} {'zeros':>6s}")
 for (label, f), t in zip(fns.items(), ms):
     p = energy[label][-1]
+    zeros = float(((outs[label][1] & 0x7F) == 0).mean())
     print(f"{label:5s} {t:9.4f} {100 * copy_ms / t:6.1f}% {1e3 * p.seconds / p.calls:10.4f} "
-          f"{1e3 * p.joules_per_call:6.1f} {p.watts:5.0f} {p.sm_mhz:5.0f} {float(((outs[label][1] & 0x7F) == 0).mean()):6.4f}")
+          f"{1e3 * p.joules_per_call:6.1f} {p.watts:5.0f} {p.sm_mhz:5.0f} {zeros:6.4f}")
 (lo, bo), (ln, bn) = outs["old"], outs["new"]
 print(f"new / old alone x{ms[0] / ms[1]:.3f}; bytes that differ {100 * float((bo != bn).mean()):.4f}%; "
       f"losses' max relative difference {float(cp.abs(ln - lo).max() / cp.abs(lo).max()):.2e}")
