@@ -431,11 +431,6 @@ __device__ __forceinline__ u32 sparse_signed(u32 v, u32 t2, float tau) {
 // H100's x1.002, not held by the cap; tools/notes/fp8.md, 59th session). The draw is the same U; t
 // is its f16 truncation (cvt.rz keeps f16 subnormals, so t lies on the values' own grid and
 // P(v > t) = v / tau stays exact).
-__device__ __forceinline__ u32 f16x2_of(float x) {                 // x rounded to f16, as a pair
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
 __device__ __forceinline__ float f16_bits_to_float(u32 h) {       // the low 16 bits, exactly
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
@@ -587,7 +582,7 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
     // from the step's seed in device memory (a CUDA graph replays this launch's arguments as they were)
     const u32 seed_base = (sparse_tau > 0.0f) ? fmix32(*sparse_seed ^ SPARSE_PHI) : 0u;
     // sparse_tau as a pair in the thinned rows' format: f16 (the FP8 kernel's, see v3_pass2) or bf16
-    const u32 tau2 = FP8 ? f16x2_of(sparse_tau) : __byte_perm(__float_as_uint(sparse_tau), 0u, 0x3232);
+    const u32 tau2 = FP8 ? cvt_rn_f16x2(sparse_tau, sparse_tau) : __byte_perm(__float_as_uint(sparse_tau), 0u, 0x3232);
     int row = blockIdx.x;
     do {   // one pass where !WALK (the condition is then constant false); `continue` goes to it
         // Few registers live across the passes: the target is read here, the next row's address
