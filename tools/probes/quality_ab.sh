@@ -9,8 +9,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
-LOG=${OUT:-out}/quality_ab
-mkdir -p "$LOG"
+mkdir -p "${OUT:-out}/quality_ab"
+LOG=$(cd "${OUT:-out}/quality_ab" && pwd)   # absolute: each run starts in its own tree
 for spec in "$@"; do
   label=${spec%%=*}; rest=${spec#*=}
   IFS=: read -r tree mode seed <<< "$rest"
@@ -18,7 +18,7 @@ for spec in "$@"; do
     mkdir -p "$tree/data" && ln -s "$ROOT/data/pystdlib" "$tree/data/pystdlib"
   fi
   start=$(date +%s)
-  (cd "$tree" && OUT="$ROOT/$LOG/run_$label" SEED="$seed" RUNS="$mode" tools/optimizer_lab.sh) \
+  (cd "$tree" && OUT="$LOG/run_$label" SEED="$seed" RUNS="$mode" tools/optimizer_lab.sh) \
     > "$LOG/$label.txt" 2>&1 || echo "$label FAILED"
   cp "$LOG/run_$label/optimizer_lab/$mode.jsonl" "$LOG/$label.jsonl" 2>/dev/null || echo "$label: no metrics"
   echo "$label ($tree $mode seed $seed): $(( $(date +%s) - start )) s"
