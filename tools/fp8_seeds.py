@@ -4,7 +4,11 @@
 Reads tools/optimizer_lab.sh's metrics (LOG/<run>.s<SEED>.jsonl: one file per mode and seed,
 written by `tools/fp8_seeds.sh`) and prints, at every evaluation, each mode's validation loss per
 seed, bf16's spread across seeds, and each FP8 mode's gap to bf16 at the same seed and to bf16's
-seed mean; a summary last. Run:  python3 tools/fp8_seeds.py LOG MODE [MODE ...]   (first MODE = bf16)
+seed mean, with the standard error of that mean gap (the per-seed gaps' standard deviation over
+sqrt(seeds): what the seeds can tell apart); a summary last.
+Run:  python3 tools/fp8_seeds.py LOG[,LOG ...] MODE [MODE ...]   (first MODE = bf16)
+Several LOG folders (comma-separated) pool the seeds of several calls; a mode and seed found twice
+is refused.
 """
 import json
 import statistics
@@ -17,15 +21,18 @@ def val_losses(path: Path) -> dict[int, float]:
     return {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
 
 
-def main(log: Path, modes: list[str]) -> None:
+def main(logs: list[Path], modes: list[str]) -> None:
     runs = {}
-    for p in sorted(log.glob("*.s*.jsonl")):
-        mode, seed = p.stem.rsplit(".s", 1)
-        if mode in modes:
-            runs.setdefault(mode, {})[seed] = val_losses(p)
+    for log in logs:
+        for p in sorted(log.glob("*.s*.jsonl")):
+            mode, seed = p.stem.rsplit(".s", 1)
+            if mode in modes:
+                if seed in runs.get(mode, {}):
+                    raise SystemExit(f"{mode} seed {seed} is in more than one of {', '.join(map(str, logs))}")
+                runs.setdefault(mode, {})[seed] = val_losses(p)
     base = modes[0]
     if base not in runs:
-        raise SystemExit(f"no {base} runs under {log}")
+        raise SystemExit(f"no {base} runs under {', '.join(map(str, logs))}")
     seeds = sorted(runs[base])
     steps = sorted(set.intersection(*(set(v) for m in runs.values() for v in m.values())))
     print(f"val loss per evaluation; seeds {', '.join(seeds)}")
@@ -42,11 +49,14 @@ def main(log: Path, modes: list[str]) -> None:
         for m in modes[1:]:
             if m not in runs:
                 continue
-            gaps = [(runs[m][s][st] - runs[base][s][st]) / runs[base][s][st] for s in seeds if s in runs[m]]
-            gm = (statistics.mean(runs[m][s][st] for s in seeds if s in runs[m]) - mean) / mean
+            both = [s for s in seeds if s in runs[m]]        # the means over the seeds both modes ran
+            gaps = [(runs[m][s][st] - runs[base][s][st]) / runs[base][s][st] for s in both]
+            bm = statistics.mean(runs[base][s][st] for s in both)
+            gm = (statistics.mean(runs[m][s][st] for s in both) - bm) / bm
             worst[m] = max(worst[m], max(abs(g) for g in gaps))
             worst_mean[m] = max(worst_mean[m], abs(gm))
-            cells.append(" ".join(f"{100 * g:+.2f}%" for g in gaps) + f" (means {100 * gm:+.2f}%)")
+            se = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else float("nan")
+            cells.append(" ".join(f"{100 * g:+.2f}%" for g in gaps) + f" (means {100 * gm:+.2f}% +- {100 * se:.2f}%)")
         print(f"{st:>5}  {' '.join(f'{x:.4f}' for x in b):<30} {100 * spread:6.2f}%  " + "  ".join(f"{c:<34}" for c in cells))
     print(f"\nsummary: {base} seed-to-seed spread up to {100 * spread_max:.2f}% at an evaluation")
     for m in modes[1:]:
@@ -58,4 +68,6 @@ def main(log: Path, modes: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:])
+    if len(sys.argv) < 3:
+        raise SystemExit(__doc__)
+    main([Path(p) for p in sys.argv[1].split(",")], sys.argv[2:])
