@@ -73,7 +73,7 @@ def main():
             best = min(best, cp.cuda.get_elapsed_time(start, end))
         ops = blocks * THREADS * CHAINS * ITERS
         print(f"{name:11s} {best:8.3f} ms  {ops / best / 1e9:7.3f} T instructions/s  "
-              f"{per_op * ops / best / 1e9:7.3f} T results/s  {ops / best / 1e9 / sms:6.2f} G instr/s an SM")
+              f"{per_op * ops / best / 1e9:7.3f} T results/s  {ops / best / 1e6 / sms:6.1f} G instr/s an SM")
 
 
 if __name__ == "__main__":
