@@ -26,30 +26,19 @@ extern "C" __global__ void ex2_f32(float* out, int iters) {
     for (int c = 0; c < CHAINS; c++) s += y[c];
     out[blockIdx.x * blockDim.x + threadIdx.x] = s;
 }
-extern "C" __global__ void ex2_f16x2(unsigned* out, int iters) {
-    unsigned y[CHAINS];
-    #pragma unroll
-    for (int c = 0; c < CHAINS; c++) y[c] = 0xbc00bc00u ^ (threadIdx.x + c);   // ~ -1.0 as an f16 pair
-    for (int i = 0; i < iters; i++)
-        #pragma unroll
-        for (int c = 0; c < CHAINS; c++) asm volatile("ex2.approx.f16x2 %%0, %%0;" : "+r"(y[c]));
-    unsigned s = 0u;
-    #pragma unroll
-    for (int c = 0; c < CHAINS; c++) s ^= y[c];
-    out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+// a packed pair's kernel: y = INSTR(y) on CHAINS u32 pairs, starting near -1.0 (INIT)
+#define PACKED(NAME, INIT, INSTR)                                                        \
+extern "C" __global__ void NAME(unsigned* out, int iters) {                              \
+    unsigned y[CHAINS];                                                                  \
+    _Pragma("unroll") for (int c = 0; c < CHAINS; c++) y[c] = INIT ^ (threadIdx.x + c);  \
+    for (int i = 0; i < iters; i++)                                                      \
+        _Pragma("unroll") for (int c = 0; c < CHAINS; c++) asm volatile(INSTR " %%0, %%0;" : "+r"(y[c])); \
+    unsigned s = 0u;                                                                     \
+    _Pragma("unroll") for (int c = 0; c < CHAINS; c++) s ^= y[c];                       \
+    out[blockIdx.x * blockDim.x + threadIdx.x] = s;                                      \
 }
-extern "C" __global__ void ex2_bf16x2(unsigned* out, int iters) {
-    unsigned y[CHAINS];
-    #pragma unroll
-    for (int c = 0; c < CHAINS; c++) y[c] = 0xbf80bf80u ^ (threadIdx.x + c);   // ~ -1.0 as a bf16 pair
-    for (int i = 0; i < iters; i++)
-        #pragma unroll
-        for (int c = 0; c < CHAINS; c++) asm volatile("ex2.approx.ftz.bf16x2 %%0, %%0;" : "+r"(y[c]));
-    unsigned s = 0u;
-    #pragma unroll
-    for (int c = 0; c < CHAINS; c++) s ^= y[c];
-    out[blockIdx.x * blockDim.x + threadIdx.x] = s;
-}
+PACKED(ex2_f16x2, 0xbc00bc00u, "ex2.approx.f16x2")
+PACKED(ex2_bf16x2, 0xbf80bf80u, "ex2.approx.ftz.bf16x2")
 """ % {"chains": CHAINS}
 
 
