@@ -34,7 +34,8 @@
  *      exponent of a bf16 logit in one FFMA (x log2e - max log2e); the block
  *      merges the (max, sum) pairs. Pass 2 writes dlogits with the hardware
  *      bf16x2 rounding; the target and padding columns are patched only in
- *      the 1-2 packs that hold them; every choice (exact or lean, FP8 scale
+ *      the 1-2 packs that hold them (the FP8 head's thinned rows: after the
+ *      row's loop, h16_fixup); every choice (exact or lean, FP8 scale
  *      folded or not) is made once a row, so each row's pass 2 is one
  *      straight-line loop: ~9 instructions + 2 MUFU per element (tools/notes/
  *      profile.md, twenty-fourth session). 512 threads; a bf16 row of 50304
@@ -322,19 +323,29 @@ __device__ __forceinline__ float pack_max(const uint4& r, int nv) {
 
 // sum over one pack's nv valid columns of exp(x - sh), pairwise; LEAN: the exponent as
 // fmaf(x, log2e, c) with c = -sh log2e (exp_fma_ok), else (x - sh) log2e. A NaN poisons the sum.
-template <typename T, bool LEAN>
-__device__ __forceinline__ float pack_expsum(const uint4& r, int nv, float sh, float c) {
+// FULL (nv >= P): no per-column test -- the same sum of a full pack, in the same order.
+template <typename T, bool LEAN, bool FULL>
+__device__ __forceinline__ float pack_expsum_cols(const uint4& r, int nv, float sh, float c) {
     constexpr int P = Raw<T>::P;
     float f[P];
     Raw<T>::unpack(r, f);
     #pragma unroll
     for (int e = 0; e < P; e++)
-        f[e] = e < nv ? ex2_ftz(LEAN ? fmaf(f[e], LOG2E, c) : (f[e] - sh) * LOG2E) : 0.0f;
+        f[e] = (FULL || e < nv) ? ex2_ftz(LEAN ? fmaf(f[e], LOG2E, c) : (f[e] - sh) * LOG2E) : 0.0f;
     #pragma unroll
     for (int w = 1; w < P; w *= 2)
         #pragma unroll
         for (int e = 0; e < P; e += 2 * w) f[e] += f[e + w];
     return f[0];
+}
+
+// Only the row's last valid pack is partial: every other pack takes the test-free body (a pack's
+// 8 per-column tests and zero moves were ~2 instructions a logit of the FP8 kernel's ~22; ncu and
+// SASS, tools/notes/fp8.md, sixtieth session). A branch the warp takes together but in one lane.
+template <typename T, bool LEAN>
+__device__ __forceinline__ float pack_expsum(const uint4& r, int nv, float sh, float c) {
+    if (nv >= Raw<T>::P) return pack_expsum_cols<T, LEAN, true>(r, nv, sh, c);
+    return pack_expsum_cols<T, LEAN, false>(r, nv, sh, c);
 }
 
 // A normal positive power of two: sign and mantissa bits clear, exponent neither 0 nor 255.
@@ -478,6 +489,41 @@ __device__ __forceinline__ void v3_copy_row(uint4* s_row, const uint4* xr, int n
     cp_async_commit();
 }
 
+// Pass 2's exponent shift: exp(x - sh) fscale = ex2(x log2e + c), fscale folded in where H16 (one
+// expression for v3_pass2 and h16_fixup, so both make the same bits).
+template <bool H16>
+__device__ __forceinline__ float pass2_shift(float sh, float fscale) {
+    return -sh * LOG2E + (H16 ? log2f(fscale) : 0.0f);
+}
+
+// One f16 (low 16 bits) -> its E5M2 byte (e5m2_of_f16_pack's rounding; sm_89+).
+__device__ __forceinline__ u8 e5m2_of_f16(u32 h) {
+    return (u8)(e5m2_of_f16_pack(make_uint4(h & 0xffffu, 0u, 0u, 0u)).x & 0xffu);
+}
+
+// The FP8 head's thinned rows (H16): v3_pass2's loop writes every pack as a plain one, with no test
+// a pack, and the row's special columns are rewritten here by the threads that wrote their packs
+// (the same thread's later store wins): the target's byte from its logit xt (thread 0 reads it in
+// pass 1), exactly as the loop's target pack made it (minus tsub, f16, sparse_signed_f16, E5M2),
+// and the padding columns [V, n_packs P) as zeros (the thinning's 0). The logits are not written
+// in this mode, so nothing else is lost. Why: three tested-and-skipped branches were ~13 of a pack's
+// ~83 instructions on the common path (SASS, tools/notes/fp8.md, sixtieth session).
+__device__ __forceinline__ void h16_fixup(u8* d8, int V, int n_packs, int t, int tpack, float xt, float c,
+                                          float tsub, u32 rowkey, float tau, u32 tau2) {
+    const int tid = threadIdx.x;
+    if (tpack >= 0 && tpack % CLS3_BLOCK == tid) {
+        const float v = ex2_ftz(fmaf(xt, LOG2E, c)) - tsub;
+        const u32 t2 = sparse_threshold2_f16(rowkey + (u32)tpack * SPARSE_PHI, tau);
+        d8[t] = e5m2_of_f16(sparse_signed_f16(cvt_rn_f16x2(v, 0.0f) & 0xffffu, t2, tau2));
+    }
+    const int first_pad = V / 8;                    // the first pack holding a padding column
+    for (int i = first_pad + (tid - first_pad % CLS3_BLOCK + CLS3_BLOCK) % CLS3_BLOCK; i < n_packs; i += CLS3_BLOCK) {
+        if (i * 8 >= V) *reinterpret_cast<uint2*>(d8 + (size_t)i * 8) = make_uint2(0u, 0u);
+        else
+            for (int col = V; col < (i + 1) * 8; col++) d8[col] = 0;
+    }
+}
+
 // Pass 2 of classifier_backward_v3 over a row's packs: dlogits = exp(x - sh) * fscale, minus tsub at
 // the target, 0 in the padding; written as bf16 (store_bf16: the FP8 kernel's write_bf16, true
 // elsewhere; the call is inlined, so a constant false drops the store) and/or E5M2 (FP8; FOLD:
@@ -499,7 +545,8 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
     constexpr int KH = (K + 1) / 2;
     const int tid = threadIdx.x;
     constexpr bool H16 = FP8 && FOLD && SPARSE && LEAN && P == 8;
-    const float c = -sh * LOG2E + (H16 ? log2f(fscale) : 0.0f);
+    constexpr bool FIXUP = H16;                         // the special columns after the loop: h16_fixup
+    const float c = pass2_shift<H16>(sh, fscale);
     #pragma unroll
     for (int k = 0; k < K; k++) {
         const int i = tid + k * CLS3_BLOCK;
@@ -510,14 +557,14 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
             for (int e = 0; e < P; e++)
                 f[e] = H16 ? ex2_ftz(fmaf(f[e], LOG2E, c))
                            : ex2_ftz(LEAN ? fmaf(f[e], LOG2E, c) : (f[e] - sh) * LOG2E) * fscale;
-            if (i == tpack) {                           // the one pack holding the target
+            if (!FIXUP && i == tpack) {                 // the one pack holding the target
                 // a bit mask, not f[t - i * P]: a dynamic index would put f in local memory
                 const u32 hit = 1u << (t - i * P);
                 #pragma unroll
                 for (int e = 0; e < P; e++)
                     if (hit & (1u << e)) f[e] -= tsub;
             }
-            if ((i + 1) * P > V) {                      // padding columns [V, Vp)
+            if (!FIXUP && (i + 1) * P > V) {            // padding columns [V, Vp)
                 #pragma unroll
                 for (int e = 0; e < P; e++)
                     if (i * P + e >= V) f[e] = 0.0f;
@@ -530,7 +577,7 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
                 const u32 t2 = H16 ? sparse_threshold2_f16(h, tau) : sparse_threshold2(h, tau);
                 const uint4 dense = packed;
                 packed = sparse_pack<H16>(dense, t2, tau2);
-                if (i == tpack) {                       // the target column, the one negative value
+                if (!FIXUP && i == tpack) {             // the target column, the one negative value
                     // its bf16 is half e % 2 of word e / 2 (selects, not a dynamic index: that
                     // would put the pack in local memory)
                     const int e = t - i * P, wi = e >> 1;
@@ -565,7 +612,7 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
                                        int write_bf16 = 1, float sparse_tau = 0.0f,
                                        const u32* sparse_seed = nullptr, int row0 = 0) {
     extern __shared__ uint4 s_row[];
-    __shared__ float s_m[CLS3_BLOCK / 32], s_s[CLS3_BLOCK / 32], s_res[2];
+    __shared__ float s_m[CLS3_BLOCK / 32], s_s[CLS3_BLOCK / 32], s_res[3];   // max, sum, the target's logit
     using R = Raw<T>;
     constexpr int P = R::P;
     constexpr int KH = (K + 1) / 2;
@@ -650,6 +697,7 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
                 s_res[0] = m;
                 s_res[1] = s;
                 const float xt = valid ? to_float(reinterpret_cast<const T*>(s_row)[t]) : 0.0f;
+                s_res[2] = xt;                          // for h16_fixup, after pass 2 has refilled the slots
                 losses[row] = row_loss(m, s, xt, valid);
             }
         }
@@ -675,10 +723,14 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
         // scale a caller passes takes the multiply after the rounding, as before.)
         const u32 rowkey = (sparse_tau > 0.0f) ? fmix32(seed_base + (u32)(row0 + row)) : 0u;   // the row's draws
         if (sizeof(T) == 2 && !exact && exp_fma_ok(sh)) {
-            if (FP8 && !write_bf16 && is_pow2(fp8_scale) && sparse_tau > 0.0f)
+            if (FP8 && !write_bf16 && is_pow2(fp8_scale) && sparse_tau > 0.0f) {
                 v3_pass2<T, K, FP8, true, true, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,
                                                       scale * fp8_scale, grad_scale * fp8_scale, fp8_scale, false,
                                                       rowkey, sparse_tau, tau2);
+                if (FP8 && sizeof(T) == 2)              // v3_pass2's H16 rows: their special columns
+                    h16_fixup(d8, V, n_packs, t, tpack, s_res[2], pass2_shift<true>(sh, scale * fp8_scale),
+                              grad_scale * fp8_scale, rowkey, sparse_tau, tau2);
+            }
             else if (FP8 && !write_bf16 && is_pow2(fp8_scale))
                 v3_pass2<T, K, FP8, true, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,
                                                         scale * fp8_scale, grad_scale * fp8_scale, fp8_scale, false);
