@@ -530,13 +530,14 @@ __device__ __forceinline__ void h16_fixup(u8* d8, int V, int n_packs, int t, int
 // fscale and tsub already carry fp8_scale, so the bytes are the bf16 values' plain E5M2
 // conversion). LEAN: the exponent in one FFMA and the hardware bf16 rounding (finite rows of bf16);
 // otherwise the two-op exponent and the exact rounding (NaN bits, float32 rows). next: the block's
-// next row (WALK), copied into each slot right after its pack is stored, or null.
+// next row, copied into each slot right after its pack is stored (WALK kernels only; next_bytes 0 on
+// a block's last row: the copies then read nothing and zero the slots, so no pack tests `next`).
 // FP8 && FOLD && SPARSE (the FP8 head's thinned E5M2-only rows, the --dtype fp8 default) round to f16
 // instead (H16): thinned on f16 pairs, E5M2 in one cvt a pair, and fscale is folded into the
 // exponent (ex2(x log2e + c + log2 fscale): one FMUL a logit fewer; x1.023 alone on an H200). tau2
 // is then an f16 pair.
 template <typename T, int K, bool FP8, bool LEAN, bool FOLD, bool SPARSE = false>
-__device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const uint4* next, int n_packs,
+__device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const uint4* next, int next_bytes, int n_packs,
                                          int V, int t, int tpack, float sh, float fscale, float tsub,
                                          float fp8_scale, bool store_bf16,
                                          u32 rowkey = 0u, float tau = 0.0f, u32 tau2 = 0u) {
@@ -546,6 +547,7 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
     const int tid = threadIdx.x;
     constexpr bool H16 = FP8 && FOLD && SPARSE && LEAN && P == 8;
     constexpr bool FIXUP = H16;                         // the special columns after the loop: h16_fixup
+    constexpr bool WALK = FP8 && K <= V3_WALK_K;        // classifier_backward_v3's (its live calls pass its FP8)
     const float c = pass2_shift<H16>(sh, fscale);
     #pragma unroll
     for (int k = 0; k < K; k++) {
@@ -599,7 +601,7 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
                            : FOLD ? e5m2_of_bf16_pack(packed) : quantize8<E5M2>(packed, fp8_scale, unused));
             }
             // the slot's value is in `packed` (the stores above used it): refill it with the next row
-            if (next) cp_async16(smem_u32(s_row + i), next + i, 16);
+            if (WALK) cp_async16(smem_u32(s_row + i), next + i, next_bytes);
         }
         if (k == KH - 1) cp_async_commit();
     }
@@ -712,7 +714,9 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
         const bool exact = !(isfinite(scale) && isfinite(grad_scale));   // NaN/inf rows: canonical NaN bits
         const int tpack = valid ? t / P : -1;
         u8* d8 = FP8 ? dlogits8 + (size_t)row * Vp : nullptr;
-        const uint4* next = has_next ? xr + (size_t)gridDim.x * n_packs : nullptr;
+        // (the last row's refill: 0 bytes from its own row -- the SASS had a null test a pack)
+        const uint4* next = has_next ? xr + (size_t)gridDim.x * n_packs : xr;
+        const int next_bytes = has_next ? 16 : 0;
         // The row's pass 2 is one straight-line loop (the choices below are made once a row, not
         // once a pack: per-pack branches cost the scheduler its overlap of one pack's exps with
         // the last one's stores). Finite rows of bf16 with exp_fma_ok shifts take the lean loop;
@@ -724,7 +728,7 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
         const u32 rowkey = (sparse_tau > 0.0f) ? fmix32(seed_base + (u32)(row0 + row)) : 0u;   // the row's draws
         if (sizeof(T) == 2 && !exact && exp_fma_ok(sh)) {
             if (FP8 && !write_bf16 && is_pow2(fp8_scale) && sparse_tau > 0.0f) {
-                v3_pass2<T, K, FP8, true, true, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,
+                v3_pass2<T, K, FP8, true, true, true>(s_row, xr, d8, next, next_bytes, n_packs, V, t, tpack, sh,
                                                       scale * fp8_scale, grad_scale * fp8_scale, fp8_scale, false,
                                                       rowkey, sparse_tau, tau2);
                 if (FP8 && sizeof(T) == 2)              // v3_pass2's H16 rows: their special columns
@@ -732,16 +736,16 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
                               grad_scale * fp8_scale, rowkey, sparse_tau, tau2);
             }
             else if (FP8 && !write_bf16 && is_pow2(fp8_scale))
-                v3_pass2<T, K, FP8, true, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh,
+                v3_pass2<T, K, FP8, true, true>(s_row, xr, d8, next, next_bytes, n_packs, V, t, tpack, sh,
                                                         scale * fp8_scale, grad_scale * fp8_scale, fp8_scale, false);
             else if (!FP8 && sparse_tau > 0.0f)         // the bf16 dlogits thinned (bf16 only: sizeof(T) == 2)
-                v3_pass2<T, K, false, true, false, true>(s_row, xr, d8, next, n_packs, V, t, tpack, sh, scale,
+                v3_pass2<T, K, false, true, false, true>(s_row, xr, d8, next, next_bytes, n_packs, V, t, tpack, sh, scale,
                                                          grad_scale, fp8_scale, true, rowkey, sparse_tau, tau2);
             else
-                v3_pass2<T, K, FP8, true, false>(s_row, xr, d8, next, n_packs, V, t, tpack, sh, scale,
+                v3_pass2<T, K, FP8, true, false>(s_row, xr, d8, next, next_bytes, n_packs, V, t, tpack, sh, scale,
                                                         grad_scale, fp8_scale, !FP8 || write_bf16);
         } else {
-            v3_pass2<T, K, FP8, false, false>(s_row, xr, d8, next, n_packs, V, t, tpack, sh, scale,
+            v3_pass2<T, K, FP8, false, false>(s_row, xr, d8, next, next_bytes, n_packs, V, t, tpack, sh, scale,
                                                      grad_scale, fp8_scale, !FP8 || write_bf16);
         }
         cp_async_commit();
