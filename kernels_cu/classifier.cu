@@ -731,9 +731,9 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
                 v3_pass2<T, K, FP8, true, true, true>(s_row, xr, d8, next, next_bytes, n_packs, V, t, tpack, sh,
                                                       scale * fp8_scale, grad_scale * fp8_scale, fp8_scale, false,
                                                       rowkey, sparse_tau, tau2);
-                if (FP8 && sizeof(T) == 2)              // v3_pass2's H16 rows: their special columns
-                    h16_fixup(d8, V, n_packs, t, tpack, s_res[2], pass2_shift<true>(sh, scale * fp8_scale),
-                              grad_scale * fp8_scale, rowkey, sparse_tau, tau2);
+                // v3_pass2's H16 rows skipped their special columns: written here
+                h16_fixup(d8, V, n_packs, t, tpack, s_res[2], pass2_shift<true>(sh, scale * fp8_scale),
+                          grad_scale * fp8_scale, rowkey, sparse_tau, tau2);
             }
             else if (FP8 && !write_bf16 && is_pow2(fp8_scale))
                 v3_pass2<T, K, FP8, true, true>(s_row, xr, d8, next, next_bytes, n_packs, V, t, tpack, sh,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dtypes
+from ..settings import current
 from . import (Result, available_versions, benchmark, copy_bandwidth_gbps, dtype_list, random_array, time_ms,
                version_list)
 
@@ -90,7 +91,6 @@ def bench_classifier(n: int = 8192, dtype: str = "bfloat16", version=None, V: in
                 results.append(Result(f"fused_classifier FP8 kernel, E5M2 dlogits only {tag}", ms,
                                       bytes=logits.nbytes + d8.nbytes + io, ref_gbps=bw, target=0.7))
                 # the same, thinned (settings.fp8_lm_head_sparse, the --dtype fp8 default: f16 rows)
-                from ..settings import current
                 tau = cls.sparse_tau_of(current().fp8_lm_head_sparse or 2.0 ** -13, 1.0 / N, s8)
                 seed = cupy.asarray([1], np.uint32)
                 ms = time_ms(lambda: cls.launch_fused_fp8(logits, targets, losses, V, 1.0 / N, d8, s8,
