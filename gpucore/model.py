@@ -77,6 +77,15 @@ PRESETS = {
 }
 
 
+def head_draw_seed(step: int, micro_batch: int) -> int:
+    """The seed of the thinned dlogits' draws (uint32) for an optimizer step's micro_batch-th
+    micro-batch over all ranks: the step count itself for micro-batch 0 (so a one-GPU run without
+    accumulation draws by its step alone), offset by a golden-ratio multiple for the others. Distinct
+    for every (step, micro-batch) pair below 10^6 steps and 10^3 micro-batches a step: the nearest
+    of k * 0x9E3779B9 mod 2^32 to 0 for k <= 1000 is 1.9e6 away."""
+    return (int(step) + int(micro_batch) * 0x9E3779B9) & 0xFFFFFFFF
+
+
 def pad_vocab(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
     return -(-vocab_size // multiple) * multiple
 
@@ -343,10 +352,12 @@ class GPT2:
                 raise ValueError(f"fp8: FP8 linears need a bfloat16 model, this one is {dtypes.name(self.dtype)}")
             self.fp8 = Fp8Linears(config, xp, mode=fp8)
         # The LM head's thinned dlogits (settings.bf16_lm_head_sparse / fp8_lm_head_sparse) draw from a
-        # hash of this step count, kept in device memory: a CUDA graph replays its kernels' arguments
-        # as captured, so the count is written here (end_step, set_step), outside any graph.
+        # hash of this step count and micro-batch (head_draw_seed), kept in device memory: a CUDA
+        # graph replays its kernels' arguments as captured, so the seed is written here (set_step,
+        # set_micro_batch), outside any graph.
         self.steps_done = 0
         self.head_seed = xp.zeros(1, np.uint32)
+        self._head_seed_value = 0    # what head_seed holds (host copy: an unchanged seed costs no fill)
         bf16_sparse = settings.current().bf16_lm_head_sparse
         if not bf16_sparse >= 0:
             raise ValueError(f"bf16_lm_head_sparse: expected a probability >= 0, got {bf16_sparse!r}")
@@ -664,10 +675,21 @@ class GPT2:
 
     def set_step(self, step: int):
         """The optimizer steps done (a resumed run sets its checkpoint's): the thinned dlogits'
-        seed. Micro-batches and data-parallel ranks of one step draw alike (each value stays
-        unbiased; only their errors correlate)."""
+        seed, for the step's first micro-batch (set_micro_batch for the others)."""
         self.steps_done = int(step)
-        self.head_seed.fill(np.uint32(self.steps_done & 0xFFFFFFFF))
+        self.set_micro_batch(0)
+
+    def set_micro_batch(self, index: int):
+        """The thinned dlogits' draws for micro-batch `index` of this optimizer step, counted over all
+        data-parallel ranks (train_step: rank * grad_accum + i). Each micro-batch needs draws of its
+        own: with one seed a step, the same row of two micro-batches (or ranks) met the same
+        thresholds, so their thinning errors added up coherently in the summed gradient instead of
+        averaging out. A fill of the device seed only when it changes (index 0 of a one-GPU run
+        without accumulation: never within a step)."""
+        seed = head_draw_seed(self.steps_done, index)
+        if seed != self._head_seed_value:
+            self.head_seed.fill(np.uint32(seed))
+            self._head_seed_value = seed
 
     # ------------------------------------------------------------- backward
 

@@ -131,8 +131,10 @@ def train_step(model, optimizer, next_batch, grad_accum: int, lr: float, reducer
         raise ValueError("train_step: a CUDA graph of the step cannot run the reducer's per-layer host hooks")
     model.zero_grad()
     total = None
+    rank = getattr(getattr(reducer, "comm", None), "rank", 0)
     for i in range(grad_accum):
         x, y = next_batch()
+        model.set_micro_batch(rank * grad_accum + i)    # the thinned dlogits' own draws (GPT2.set_micro_batch)
         scale = 1.0 / (grad_accum * x.size * world_size)
         if graph is not None:   # the graph's loss array is overwritten by its next replay: copy it
             loss = graph.forward_backward(x, y, scale)

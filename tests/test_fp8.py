@@ -1009,6 +1009,59 @@ def test_model_bf16_lm_head_sparse_dlogits(device):
         assert GPT2(cfg, xp=xp, dtype="float32", seed=9).bf16_head_sparse == 0.0
 
 
+@pytest.mark.parametrize("device", ["numpy", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("fp8", [None, "adaptive"])
+def test_thinned_dlogits_draw_anew_for_each_micro_batch(device, fp8):
+    """GPT2.set_micro_batch: each micro-batch of a step (over all ranks) draws its own thinning
+    thresholds, so the same rows of two micro-batches do not share their errors; micro-batch 0 draws
+    by the step count alone (one-GPU runs without accumulation unchanged), and going back to an
+    index draws its bits again."""
+    from gpucore.model import head_draw_seed
+    if device == "cuda" and fp8:
+        _need_fp8()
+    xp = runtime.cupy if device == "cuda" else np
+    cfg = GPT2Config.from_preset("micro" if device == "numpy" else "tiny")
+    x, y = _tokens(cfg, 2 if device == "numpy" else 4, 16 if device == "numpy" else 64)
+    prob = 2.0 ** -6 if device == "numpy" else 2.0 ** -13
+    thin = {"fp8_lm_head": True, "fp8_lm_head_dwte": True, "fp8_lm_head_sparse": prob} if fp8 else \
+        {"bf16_lm_head_sparse": prob}
+    with settings.using(**thin):
+        m = GPT2(cfg, xp=xp, dtype="bfloat16", seed=9, fp8=fp8)
+        m.set_step(5)
+
+        def grads(index):
+            m.set_micro_batch(index)
+            assert int(to_cpu(m.head_seed)[0]) == head_draw_seed(5, index)
+            m.zero_grad()
+            m.forward(xp.asarray(x), xp.asarray(y), for_backward=True)
+            m.backward()
+            return to_cpu(m.grads.flat()).astype(np.float64)
+        g0, g1, g2, g0_again = grads(0), grads(1), grads(2), grads(0)
+    assert head_draw_seed(5, 0) == 5 and len({head_draw_seed(s, k) for s in range(50) for k in range(50)}) == 2500
+    assert g0.tobytes() == g0_again.tobytes()
+    assert g1.tobytes() != g0.tobytes() and g2.tobytes() != g1.tobytes() and g2.tobytes() != g0.tobytes()
+    assert np.isfinite(g1).all() and rel_err(g1, g0) < 0.1   # the same gradient, another draw
+
+
+def test_train_step_numbers_micro_batches_over_ranks():
+    """train_step hands each micro-batch its index over all ranks (rank * grad_accum + i), so that
+    ranks and micro-batches of one step draw apart (the test above)."""
+    from types import SimpleNamespace
+    from gpucore.optim import AdamW
+    from gpucore.train import train_step
+    cfg = GPT2Config.from_preset("micro")
+    x, y = _tokens(cfg, 1, 8)
+    for rank, accum, want in ((0, 1, [0]), (0, 3, [0, 1, 2]), (2, 3, [6, 7, 8])):
+        m = GPT2(cfg, xp=np, dtype="float32", seed=1)
+        seen = []
+        real = m.set_micro_batch
+        m.set_micro_batch = lambda i: (seen.append(i), real(i))
+        reducer = SimpleNamespace(overlap=False, comm=SimpleNamespace(rank=rank), finish=lambda: None,
+                                  layer_done=lambda layer: None)
+        train_step(m, AdamW(m), lambda: (x, y), accum, 1e-3, reducer=reducer if rank else None)
+        assert seen == want + [0], (rank, accum, seen)     # then end_step: the next step's first
+
+
 # ------------------------------------------------- fch kept as E4M3 (fp8_fch_e4m3) ----
 
 def _x8_case(rng, R, C, xp):
