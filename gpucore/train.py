@@ -152,6 +152,15 @@ def train_step(model, optimizer, next_batch, grad_accum: int, lr: float, reducer
     return total / grad_accum, norm
 
 
+def step_mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float | None, world_size: int = 1):
+    """Model FLOPs utilization of each GPU: tokens_per_s counts every rank's tokens, so the work
+    is shared by world_size GPUs before it is set against one GPU's dense bf16 peak. None where
+    the peak is unknown (the CPU, float32, an unlisted GPU)."""
+    if not peak_flops:
+        return None
+    return flops_per_token * tokens_per_s / (peak_flops * world_size)
+
+
 def evaluate(model, loader, steps: int) -> float:
     """Mean loss over the first `steps` batches of `loader` (reset first, as llm.c does)."""
     loader.reset()
@@ -607,7 +616,7 @@ class Trainer:
         self.result = {"losses": [], "val_losses": {}, "checkpoints": [], "step": s.start,
                        "peak_gpu_bytes": None, "already_finished": False}
         self.fpt = s.cfg.flops_per_token(s.T)
-        self.peak = peak_flops(s.device, s.dtype)
+        self.peak = peak_flops(s.device, s.dtype)     # one GPU's (step_mfu shares the tokens among the ranks)
         self.dp = s.dp
         self.is_main = self.dp is None or self.dp.is_main
         self.can_sample = self.args.sample_every and s.cfg.vocab_size == 50257 and self.is_main
@@ -677,7 +686,7 @@ class Trainer:
         dt = time.perf_counter() - t0
         done = step + 1
         tps = s.total / dt
-        mfu = self.fpt * tps / self.peak if self.peak else None
+        mfu = step_mfu(self.fpt, tps, self.peak, dp.world_size if dp is not None else 1)
         self.result["losses"].append(loss)
         self.result["step"] = done
         self.step_times.append(dt)

@@ -21,7 +21,7 @@ from gpucore import runtime
 from gpucore.checkpoint import load_checkpoint
 from gpucore.cli import main
 from gpucore.cli import train as command
-from gpucore.train import TrainArgs, run
+from gpucore.train import TrainArgs, run, step_mfu
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -350,3 +350,13 @@ def test_gpu_d12_tinyshakespeare_acceptance(shards, tmp_path):
     assert 10.5 < res["losses"][0] < 11.3
     assert res["losses"][29] <= 6.1, res["losses"]
     assert res["peak_gpu_bytes"] <= 30e9, res["peak_gpu_bytes"]
+
+
+def test_mfu_is_each_gpus_share_of_the_global_tokens():
+    """The loop's tokens/s counts every rank's tokens; MFU sets each GPU's share against one GPU's
+    peak (two H200s at 1.6M tokens/s of d12 FP8 had printed "MFU 135%")."""
+    fpt, peak = 6 * 124e6, 989e12
+    one = step_mfu(fpt, 846e3, peak)
+    assert one == pytest.approx(fpt * 846e3 / peak) and 0.6 < one < 0.7
+    assert step_mfu(fpt, 2 * 846e3, peak, world_size=2) == pytest.approx(one)
+    assert step_mfu(fpt, 846e3, None) is None and step_mfu(fpt, 846e3, 0.0) is None
