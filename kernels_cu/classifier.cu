@@ -540,7 +540,8 @@ template <typename T, int K, bool FP8, bool LEAN, bool FOLD, bool SPARSE = false
 __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const uint4* next, int next_bytes, int n_packs,
                                          int V, int t, int tpack, float sh, float fscale, float tsub,
                                          float fp8_scale, bool store_bf16,
-                                         u32 rowkey = 0u, float tau = 0.0f, u32 tau2 = 0u) {
+                                         u32 rowkey = 0u, float tau = 0.0f, u32 tau2 = 0u,
+                                         const float* xt_slot = nullptr) {
     using R = Raw<T>;
     constexpr int P = R::P;
     constexpr int KH = (K + 1) / 2;
@@ -605,6 +606,9 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
         }
         if (k == KH - 1) cp_async_commit();
     }
+    // FIXUP: the special columns the loop wrote as plain ones, rewritten; the target's logit is read
+    // from its shared slot only now (held in a register across the loop, it cost one at the cap)
+    if constexpr (FIXUP) h16_fixup(d8, V, n_packs, t, tpack, *xt_slot, c, tsub, rowkey, tau, tau2);
 }
 
 template <typename T, int K, bool FUSED, bool FP8 = false>
@@ -730,10 +734,7 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
             if (FP8 && !write_bf16 && is_pow2(fp8_scale) && sparse_tau > 0.0f) {
                 v3_pass2<T, K, FP8, true, true, true>(s_row, xr, d8, next, next_bytes, n_packs, V, t, tpack, sh,
                                                       scale * fp8_scale, grad_scale * fp8_scale, fp8_scale, false,
-                                                      rowkey, sparse_tau, tau2);
-                // v3_pass2's H16 rows skipped their special columns: written here
-                h16_fixup(d8, V, n_packs, t, tpack, s_res[2], pass2_shift<true>(sh, scale * fp8_scale),
-                          grad_scale * fp8_scale, rowkey, sparse_tau, tau2);
+                                                      rowkey, sparse_tau, tau2, &s_res[2]);
             }
             else if (FP8 && !write_bf16 && is_pow2(fp8_scale))
                 v3_pass2<T, K, FP8, true, true>(s_row, xr, d8, next, next_bytes, n_packs, V, t, tpack, sh,
