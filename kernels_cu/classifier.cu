@@ -606,8 +606,9 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
         }
         if (k == KH - 1) cp_async_commit();
     }
-    // FIXUP: the special columns the loop wrote as plain ones, rewritten; the target's logit is read
-    // from its shared slot only now (held in a register across the loop, it cost one at the cap)
+    // FIXUP: the special columns the loop wrote as plain ones, rewritten. The target's logit is read
+    // from its shared slot only now: passed by value it would hold a register across the loop, where
+    // the kernel sits at its 64-register cap.
     if constexpr (FIXUP) h16_fixup(d8, V, n_packs, t, tpack, *xt_slot, c, tsub, rowkey, tau, tau2);
 }
 
