@@ -732,11 +732,10 @@ __device__ void classifier_backward_v3(float* losses, T* logits, const int* targ
         // scale a caller passes takes the multiply after the rounding, as before.)
         const u32 rowkey = (sparse_tau > 0.0f) ? fmix32(seed_base + (u32)(row0 + row)) : 0u;   // the row's draws
         if (sizeof(T) == 2 && !exact && exp_fma_ok(sh)) {
-            if (FP8 && !write_bf16 && is_pow2(fp8_scale) && sparse_tau > 0.0f) {
+            if (FP8 && !write_bf16 && is_pow2(fp8_scale) && sparse_tau > 0.0f)
                 v3_pass2<T, K, FP8, true, true, true>(s_row, xr, d8, next, next_bytes, n_packs, V, t, tpack, sh,
                                                       scale * fp8_scale, grad_scale * fp8_scale, fp8_scale, false,
                                                       rowkey, sparse_tau, tau2, &s_res[2]);
-            }
             else if (FP8 && !write_bf16 && is_pow2(fp8_scale))
                 v3_pass2<T, K, FP8, true, true>(s_row, xr, d8, next, next_bytes, n_packs, V, t, tpack, sh,
                                                         scale * fp8_scale, grad_scale * fp8_scale, fp8_scale, false);
