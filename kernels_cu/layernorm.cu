@@ -240,6 +240,20 @@ __device__ __forceinline__ uint4 layernorm_out_pack(const uint4 (&v)[N], int j, 
     return exact ? Raw<T>::pack_exact(f) : Raw<T>::pack_fast(f);
 }
 
+// The same with pack i of the weight and bias already at hand (w, bb), rounded by pack_fast.
+template <typename T, int N>
+__device__ __forceinline__ uint4 layernorm_out_pack(const uint4 (&v)[N], int j, float m, float rs,
+                                                    const uint4& w, const uint4& bb) {
+    constexpr int P = Pack16<T>::size;
+    float f[P], fw[P], fb[P];
+    Raw<T>::unpack(v[j], f);
+    Raw<T>::unpack(w, fw);
+    Raw<T>::unpack(bb, fb);
+    #pragma unroll
+    for (int k = 0; k < P; k++) f[k] = (f[k] - m) * rs * fw[k] + fb[k];
+    return Raw<T>::pack_fast(f);
+}
+
 // The row's outputs need float_to_bf16's NaN bits only when its statistics are not finite.
 __device__ __forceinline__ bool layernorm_stats_exact(float m, float rs) {
     return !(isfinite(m) && isfinite(rs));
@@ -278,7 +292,11 @@ __device__ void layernorm_forward_v2(T* residual, T* out, float* mean, float* rs
 // and the bf16 output itself is never written. amax: the output's max |x| (bf16 bit max, atomicMax).
 // Block = ROWS rows (8 warps x ROWS/8 rows, one row at a time per warp); the row's bytes also go to
 // a shared tile (ROWS rows of C / 4 + 1 words, dynamic: the odd pitch keeps the transposed gathers
-// off each other's banks) from which out8_t is written in 4 x 4 blocks (store_block4_t). The launcher
+// off each other's banks) from which out8_t is written in 4 x 4 blocks (store_block4_t). The weight
+// and bias (C bf16 each) are copied into shared memory after the tile once a block and read from there
+// for every row: read from global memory, each row's 3 KB (C = 768) of weight and bias packs went
+// through L1 beside the streamed rows, and the kernel ran 2% (d12) and 14% (d48) slower on an H200
+// (tools/notes/fp8.md, 63rd session). Dynamic shared memory: ROWS (C + 4) + 4 C bytes. The launcher
 // (ops/layernorm.py fp8_block_rows) takes ROWS = 64 for the plain kernel while two 64-row tiles fit an
 // SM (C <= 1796: d12 8%, d48 11% faster than 32 on an H100, eighteenth session) and, for the residual
 // kernel, 64 for C <= 1024 and 32 above: on an H100, d12 (C = 768) ran 5.2 ms per step with 64-row
@@ -297,6 +315,12 @@ __device__ void layernorm_forward_fp8(bf16* residual, u8* out8, u8* out8_t, floa
     const int r0 = from_last(blockIdx.x, gridDim.x) * ROWS, pw = C / 4 + 1, nP = C / P;   // tile row pitch in words: odd
     const float s = *scale;
     u32 mb = 0;
+    uint4* s_wb = reinterpret_cast<uint4*>(fp8_ln_tile + ROWS * pw);   // weight packs, then bias packs
+    for (int i = threadIdx.x; i < nP; i += blockDim.x) {                // (16-byte aligned: C % 8 == 0)
+        s_wb[i] = *reinterpret_cast<const uint4*>(weight + i * P);
+        s_wb[nP + i] = *reinterpret_cast<const uint4*>(bias + i * P);
+    }
+    __syncthreads();
     for (int rr = 0; rr < ROWS / 8; rr++) {
         const int lr = warp * (ROWS / 8) + rr, row = r0 + lr;
         if (row >= rows) break;                // warp-uniform
@@ -312,7 +336,7 @@ __device__ void layernorm_forward_fp8(bf16* residual, u8* out8, u8* out8_t, floa
             if (i < nP) {
                 // pack_fast even for a NaN row: 0x7fff and float_to_bf16's NaN cast to the same E4M3 NaN
                 // (only the amax's NaN payload differs).
-                const uint4 o = layernorm_out_pack<bf16, N>(v, j, i, m, rs, weight, bias, false);
+                const uint4 o = layernorm_out_pack<bf16, N>(v, j, m, rs, s_wb[i], s_wb[nP + i]);
                 const uint2 q = quantize8<E4M3>(o, s, mb);
                 fp8_ln_tile[lr * pw + 2 * i] = q.x;
                 fp8_ln_tile[lr * pw + 2 * i + 1] = q.y;

@@ -615,13 +615,31 @@ def test_fp8_forward_reference_is_layernorm_then_cast(rng, fused_residual):
         layernorm_forward_fp8(x.astype(np.float32), w.astype(np.float32), bias.astype(np.float32), scale, out8=o8)
 
 
+def test_fp8_forward_blocks_fit_their_shared_memory():
+    """Every C the FP8 forward takes gets a block size whose shared memory (the E4M3 tile, then the
+    weight and bias) fits an SM: two blocks where it says 64 rows (so two share an SM), one at 32."""
+    from gpucore.ops.layernorm import (BLOCK_RESERVED_BYTES, SM_SHARED_BYTES, fp8_block_rows,
+                                       fp8_forward_fits, fp8_smem_bytes)
+    assert fp8_smem_bytes(768, 64) == 64 * (768 + 4) + 4 * 768
+    for C in range(8, 2049, 8):
+        assert fp8_forward_fits(C)
+        for residual in (False, True):
+            rows = fp8_block_rows(C, residual)
+            need = fp8_smem_bytes(C, rows) + BLOCK_RESERVED_BYTES
+            assert need <= SM_SHARED_BYTES, (C, residual, rows)
+            if rows == 64 and not residual:
+                assert 2 * need <= SM_SHARED_BYTES, C
+    assert fp8_block_rows(768) == 64 and fp8_block_rows(1600) == 64 and fp8_block_rows(2048) == 32
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("fused_residual", [False, True])
 @pytest.mark.parametrize("R,C", [(64, 768), (80, 64), (1040, 1600), (4096, 768), (128, 2048), (80, 1024), (48, 1040)])
 def test_gpu_fp8_forward_bitwise(rng, fused_residual, R, C):
     """GPU: the FP8 forward's bytes (both orientations), amax, mean, rstd and residual equal the v2
-    layernorm followed by fp8_quantize bit for bit (the same row math; blocks of 64 rows up to C = 1796
-    plain and C = 1024 residual, of 32 above (fp8_block_rows), partial at 80 and 1040 rows); the gated
+    layernorm followed by fp8_quantize bit for bit (the same row math; blocks of 64 rows up to C = 1690
+    plain and C = 1024 residual, of 32 above (fp8_block_rows), partial at 80 and 1040 rows; the weight
+    and bias read from shared memory); the gated
     re-run writes only on a nonzero gate."""
     from gpucore.ops.fp8 import fp8_supported
     ok, why = fp8_supported()

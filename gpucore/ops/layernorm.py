@@ -222,15 +222,21 @@ def fused_residual_layernorm_forward(a, b, weight, bias, eps=1e-5, residual=None
 
 # ------------------------------------------------------- FP8 forward ---
 
+def fp8_smem_bytes(C: int, rows: int) -> int:
+    """Dynamic shared memory of an FP8 forward block of `rows` rows: the E4M3 tile (C / 4 + 1 words a
+    row) and the weight and bias (C bf16 each)."""
+    return rows * (C + 4) + 4 * C
+
+
 def fp8_block_rows(C: int, residual: bool = False) -> int:
     """Rows per block of the FP8 forward (its kernels' ROWS). The plain kernel (what the model runs):
-    64 while two blocks' tiles of 64 x (C + 4) bytes fit one SM's shared memory (C <= 1796), else 32
+    64 while two 64-row blocks' shared memory (fp8_smem_bytes) fits one SM (C <= 1690), else 32
     -- on an H100 64 rows ran d12 (C = 768) 8% and d48 (C = 1600) 11% faster than 32. The residual
     kernel (x + b read): 64 for C <= 1024, else 32, as measured when the model ran it (layernorm.cu;
     tools/probes/layernorm_fp8_rows.py times both)."""
     if residual:
         return 64 if C <= 1024 else 32
-    return 64 if 2 * (64 * (C + 4) + BLOCK_RESERVED_BYTES) <= SM_SHARED_BYTES else 32
+    return 64 if 2 * (fp8_smem_bytes(C, 64) + BLOCK_RESERVED_BYTES) <= SM_SHARED_BYTES else 32
 
 
 class LayerNormCall(NamedTuple):
@@ -312,7 +318,7 @@ def layernorm_forward_fp8(x, weight, bias, scale, *, b=None, residual=None, out8
     name = f"layernorm_{'residual_' if b is not None else ''}forward_fp8_kernel_n{N}_r{rows_per_block}"
     runtime.launch(runtime.get_kernel("layernorm", name), -(-rows // rows_per_block), 256,
                    (*head, opt(out8), opt(out8_t), opt(amax), mean, rstd, *src, weight, bias, scale, opt(gate),
-                    np.int32(rows), np.int32(C), eps), shared_mem=rows_per_block * (C + 4))   # the tile: C / 4 + 1 words a row
+                    np.int32(rows), np.int32(C), eps), shared_mem=fp8_smem_bytes(C, rows_per_block))
     return out8, out8_t
 
 

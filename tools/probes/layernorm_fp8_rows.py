@@ -16,7 +16,7 @@ import numpy as np
 import gpucore
 from gpucore import runtime
 from gpucore.bench import copy_bandwidth_gbps, time_interleaved
-from gpucore.ops.layernorm import _v2_packs, fp8_block_rows, layernorm_forward_fp8
+from gpucore.ops.layernorm import _v2_packs, fp8_block_rows, fp8_smem_bytes, layernorm_forward_fp8
 
 trees = [(arg, runtime.load_module(Path(arg).resolve() / "kernels_cu/layernorm.cu")) for arg in sys.argv[1:]]
 copy = copy_bandwidth_gbps()
@@ -37,7 +37,7 @@ for name, N, C in (("d12", 65536, 768), ("d48", 16384, 1600)):
         (at d48 a ~55 us kernel: timed through the checks, the host's time showed in the rows)."""
         return lambda: runtime.launch(kernel, -(-N // rows), 256,
                                       (o[0], o[1], amax, o[2], o[3], x, w, bias, scale, np.uint64(0), np.int32(N),
-                                       np.int32(C), np.float32(1e-5)), shared_mem=rows * (C + 4))
+                                       np.int32(C), np.float32(1e-5)), shared_mem=fp8_smem_bytes(C, rows))   # (an old tree's kernel uses less)
 
     variants = {}                                # label: (fn, out8, out8_t, mean, rstd, bytes moved per value)
     name_of = lambda rows: f"layernorm_forward_fp8_kernel_n{_v2_packs(C, 8)}_r{rows}"     # noqa: E731
