@@ -489,13 +489,6 @@ __device__ __forceinline__ void v3_copy_row(uint4* s_row, const uint4* xr, int n
     cp_async_commit();
 }
 
-// Pass 2's exponent shift: exp(x - sh) fscale = ex2(x log2e + c), fscale folded in where H16 (one
-// expression for v3_pass2 and h16_fixup, so both make the same bits).
-template <bool H16>
-__device__ __forceinline__ float pass2_shift(float sh, float fscale) {
-    return -sh * LOG2E + (H16 ? log2f(fscale) : 0.0f);
-}
-
 // One f16 (low 16 bits) -> its E5M2 byte (e5m2_of_f16_pack's rounding; sm_89+).
 __device__ __forceinline__ u8 e5m2_of_f16(u32 h) {
     return (u8)(e5m2_of_f16_pack(make_uint4(h & 0xffffu, 0u, 0u, 0u)).x & 0xffu);
@@ -549,7 +542,8 @@ __device__ __forceinline__ void v3_pass2(uint4* s_row, uint4* xr, u8* d8, const 
     constexpr bool H16 = FP8 && FOLD && SPARSE && LEAN && P == 8;
     constexpr bool FIXUP = H16;                         // the special columns after the loop: h16_fixup
     constexpr bool WALK = FP8 && K <= V3_WALK_K;        // classifier_backward_v3's (its live calls pass its FP8)
-    const float c = pass2_shift<H16>(sh, fscale);
+    // exp(x - sh) [fscale] = ex2(x log2e + c); H16 folds fscale in (h16_fixup is handed this c)
+    const float c = -sh * LOG2E + (H16 ? log2f(fscale) : 0.0f);
     #pragma unroll
     for (int k = 0; k < K; k++) {
         const int i = tid + k * CLS3_BLOCK;

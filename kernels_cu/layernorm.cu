@@ -219,18 +219,16 @@ __device__ __forceinline__ void layernorm_row_v2(uint4 (&v)[N], float& m, float&
     rs = rsqrtf(warp_sum(q) / C + eps);
 }
 
-// Pack j of the normalised row, as stored: (v - m) * rs * weight + bias rounded to T, as raw bits.
-// Rounded by the one-instruction pack_fast (the per-element float_to_bf16 was ~8 integer instructions
-// an element, half of these kernels' issue slots); exact (float_to_bf16's NaN bits) is for rows whose
-// statistics are not finite, where every output is NaN. A NaN weight or bias in a finite row comes out
-// as 0x7fff (a quiet NaN, as gelu.cu's outputs).
+// Pack j of the normalised row, as stored: (v - m) * rs * weight + bias rounded to T, as raw bits,
+// from w and bb, the weight's and the bias's pack. Rounded by the one-instruction pack_fast (the
+// per-element float_to_bf16 was ~8 integer instructions an element, half of these kernels' issue
+// slots); exact (float_to_bf16's NaN bits) is for rows whose statistics are not finite, where every
+// output is NaN. A NaN weight or bias in a finite row comes out as 0x7fff (a quiet NaN, as gelu.cu's
+// outputs).
 template <typename T, int N>
-__device__ __forceinline__ uint4 layernorm_out_pack(const uint4 (&v)[N], int j, int i, float m, float rs,
-                                                    const T* weight, const T* bias, bool exact) {
+__device__ __forceinline__ uint4 layernorm_out_pack(const uint4 (&v)[N], int j, float m, float rs,
+                                                    const uint4& w, const uint4& bb, bool exact) {
     constexpr int P = Pack16<T>::size;
-    // weight and bias are shared by every row: L1/L2 hits after the first warps.
-    const uint4 w = *reinterpret_cast<const uint4*>(weight + i * P);
-    const uint4 bb = *reinterpret_cast<const uint4*>(bias + i * P);
     float f[P], fw[P], fb[P];
     Raw<T>::unpack(v[j], f);
     Raw<T>::unpack(w, fw);
@@ -240,18 +238,15 @@ __device__ __forceinline__ uint4 layernorm_out_pack(const uint4 (&v)[N], int j, 
     return exact ? Raw<T>::pack_exact(f) : Raw<T>::pack_fast(f);
 }
 
-// The same with pack i of the weight and bias already at hand (w, bb), rounded by pack_fast.
+// The same reading pack i of weight and bias from memory (shared by every row: L1/L2 hits after the
+// first warps).
 template <typename T, int N>
-__device__ __forceinline__ uint4 layernorm_out_pack(const uint4 (&v)[N], int j, float m, float rs,
-                                                    const uint4& w, const uint4& bb) {
+__device__ __forceinline__ uint4 layernorm_out_pack(const uint4 (&v)[N], int j, int i, float m, float rs,
+                                                    const T* weight, const T* bias, bool exact) {
     constexpr int P = Pack16<T>::size;
-    float f[P], fw[P], fb[P];
-    Raw<T>::unpack(v[j], f);
-    Raw<T>::unpack(w, fw);
-    Raw<T>::unpack(bb, fb);
-    #pragma unroll
-    for (int k = 0; k < P; k++) f[k] = (f[k] - m) * rs * fw[k] + fb[k];
-    return Raw<T>::pack_fast(f);
+    const uint4 w = *reinterpret_cast<const uint4*>(weight + i * P);
+    const uint4 bb = *reinterpret_cast<const uint4*>(bias + i * P);
+    return layernorm_out_pack<T, N>(v, j, m, rs, w, bb, exact);
 }
 
 // The row's outputs need float_to_bf16's NaN bits only when its statistics are not finite.
@@ -295,10 +290,10 @@ __device__ void layernorm_forward_v2(T* residual, T* out, float* mean, float* rs
 // off each other's banks) from which out8_t is written in 4 x 4 blocks (store_block4_t). The weight
 // and bias (C bf16 each) are copied into shared memory after the tile once a block and read from there
 // for every row: read from global memory, each row's 3 KB (C = 768) of weight and bias packs went
-// through L1 beside the streamed rows, and the kernel ran 2% (d12) and 14% (d48) slower on an H200
-// (tools/notes/fp8.md, 63rd session). Dynamic shared memory: ROWS (C + 4) + 4 C bytes. The launcher
-// (ops/layernorm.py fp8_block_rows) takes ROWS = 64 for the plain kernel while two 64-row tiles fit an
-// SM (C <= 1796: d12 8%, d48 11% faster than 32 on an H100, eighteenth session) and, for the residual
+// through L1 beside the streamed rows, and the kernel ran 2-3% (d12) and 14-22% (d48) slower on an
+// H200 (tools/notes/fp8.md, 63rd session). Dynamic shared memory: ROWS (C + 4) + 4 C bytes. The launcher
+// (ops/layernorm.py fp8_block_rows) takes ROWS = 64 for the plain kernel while two 64-row blocks fit an
+// SM (C <= 1690: d12 8%, d48 11% faster than 32 on an H100, eighteenth session) and, for the residual
 // kernel, 64 for C <= 1024 and 32 above: on an H100, d12 (C = 768) ran 5.2 ms per step with 64-row
 // blocks against 6.1 with 32, d48 (C = 1600, where 64 rows mean 103 KB of tile and 2 blocks per SM)
 // 17.2 ms with 32 against 19.4-27.2 with 64 (fifth session, when the model ran the residual kernel).
@@ -336,7 +331,7 @@ __device__ void layernorm_forward_fp8(bf16* residual, u8* out8, u8* out8_t, floa
             if (i < nP) {
                 // pack_fast even for a NaN row: 0x7fff and float_to_bf16's NaN cast to the same E4M3 NaN
                 // (only the amax's NaN payload differs).
-                const uint4 o = layernorm_out_pack<bf16, N>(v, j, m, rs, s_wb[i], s_wb[nP + i]);
+                const uint4 o = layernorm_out_pack<bf16, N>(v, j, m, rs, s_wb[i], s_wb[nP + i], false);
                 const uint2 q = quantize8<E4M3>(o, s, mb);
                 fp8_ln_tile[lr * pw + 2 * i] = q.x;
                 fp8_ln_tile[lr * pw + 2 * i + 1] = q.y;
