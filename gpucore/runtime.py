@@ -115,7 +115,10 @@ def sm_count() -> int:
 
 
 BLOCK_RESERVED_BYTES = 1024     # shared memory the driver reserves per block (sm_80+)
-_RESIDENT: dict[tuple, int] = {}
+# (id(kernel), ...) -> (kernel, blocks): the kernel is kept so that its id cannot be reused by
+# another kernel object (a RawModule's get_function makes a new one each call; probes load
+# other trees' modules so) while the entry stands.
+_RESIDENT: dict[tuple, tuple] = {}
 
 
 def resident_blocks(kernel, block: int, dynamic_smem: int = 0, sm_shared_bytes: int | None = None) -> int:
@@ -131,8 +134,8 @@ def resident_blocks(kernel, block: int, dynamic_smem: int = 0, sm_shared_bytes: 
         by_regs = (65536 // regs_per_warp) // (block // 32)
         by_threads = device_attribute("MaxThreadsPerMultiProcessor") // block
         by_smem = smem_sm // (a["shared_bytes"] + dynamic_smem + BLOCK_RESERVED_BYTES)
-        _RESIDENT[key] = max(1, min(by_regs, by_threads, by_smem, 32))
-    return _RESIDENT[key]
+        _RESIDENT[key] = (kernel, max(1, min(by_regs, by_threads, by_smem, 32)))
+    return _RESIDENT[key][1]
 
 
 # -------------------------------------------------------------- compiling ----

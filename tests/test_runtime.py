@@ -100,3 +100,20 @@ def test_launch_opts_in_when_static_plus_dynamic_shared_memory_passes_48k():
         outs.append((cp.asnumpy(dx), cp.asnumpy(scratch)))
     assert outs[0][0].tobytes() == outs[1][0].tobytes() and outs[0][1].tobytes() == outs[1][1].tobytes()
     assert np.abs(outs[0][1]).sum() > 0          # the kernel did write its partial sums
+
+
+def test_resident_blocks_keeps_apart_kernels_whose_ids_could_be_reused(monkeypatch):
+    """resident_blocks caches by id(kernel): a kernel object freed after its entry was made (a
+    RawModule's get_function makes a new one each call) must not hand its id, and so its figure,
+    to the next kernel (a probe of another tree's module once read a 4-block grid for a 5-block
+    kernel that way, and ran a second wave)."""
+    class FakeKernel:
+        def __init__(self, registers):
+            self.attributes = {"registers": registers, "shared_bytes": 0}
+
+    monkeypatch.setattr(runtime, "_RESIDENT", {})
+    monkeypatch.setattr(runtime, "kernel_attributes", lambda k: k.attributes)
+    monkeypatch.setattr(runtime, "device_attribute", lambda name: {"MaxThreadsPerMultiProcessor": 2048}[name])
+    for _ in range(20):                      # CPython reuses a freed object's memory, hence its id
+        assert runtime.resident_blocks(FakeKernel(255), 128, sm_shared_bytes=227 * 1024) == 2
+        assert runtime.resident_blocks(FakeKernel(32), 128, sm_shared_bytes=227 * 1024) == 16
