@@ -131,7 +131,7 @@ def train_step(model, optimizer, next_batch, grad_accum: int, lr: float, reducer
         raise ValueError("train_step: a CUDA graph of the step cannot run the reducer's per-layer host hooks")
     model.zero_grad()
     total = None
-    rank = getattr(getattr(reducer, "comm", None), "rank", 0)
+    rank = reducer.comm.rank if reducer is not None else 0
     for i in range(grad_accum):
         x, y = next_batch()
         model.set_micro_batch(rank * grad_accum + i)    # the thinned dlogits' own draws (GPT2.set_micro_batch)

@@ -105,7 +105,8 @@ def test_train_step_reduces_after_the_graphed_backward():
             m.backward()
             return loss
         graph = SimpleNamespace(forward_backward=fb) if graphed else None
-        reducer = SimpleNamespace(overlap=False, layer_done=lambda l: calls.append("layer"),
+        reducer = SimpleNamespace(overlap=False, comm=SimpleNamespace(rank=0),
+                                  layer_done=lambda l: calls.append("layer"),
                                   finish=lambda calls=calls, m=m: calls.append(("finish", float(abs(m.grads.flat()).sum()))))
         loss, norm = train_step(m, opt, lambda: (lambda b: (b[:, :-1].copy(), b[:, 1:].copy()))(next(it)), 2, 1e-3,
                                 reducer=reducer, graph=graph)
