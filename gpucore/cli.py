@@ -228,6 +228,10 @@ _TRAIN_OPTIONS = [
     click.option("--data", default=_D.data, show_default=True,
                  help="token shards: a directory (<dir>/*_train*.bin, *_val*.bin), a file or a glob; "
                       "make Tiny Shakespeare's with `gpucore prepro`"),
+    click.option("--shuffle/--no-shuffle", default=_D.shuffle,
+                 help="train batches in a new random order every epoch (shards and the B x T batches in "
+                      "them permuted from --seed, as llm.c's train loader does); validation stays in order "
+                      "[default: off; a resumed run keeps its checkpoint's order]"),
     click.option("--device", type=_CHOICES_DEVICE, default=_D.device, show_default=True,
                  help="cuda (CuPy kernels) or cpu (NumPy references); auto: cuda if a GPU is found"),
     click.option("--dtype", type=click.Choice(["auto", "bf16", "bfloat16", "fp32", "float32", "fp8"]),

@@ -91,6 +91,7 @@ class TrainArgs:
     beta2: float = 0.95
     seed: int = 1337
     data: str = DEFAULT_DATA
+    shuffle: bool | None = None       # train batches in a per-epoch permuted order (None: off, or the checkpoint's)
     device: str = "auto"
     dtype: str = "auto"
     val_every: int = 25
@@ -329,14 +330,26 @@ def _preset_config(name: str):
         return None
 
 
+def train_order(args: TrainArgs, resume_meta: dict | None) -> tuple[bool, int]:
+    """(shuffle, seed) of the train loader. A resumed run continues its checkpoint's data order:
+    --shuffle left out takes the checkpoint's choice, and a shuffled run keeps the seed its order
+    was drawn from, as it keeps its weights. Naming the other choice than
+    the checkpoint's is refused by the loader's state check, with the reason."""
+    saved = (resume_meta or {}).get("data") or {}
+    shuffle = args.shuffle if args.shuffle is not None else bool(saved.get("shuffle", False))
+    seed = int(saved["seed"]) if shuffle and saved.get("shuffle") and "seed" in saved else args.seed
+    return shuffle, seed
+
+
 def make_loaders(args: TrainArgs, setup: RunSetup, echo):
     """(train loader, val loader or None); a missing default dataset says how to make it."""
     from . import data as datamod
     cfg, B, T, xp = setup.cfg, setup.B, setup.T, setup.xp
     rank, world = (setup.dp.rank, setup.dp.world_size) if setup.dp is not None else (0, 1)
+    shuffle, data_seed = train_order(args, setup.resume_meta)
     try:
         train = datamod.DataLoader(args.data, B, T, split="train", xp=xp, vocab_size=cfg.vocab_size,
-                                   process_rank=rank, num_processes=world)
+                                   shuffle=shuffle, seed=data_seed, process_rank=rank, num_processes=world)
     except datamod.DataError as e:
         hint = ""
         if Path(args.data) == Path(DEFAULT_DATA):
@@ -454,7 +467,8 @@ def print_header(args, setup: RunSetup, model, train_loader, val_loader, echo) -
                "kahan": " | bf16 weights, no fp32 master (Kahan compensation)"}[args.master_weights]
     echo(f"{name} lr {args.lr:g} warmup {args.warmup} final lr frac {args.final_lr_frac:g} betas "
          f"({args.beta1:g}, {args.beta2:g}) weight decay {args.weight_decay:g} grad clip {args.grad_clip:g}{weights}")
-    echo(f"data: train {train_loader.num_tokens:,} tokens ({train_loader.num_batches} batches/epoch)"
+    echo(f"data: train {train_loader.num_tokens:,} tokens ({train_loader.num_batches} batches/epoch"
+         + (f", shuffled per epoch from seed {train_loader.seed})" if train_loader.shuffle else ", in order)")
          + (f", val {val_loader.num_tokens:,} tokens ({val_loader.B} rows x {setup.T})" if val_loader else ""))
     if setup.dp is not None:
         echo(setup.dp.describe() + f" | {setup.B * setup.T:,} tokens per rank per micro-batch")

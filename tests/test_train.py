@@ -109,6 +109,34 @@ def test_resume_is_bit_identical(shards, tmp_path):
         assert meta_a[k] == meta_b[k], k
 
 
+def test_shuffled_run_trains_in_the_loaders_order_and_resumes_bitwise(shards, tmp_path):
+    """--shuffle: the batches come in the loader's permuted order (not the in-order run's), the
+    checkpoint records it, and a resume that leaves --shuffle out continues that order bit for bit
+    (the checkpoint's seed, not --seed's); naming --no-shuffle then is one clear error."""
+    from gpucore.data import DataLoader
+    in_order = run(_args(shards, tmp_path / "o", steps=2, checkpoint=False), echo=lambda s: None)
+    straight = run(_args(shards, tmp_path / "a", steps=4, ckpt_every=2, shuffle=True, seed=5), echo=lambda s: None)
+    assert straight["losses"][0] != in_order["losses"][0]
+    loader = DataLoader(shards, 2, 32, split="train", shuffle=True, seed=5)
+    first = loader.next_batch()[0]
+    plain = DataLoader(shards, 2, 32, split="train")
+    order = [plain.next_batch()[0] for _ in range(plain.num_batches)]
+    assert not np.array_equal(first, order[0])
+    assert any(np.array_equal(first, x) for x in order)       # a batch of the same split, moved
+    ckpt = tmp_path / "a" / "ckpt_000002.ckpt"
+    meta = load_checkpoint(ckpt)[1]
+    assert meta["data"]["shuffle"] is True and meta["data"]["seed"] == 5
+    lines = []
+    more = run(_args(shards, tmp_path / "b", steps=4, resume=str(ckpt)), echo=lines.append)
+    assert more["losses"] == straight["losses"][2:]
+    assert any("shuffled per epoch from seed 5" in line for line in lines)
+    res = _cli(["--resume", ckpt, "--no-shuffle", "--device", "cpu", "-B", 2, "-T", 32, "--steps", 4,
+                "--val-every", 0, "--sample-every", 0, "--data", shards, "--out-dir", tmp_path / "c"])
+    assert res.exit_code != 0
+    assert "cannot resume from this checkpoint" in res.output and "shuffle=True" in res.output
+    assert "Traceback" not in res.output
+
+
 def test_resume_bf16_numpy_keeps_master_weights(shards, tmp_path):
     run(_args(shards, tmp_path / "a", steps=2, dtype="bf16"), echo=lambda s: None)
     arrays, meta = load_checkpoint(tmp_path / "a" / "ckpt_000002.ckpt")

@@ -5,7 +5,8 @@
 #   SEEDS="1337 7 42" MODES="adamw fp8 fp8-head" tools/fp8_seeds.sh
 # The default MODES set bf16 against fp8-sparse, the recipe `--dtype fp8` runs by default. Add
 # adamw-order (bf16, the bias gradients summed in another order) for the noise floor: how far bf16
-# rounding alone moves a run of the same seed.
+# rounding alone moves a run of the same seed. SHUFFLE=1: the train batches in a per-epoch random
+# order from each seed (`gpucore train --shuffle`) instead of the corpus's file order.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SEEDS=${SEEDS:-1337 7 42}

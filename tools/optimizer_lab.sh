@@ -20,7 +20,8 @@
 #                  --dtype fp8's default
 #     fp8-sparse16 the same thinned below p = 2^-16 only (~88% zeros, ~2.8x less noise on rare tokens)
 #     fp8-fch8     fp8-sparse with fch (the GELU input kept for the backward) as E4M3 (fp8_fch_e4m3=1, opt-in)
-#   (SEED: the weight-init and sampling seed, default 1337; the data order is the same for every seed)
+#   (SEED: the weight-init and sampling seed, default 1337; the data order is the same for every seed,
+#   the files' order, unless SHUFFLE=1: then the train batches come in a per-epoch order drawn from SEED)
 #   on a corpus larger than Tiny Shakespeare: the Python standard library's .py sources (the
 #   first CORPUS_MB megabytes, files in sorted order) tokenized by `gpucore prepro`.
 # Reports val loss at every evaluation, final train loss, ms/step, and the memory plan against
@@ -51,6 +52,7 @@ fi
 
 common=(--model d12 -B "$B" -T 1024 --steps "$STEPS" --lr "$LR" --warmup 100 --dtype bf16 --device cuda
         --data "$DATA" --val-every 100 --val-steps 20 --sample-every 0 --no-checkpoint --seed "${SEED:-1337}")
+[ "${SHUFFLE:-0}" = 1 ] && common+=(--shuffle)     # train batches in a per-epoch random order (from the seed)
 for run in $RUNS; do
   settings=${GPUCORE_SETTINGS:-}
   case $run in
