@@ -333,8 +333,8 @@ def _preset_config(name: str):
 def train_order(args: TrainArgs, resume_meta: dict | None) -> tuple[bool, int]:
     """(shuffle, seed) of the train loader. A resumed run continues its checkpoint's data order:
     --shuffle left out takes the checkpoint's choice, and a shuffled run keeps the seed its order
-    was drawn from, as it keeps its weights. Naming the other choice than
-    the checkpoint's is refused by the loader's state check, with the reason."""
+    was drawn from, as it keeps its weights. Naming the other choice than the checkpoint's is
+    refused by the loader's state check, with the reason."""
     saved = (resume_meta or {}).get("data") or {}
     shuffle = args.shuffle if args.shuffle is not None else bool(saved.get("shuffle", False))
     seed = int(saved["seed"]) if shuffle and saved.get("shuffle") and "seed" in saved else args.seed
