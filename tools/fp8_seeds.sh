@@ -6,7 +6,9 @@
 # The default MODES set bf16 against fp8-sparse, the recipe `--dtype fp8` runs by default. Add
 # adamw-order (bf16, the bias gradients summed in another order) for the noise floor: how far bf16
 # rounding alone moves a run of the same seed. SHUFFLE=1: the train batches in a per-epoch random
-# order from each seed (`gpucore train --shuffle`) instead of the corpus's file order.
+# order from each seed (`gpucore train --shuffle`) instead of the corpus's file order. B, LR and
+# CORPUS pass through to tools/optimizer_lab.sh: B=64 CORPUS=python is the speed targets' batch on a
+# corpus that 1,000 such steps do not repeat.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SEEDS=${SEEDS:-1337 7 42}

@@ -23,7 +23,10 @@
 #   (SEED: the weight-init and sampling seed, default 1337; the data order is the same for every seed,
 #   the files' order, unless SHUFFLE=1: then the train batches come in a per-epoch order drawn from SEED)
 #   on a corpus larger than Tiny Shakespeare: the Python standard library's .py sources (the
-#   first CORPUS_MB megabytes, files in sorted order) tokenized by `gpucore prepro`.
+#   first CORPUS_MB megabytes, default 24, files in sorted order; 327,680 val tokens) tokenized by
+#   `gpucore prepro`. CORPUS=python adds every installed package's sources (CORPUS_MB 240, 1,310,720
+#   val tokens: data/pyall), enough for B=64 runs that do not repeat their data (tools/pycorpus.py).
+#   B (default 16) and LR (6e-4) set the batch and the peak learning rate.
 # Reports val loss at every evaluation, final train loss, ms/step, and the memory plan against
 # the CuPy pool's high-water mark. Metrics land in $OUT/optimizer_lab/<run>.jsonl; draw them with
 #   gpucore plot $OUT/optimizer_lab/*.jsonl -o docs/img/optimizers.png
@@ -34,20 +37,21 @@ PY=${PYTHON:-python3}
 STEPS=${STEPS:-1000}
 B=${B:-16}
 LR=${LR:-6e-4}
-CORPUS_MB=${CORPUS_MB:-24}
 LOG=${OUT:-out}/optimizer_lab
 RUNS=${RUNS:-adamw sfadamw bf16-sr bf16-kahan}
-DATA=data/pystdlib
+case ${CORPUS:-stdlib} in       # tools/pycorpus.py builds it once a machine
+  stdlib) DATA=data/pystdlib; CORPUS_MB=${CORPUS_MB:-24}; VAL_TOKENS=${VAL_TOKENS:-327680}; corpus_flags=() ;;
+  python) DATA=data/pyall; CORPUS_MB=${CORPUS_MB:-240}; VAL_TOKENS=${VAL_TOKENS:-1310720}
+          corpus_flags=(--site-packages) ;;
+  *) echo "CORPUS=$CORPUS: expected stdlib or python" >&2; exit 2 ;;
+esac
 mkdir -p "$LOG"
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true
 
 if [ ! -f "$DATA/corpus_train.bin" ]; then
-  STDLIB=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
   mkdir -p "$DATA"
-  find "$STDLIB" -name '*.py' -not -path '*/site-packages/*' | LC_ALL=C sort | xargs cat 2>/dev/null \
-    | head -c $((CORPUS_MB * 1000000)) > "$DATA/corpus.txt" || true    # head closes the pipe early: SIGPIPE
-  echo "corpus: $(wc -c < "$DATA/corpus.txt") bytes of $STDLIB/**/*.py"
-  $PY -m gpucore.cli prepro "$DATA/corpus.txt" --out-dir "$DATA" --val-tokens 327680
+  $PY tools/pycorpus.py "$DATA/corpus.txt" --mb "$CORPUS_MB" ${corpus_flags[@]+"${corpus_flags[@]}"}
+  $PY -m gpucore.cli prepro "$DATA/corpus.txt" --out-dir "$DATA" --val-tokens "$VAL_TOKENS"
 fi
 
 common=(--model d12 -B "$B" -T 1024 --steps "$STEPS" --lr "$LR" --warmup 100 --dtype bf16 --device cuda
