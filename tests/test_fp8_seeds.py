@@ -38,6 +38,7 @@ def test_gaps_means_and_standard_error_pooled_over_two_folders(tmp_path):
     assert "seeds 1, 2, 3" in r.stdout
     summary = r.stdout.split("summary:")[1]
     assert "worst same-seed gap 1.00%" in summary and "final (step 100) mean gap +0.00%" in summary
+    assert "same-seed gaps after step 0: rms 1.00%" in summary      # step 0 left out: +-1.00% at 100
 
 
 def test_refusals(tmp_path):
@@ -49,3 +50,16 @@ def test_refusals(tmp_path):
     assert r.returncode != 0 and "no bf16 runs under" in r.stderr
     r = _run(str(tmp_path / "a"))
     assert r.returncode != 0 and "fp8_seeds.py" in r.stderr
+
+
+def test_rms_and_count_over_one_percent_leave_out_the_first_evaluation(tmp_path):
+    _write(tmp_path, "adamw", 1, {0: 10.0, 100: 4.0, 200: 3.0})
+    _write(tmp_path, "fp8", 1, {0: 10.5, 100: 4.1, 200: 3.003})    # +5% (left out), +2.5%, +0.1%
+    _write(tmp_path, "adamw", 2, {0: 10.0, 100: 4.0, 200: 3.0})
+    _write(tmp_path, "fp8", 2, {0: 10.0, 100: 3.9, 200: 2.964})    # 0%, -2.5%, -1.2%
+    r = _run(str(tmp_path), "adamw", "fp8")
+    assert r.returncode == 0, r.stderr
+    # gaps after step 0: +2.5, +0.1, -2.5, -1.2 (%): rms sqrt((6.25 + 0.01 + 6.25 + 1.44) / 4) = 1.8675
+    line = next(l for l in r.stdout.splitlines() if "same-seed gaps after step 0" in l)
+    assert line.split(":", 1)[1].strip() == "rms 1.87%, over 1% at 3 of 4"
+    assert "worst same-seed gap 5.00%" in r.stdout                   # the worst still reads every step
