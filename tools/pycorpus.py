@@ -47,7 +47,8 @@ def build(out_path: str, limit_bytes: int, tree_roots: list[str]) -> dict:
         if size >= limit_bytes:
             break
         try:
-            data = open(path, "rb").read()
+            with open(path, "rb") as f:
+                data = f.read()
             data.decode("utf-8")
         except (OSError, UnicodeDecodeError):
             skipped += 1
