@@ -5,7 +5,8 @@ the scale it was cast with: r > 1 saturated, r << 1 wastes range at the bottom).
 (layer, linear, x/W/grad) goes wrong when delayed scaling spikes?
 With adaptive scaling it also lists the tensors whose cast was redone this step (the gate fired).
 Run:  PYTHONPATH=. python3 tools/probes/fp8_scales.py [steps] [field=value of TrainArgs...]
-      e.g. fp8_scaling=adaptive
+      e.g. fp8_scaling=adaptive; or data=data/pyall shuffle=1 warmup=100 lr=6e-4 metrics=out/m.jsonl
+      (its ms per step include this probe's reads of the scales: compare runs, not against train)
 """
 import sys
 
@@ -36,7 +37,12 @@ def step(model, opt, next_batch, grad_accum, lr, **kw):
     if s.mode == "adaptive":   # the gate of each tensor's last cast this step (x and g: cast once per step)
         slots = s._slots.get() if hasattr(s._slots, "get") else s._slots
         fired = [i for i in range(s.n) if slots[3, i, 1] != 0 and i % 3 != 1]
-        recast = f" | re-cast {len(fired)}/{2 * s.n // 3}: " + ", ".join(name(i) for i in fired[:6])
+        kinds = {}
+        for i in fired:
+            k = name(i).split(".", 1)[1]
+            kinds[k] = kinds.get(k, 0) + 1
+        recast = (f" | re-cast {len(fired)}/{2 * s.n // 3}: " + ", ".join(name(i) for i in fired[:6])
+                  + " | by tensor: " + " ".join(f"{k}={v}" for k, v in sorted(kinds.items())))
     print(f"step {s.step_index}: loss {float(loss):.3f} norm {float(norm):.2f} | highest r: "
           + ", ".join(f"{name(i)} {r[i]:.2f}" for i in order[::-1][:4]) + " | lowest r: "
           + ", ".join(f"{name(i)} {r[i]:.1e}" for i in order[:3]) + recast, flush=True)
@@ -48,5 +54,10 @@ args = T.TrainArgs(model="d12", batch_size=64, seq_len=1024, steps=steps, lr=3e-
                    val_every=0, sample_every=0, checkpoint=False, out_dir="/tmp/fp8_scales")
 for kv in sys.argv[2:]:
     k, v = kv.split("=", 1)
-    setattr(args, k, type(getattr(args, k))(v))
+    old = getattr(args, k)
+    if old is None or isinstance(old, bool):    # shuffle=1, metrics=path: fields whose default is None
+        v = {"1": True, "true": True, "0": False, "false": False}.get(v.lower(), v)
+    else:
+        v = type(old)(v)
+    setattr(args, k, v)
 T.run(args, echo=lambda s: None)
