@@ -171,6 +171,7 @@ class Fp8Linears:
                                        history=s.fp8_history if history is None else history,
                                        margin=s.fp8_fch_margin) if self.fch8 else None)
         self.weights_current = s.fp8_weights_current
+        self.predict_scales = mode == "adaptive" and s.fp8_predict_scales
         self.head_dwte = self.lm_head and s.fp8_lm_head_dwte
         self.fast_dgrad = s.fp8_fast_accum_dgrad
         if not s.fp8_lm_head_sparse >= 0:
@@ -210,6 +211,21 @@ class Fp8Linears:
 
     def _slot(self, l, j, t):
         return 12 * l + 3 * j + t
+
+    def _predicted_by(self, l, j) -> tuple:
+        """The output-gradient slots whose scales linear j's gradient cast predicts (adaptive
+        scaling, settings.fp8_predict_scales): the backward casts the residual stream's gradients in
+        the order fcproj, [fc], attproj, [qkv], the layer below's fcproj, and each moves with the one
+        before it from step to step far more than with its own last step's amax (tools/notes/fp8.md,
+        68th section). fc's is GELU'(fch) times fcproj's dx, and bounded by it; qkv's is measured by
+        the attention backward, so it needs no prediction."""
+        if not self.predict_scales:
+            return ()
+        if j == FCPROJ:
+            return (self._slot(l, FC, _G), self._slot(l, ATTPROJ, _G))
+        if j == ATTPROJ and l > 0:
+            return (self._slot(l - 1, FCPROJ, _G),)
+        return ()
 
     def _fch_scale_inv(self, l, fch):
         """Layer l's fch scale_inv when fch (N, 4C) is its E4M3 bytes, else None (bf16 fch)."""
@@ -329,7 +345,7 @@ class Fp8Linears:
                 gelu_backward(dout2d, gelu_x2d, dx=dout2d, dbias=dbias)
                 dbias = None
             sc.cast(ig, dout2d, out=g8, out_t=g8t, dbias=dbias,    # the bias gradient from the cast's pass
-                    measured=dout_measured)
+                    measured=dout_measured, predict=self._predicted_by(l, j))
             dbias = None
         if then is not None:
             if not remade_by_kernel:

@@ -62,6 +62,10 @@ class Settings:
     fp8_margin: int = 1                   # scales 2^-margin below the history's amax: headroom for growth
     fp8_weights_current: bool = True      # weights scaled from their own amax every step (not delayed)
     fp8_window: int = 1                   # adaptive scaling: re-cast when the data sits > this many binades low
+    fp8_predict_scales: bool = True       # adaptive scaling: the guard of fcproj's output gradient sets fc's and
+                                          # attproj's scales from its amax, attproj's the layer below's fcproj's
+                                          # (the residual stream's gradients move together): fewer re-casts
+                                          # on spiky data (tools/notes/fp8.md, 68th session)
     fp8_lm_head: bool = True              # the LM head's logits and dlnf GEMMs in FP8 too
     fp8_lm_head_dwte: bool = True         # with fp8_lm_head, its dwte GEMM too (dlogits8, lnf8 transposed per chunk)
     fp8_fast_accum_dgrad: bool = True     # the linears' dx GEMMs (K <= 4C) on Hopper's fast FP8 accumulation too

@@ -434,9 +434,18 @@ extern "C" __global__ void fp8_update_scale_kernel(
 // target headroom (a * scale < fmax * low) -- set the scale from it (as current scaling would) and
 // *gate = 1, so the gated re-cast that follows runs; else *gate = 0 and the re-cast returns at once.
 // A non-finite or zero amax keeps the scale (the caller's finite checks report a NaN).
+// Prediction (p0, p1 >= 0; Fp8Scaling.cast(predict=)): tensors p0 and p1, cast later in this step,
+// move with this one (tensor i: a backward gradient, and the gradients cast next in the same
+// residual stream), so their scales are set as if their amax changed since the last step by this
+// cast's factor, a / hist[i]: scale = fmax / (hist[p] * (a / hist[i])) * margin_scale. Their own
+// guards still check them; on spiky data most of their re-casts no longer happen (68th session).
+// Skipped when a, hist[i] or the product is zero or not finite (the first step has no history).
+// slots: Fp8Scaling's (5, n, SLOT) floats, tensor p's scale at p * stride and its scale_inv at
+// plane + p * stride; hist: last step's amax of every tensor (the one-row history of adaptive mode).
 extern "C" __global__ void fp8_guard_kernel(
         float* scale, float* scale_inv, float* amax, float* cast_amax, float* gate,   // (1,) each
-        float fmax, float margin_scale, float low) {
+        float fmax, float margin_scale, float low,
+        float* slots, const float* hist, int plane, int stride, int i, int p0, int p1) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     const float a = *cast_amax;
     *cast_amax = 0.0f;
@@ -450,4 +459,20 @@ extern "C" __global__ void fp8_guard_kernel(
         *scale_inv = 1.0f / ns;
     }
     *gate = recast ? 1.0f : 0.0f;
+    if (p0 < 0) return;
+    const float hi = hist[i];
+    if (!(a <= 3.0e38f && a > 0.0f && hi <= 3.0e38f && hi > 0.0f)) return;
+    const float ratio = a / hi;
+    const int targets[2] = {p0, p1};
+    #pragma unroll
+    for (int t = 0; t < 2; t++) {
+        const int p = targets[t];
+        if (p < 0) continue;
+        const float m = hist[p] * ratio;
+        if (m <= 3.0e38f && m > 0.0f) {
+            const float ps = fmax / m * margin_scale;
+            slots[(long long)p * stride] = ps;
+            slots[plane + (long long)p * stride] = 1.0f / ps;
+        }
+    }
 }

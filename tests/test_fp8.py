@@ -207,6 +207,97 @@ def test_scaling_adaptive_measured_is_the_cast_then_recast(rng, device):
             t.cast(0, _bf16(rng, (16, 16)), out=np.zeros((16, 16), np.uint8), measured=True)
 
 
+def _predicted_steps(xp, rng, predict: bool, factors=(8.0, 1.0, 1.5)):
+    """Three E5M2 gradients under adaptive scaling (margin 1, window 1), as a backward casts them:
+    tensor 0, then 1 and 2, whose data move with 0's from step to step (all three scaled by the
+    step's factor, relative to step 0's data). Step 0 sets the history; at each later step tensor 0's guard predicts 1 and 2
+    (predict=True) or not. Returns, per later step, (tensor 1's and 2's scale after their own
+    guard, their gates, their bytes) as host values."""
+    base = [_bf16(rng, (32, 48), 1e-3 * (k + 1)) for k in range(3)]
+    s = Fp8Scaling(3, ["e5m2"] * 3, xp, mode="adaptive", margin=1, window=1)
+    out = []
+    for step, factor in enumerate((1.0,) + tuple(factors)):
+        got = []
+        for k in range(3):
+            x = xp.asarray((base[k].astype(F32) * F32(factor)).astype(bfloat16))
+            q = xp.zeros((32, 48), np.uint8)
+            s.cast(k, x, out=q, predict=(1, 2) if predict and k == 0 else ())
+            got.append((float(to_cpu(s.scale)[k]), float(to_cpu(s._slots[3, k, 1])), to_cpu(q)))
+        if step:
+            out.append(got[1:])
+        s.end_step()
+    return s, out
+
+
+def test_scaling_adaptive_predicted_scales(rng):
+    """Fp8Scaling.cast(predict=): the guard of tensor 0 sets tensors 1 and 2's scales from their
+    last amax times 0's step-to-step factor. When their data move by the same power of two, that is
+    exactly the scale their own re-cast would have found: the same bytes and scales, with no re-cast
+    (gate 0) where the delayed scale re-casts (gate 1) -- saturating (x8), too low (/8), and a
+    factor inside the window (x1.5: no re-cast either way, only the scale differs)."""
+    seed = int(rng.integers(1 << 30))
+    _, without = _predicted_steps(np, np.random.default_rng(seed), predict=False)
+    s, with_ = _predicted_steps(np, np.random.default_rng(seed), predict=True)
+    assert [[g[1] for g in step] for step in without] == [[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]
+    assert [[g[1] for g in step] for step in with_] == [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]
+    for step in (0, 1):         # powers of two: the predicted scale is the re-cast's, bit for bit
+        for w, g in zip(without[step], with_[step]):
+            assert g[0] == w[0] and np.array_equal(g[2], w[2])
+    for w, g in zip(without[2], with_[2]):      # x1.5: kept at the last step's scale, or predicted 1.5x lower
+        assert np.isclose(g[0], w[0] / 1.5, rtol=1e-2) and g[0] != w[0]
+    # the rule itself: fmax / (last amax x factor) x 2^-margin, from the history row
+    h = s.history[0]
+    s.scale[1] = 1.0
+    s.predict_scales(0, np.float32(h[0] * 4), (1,))
+    assert s.scale[1] == np.float32(57344.0 / np.float32(h[1] * np.float32(np.float32(h[0] * 4) / h[0])) / 2)
+    assert s.scale_inv[1] == np.float32(1.0) / s.scale[1]
+    for bad in (np.float32(0), np.float32(np.nan), np.float32(np.inf)):     # no prediction: the scale stays
+        s.predict_scales(0, bad, (1,))
+        assert s.scale[1] == np.float32(57344.0 / np.float32(h[1] * np.float32(np.float32(h[0] * 4) / h[0])) / 2)
+    # the first step has no history: nothing predicted
+    t = Fp8Scaling(2, ["e5m2"] * 2, np, mode="adaptive")
+    t.cast(0, _bf16(rng, (16, 16)), out=np.zeros((16, 16), np.uint8), predict=(1,))
+    assert t.scale[1] == 1.0
+
+
+def test_scaling_predict_refuses_bad_use(rng):
+    x, q = _bf16(rng, (16, 16)), np.zeros((16, 16), np.uint8)
+    s = Fp8Scaling(3, ["e5m2", "e5m2", "e4m3"], np, mode="adaptive")
+    with pytest.raises(ValueError, match="is e4m3"):
+        s.cast(0, x, out=q, predict=(2,))
+    with pytest.raises(ValueError, match="not another"):
+        s.cast(0, x, out=q, predict=(0,))
+    with pytest.raises(ValueError, match="not another"):
+        s.cast(0, x, out=q, predict=(3,))
+    with pytest.raises(ValueError, match="at most 2"):
+        s.cast(0, x, out=q, predict=(1, 1, 1))
+    with pytest.raises(ValueError, match="guard"):
+        s.cast(0, x, out=q, record=False, predict=(1,))
+    for mode in ("current", "delayed"):
+        t = Fp8Scaling(2, ["e5m2"] * 2, np, mode=mode)
+        t.cast(0, x, out=q)
+        t.end_step()
+        with pytest.raises(ValueError, match="predict"):
+            t.cast(0, x, out=q, predict=(1,))
+
+
+def test_fp8_linears_predict_along_the_residual_stream():
+    """Which gradient casts predict which (Fp8Linears._predicted_by): fcproj's predicts its layer's
+    fc and attproj gradients, attproj's the layer below's fcproj; none without the setting or
+    outside adaptive scaling."""
+    from gpucore.fp8_linear import ATTPROJ, FC, FCPROJ, QKV, Fp8Linears
+    from gpucore.model import GPT2Config
+    cfg = GPT2Config.from_preset("micro")
+    f = Fp8Linears(cfg, np, mode="adaptive")
+    g = lambda l, j: 12 * l + 3 * j + 2     # noqa: E731 - a linear's output-gradient slot
+    assert f._predicted_by(1, FCPROJ) == (g(1, FC), g(1, ATTPROJ))
+    assert f._predicted_by(1, ATTPROJ) == (g(0, FCPROJ),)
+    assert f._predicted_by(0, ATTPROJ) == () and f._predicted_by(1, FC) == () and f._predicted_by(1, QKV) == ()
+    with settings.using(fp8_predict_scales=False):
+        assert Fp8Linears(cfg, np, mode="adaptive")._predicted_by(1, FCPROJ) == ()
+    assert Fp8Linears(cfg, np, mode="delayed")._predicted_by(1, FCPROJ) == ()
+
+
 def _gelu_case(rng, R, C, xp):
     dout, x = _bf16(rng, (R, C), 1e-3), _bf16(rng, (R, C), 2.0)
     dout[0, :2] = np.array([1e9, -1e9]).astype(bfloat16)         # saturates
@@ -470,6 +561,21 @@ def test_gpu_scaling_adaptive_matches_numpy(rng):
     for k, (w, g) in enumerate(zip(want, got)):
         assert g[4] == w[4] and g[1] == w[1] and g[5] == w[5], f"cast {k}: gate/scale/amax {g[4:]} vs {w[4:]}"
         assert np.array_equal(g[2], w[2]) and np.array_equal(g[3], w[3]), f"cast {k}: bytes differ"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("predict", [False, True])
+def test_gpu_scaling_predicted_matches_numpy(rng, predict):
+    """fp8_guard_kernel's prediction on the GPU: the same scales, gates and bytes as the NumPy
+    reference, step by step, with data that move by other than powers of two (x3, x0.3, x5)."""
+    _need_fp8()
+    seed = int(rng.integers(1 << 30))
+    _, want = _predicted_steps(np, np.random.default_rng(seed), predict, factors=(3.0, 0.3, 5.0))
+    _, got = _predicted_steps(runtime.cupy, np.random.default_rng(seed), predict, factors=(3.0, 0.3, 5.0))
+    for k, (ws, gs) in enumerate(zip(want, got)):
+        for t, (w, g) in enumerate(zip(ws, gs)):
+            assert g[0] == w[0] and g[1] == w[1], f"step {k + 1}, tensor {t + 1}: scale/gate {g[:2]} vs {w[:2]}"
+            assert np.array_equal(g[2], w[2]), f"step {k + 1}, tensor {t + 1}: bytes differ"
 
 
 @pytest.mark.cuda

@@ -455,28 +455,33 @@ class Fp8Scaling:
         return self._slots[2]
 
     def cast(self, i: int, x, *, out=None, out_t=None, record: bool = True, current: bool = False, dbias=None,
-             measured: bool = False):
+             measured: bool = False, predict: tuple = ()):
         """Tensor i (x, bf16 (R, C)) into out and/or out_t by the mode's rule; record=False: with
         the scale it already has and no amax (the backward's re-cast of a forward tensor);
         current=True: current scaling for this cast whatever the mode (the weights); dbias (an
         e5m2 tensor's): += x's column sums, from the first cast's pass (fp8_quantize).
         measured=True (adaptive): x's producer already folded max |x| into measured_amax(i), so
         the guard runs first and one cast follows with the scale it leaves -- the bytes, scale and
-        amax of the cast-then-re-cast, without the second pass."""
+        amax of the cast-then-re-cast, without the second pass.
+        predict (adaptive): tensors cast later this step that move with this one; its guard sets
+        their scales from this cast's amax (Fp8Scaling.predict_scales)."""
         fmt = self.formats[i]
         scale, _, amax = self.tensor(i)
+        if predict and not (record and (measured or (self.can_produce(i) and not current))):
+            raise ValueError("predict: only a cast that adaptive scaling's guard checks (record, not current)")
         if measured:
             if self.mode != "adaptive":
                 raise ValueError(f"measured: a producer's amax is used by adaptive scaling only, not {self.mode!r}")
             cast_amax, gate = self._views[i][3:]
             self.started[i] = True
-            self._guard(i, cast_amax, gate)
+            self._guard(i, cast_amax, gate, predict)
             return fp8_quantize(x, fmt, scale, out=out, out_t=out_t, dbias=dbias)
         if not record:
             return fp8_quantize(x, fmt, scale, out=out, out_t=out_t, dbias=dbias)
         if self.can_produce(i) and not current:
             return self.produce(i, lambda sc, am: fp8_quantize(x, fmt, sc, out=out, out_t=out_t, amax=am, dbias=dbias),
-                                lambda sc, gate: fp8_requantize_gated(x, fmt, sc, gate, out=out, out_t=out_t))
+                                lambda sc, gate: fp8_requantize_gated(x, fmt, sc, gate, out=out, out_t=out_t),
+                                predict=predict)
         self.prepare(i, x, current=current)
         return fp8_quantize(x, fmt, scale, out=out, out_t=out_t, amax=amax, dbias=dbias)
 
@@ -491,25 +496,57 @@ class Fp8Scaling:
         first? Adaptive: always; delayed: once it has a history; current: never."""
         return self.mode == "adaptive" or (self.mode == "delayed" and bool(self.started[i]))
 
-    def produce(self, i: int, first, again):
+    def produce(self, i: int, first, again, predict: tuple = ()):
         """Tensor i cast by its producer: first(scale, amax) launches the kernel that writes the FP8
         bytes with `scale` and takes the amax into `amax`; adaptive mode then checks that amax on the
         device and calls again(scale, gate), the same kernel gated on `gate` (a no-op unless the
-        scale had to change). Needs can_produce(i)."""
+        scale had to change). Needs can_produce(i). predict: as cast()'s (adaptive only)."""
         scale, _, amax = self.tensor(i)
         self.started[i] = True
         if self.mode == "delayed":
+            if predict:
+                raise ValueError("predict: adaptive scaling's guard sets the predicted scales; delayed has none")
             return first(scale, amax)
         cast_amax, gate = self._views[i][3:]
         first(scale, cast_amax)
-        self._guard(i, cast_amax, gate)
+        self._guard(i, cast_amax, gate, predict)
         return again(scale, gate)
 
-    def _guard(self, i, cast_amax, gate):
-        """fp8_guard_kernel for tensor i (the NumPy branch is its reference)."""
+    def _check_predict(self, i: int, predict: tuple) -> tuple[int, int]:
+        """predict (up to two tensor indices) as the guard kernel's (p0, p1), -1 for none."""
+        if len(predict) > 2:
+            raise ValueError(f"predict: at most 2 tensors, got {len(predict)}")
+        for p in predict:
+            if not 0 <= p < self.n or p == i:
+                raise ValueError(f"predict: tensor {p} is not another of the {self.n} tensors (this one is {i})")
+            if self.formats[p] != self.formats[i]:
+                raise ValueError(f"predict: tensor {p} is {self.formats[p]}, tensor {i} {self.formats[i]}: "
+                                 "a prediction keeps the format")
+        return tuple(predict) + (-1,) * (2 - len(predict))
+
+    def predict_scales(self, i: int, a, predict: tuple):
+        """NumPy reference of the guard kernel's prediction: tensor i's cast this step took amax a;
+        each tensor p in predict gets the scale its last step's amax times a / (i's last step's
+        amax) would give, unless an input or the product is zero or not finite."""
+        hist = self.history[0]
+        hi = np.float32(hist[i])
+        if not (a <= np.float32(3.0e38) and a > 0 and hi <= np.float32(3.0e38) and hi > 0):
+            return
+        ratio = np.float32(a / hi)
+        for p in predict:
+            m = np.float32(np.float32(hist[p]) * ratio)
+            if m <= np.float32(3.0e38) and m > 0:
+                ps = np.float32(self._fmax32[p] / m * self._guard_consts[0])
+                self.scale[p] = ps
+                self.scale_inv[p] = np.float32(1.0) / ps
+
+    def _guard(self, i, cast_amax, gate, predict: tuple = ()):
+        """fp8_guard_kernel for tensor i (the NumPy branch is its reference); predict: the tensors
+        whose scales it sets from this cast's amax (predict_scales)."""
         fmax = self._fmax32[i]
         scale, scale_inv, amax = self._views[i][:3]
         margin_scale, low = self._guard_consts
+        p0, p1 = self._check_predict(i, predict)
         if self.xp is np:
             a = np.float32(cast_amax[0])
             cast_amax[...] = 0
@@ -521,9 +558,13 @@ class Fp8Scaling:
                 scale[...] = ns
                 scale_inv[...] = np.float32(1.0) / ns
             gate[...] = 1.0 if recast else 0.0
+            if predict:
+                self.predict_scales(i, a, predict)
             return
         runtime.launch(runtime.get_kernel("fp8", "fp8_guard_kernel"), 1, 32,
-                       (scale, scale_inv, amax, cast_amax, gate, fmax, margin_scale, low))
+                       (scale, scale_inv, amax, cast_amax, gate, fmax, margin_scale, low,
+                        self._slots, self.history, np.int32(self.n * SLOT), np.int32(SLOT), np.int32(i),
+                        np.int32(p0), np.int32(p1)))
 
     def prepare(self, i: int, x, current: bool = False):
         """Before tensor i's cast: in current mode (and at its first cast in delayed mode, or when

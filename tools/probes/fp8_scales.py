@@ -6,7 +6,8 @@ the scale it was cast with: r > 1 saturated, r << 1 wastes range at the bottom).
 With adaptive scaling it also lists the tensors whose cast was redone this step (the gate fired).
 Run:  PYTHONPATH=. python3 tools/probes/fp8_scales.py [steps] [field=value of TrainArgs...]
       e.g. fp8_scaling=adaptive; or data=data/pyall shuffle=1 warmup=100 lr=6e-4 metrics=out/m.jsonl
-      (its ms per step include this probe's reads of the scales: compare runs, not against train)
+      (its ms per step include this probe's reads of the scales: compare runs, not against train;
+      with metrics=x.jsonl each step's amax of every tensor goes to x.amax.npy, (steps, tensors))
 """
 import sys
 
@@ -27,6 +28,7 @@ def step(model, opt, next_batch, grad_accum, lr, **kw):
     loss, norm = orig(model, opt, next_batch, grad_accum, lr, **kw)
     hist = s.history.get() if hasattr(s.history, "get") else s.history
     amax = hist[(s.step_index - 1) % s.history_len]
+    amax_rows.append(np.array(amax, np.float32))
     fmax = np.array([448.0 if f == "e4m3" else 57344.0 for f in s.formats])
     r = amax * used / fmax
     order = np.argsort(r)
@@ -49,6 +51,7 @@ def step(model, opt, next_batch, grad_accum, lr, **kw):
     return loss, norm
 
 
+amax_rows = []      # each step's amax of every tensor: saved beside the metrics (metrics=x.jsonl -> x.amax.npy)
 T.train_step = step
 args = T.TrainArgs(model="d12", batch_size=64, seq_len=1024, steps=steps, lr=3e-4, dtype="fp8", device="cuda",
                    val_every=0, sample_every=0, checkpoint=False, out_dir="/tmp/fp8_scales")
@@ -61,3 +64,5 @@ for kv in sys.argv[2:]:
         v = type(old)(v)
     setattr(args, k, v)
 T.run(args, echo=lambda s: None)
+if args.metrics and amax_rows:
+    np.save(args.metrics.removesuffix(".jsonl") + ".amax.npy", np.stack(amax_rows))
