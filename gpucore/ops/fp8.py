@@ -404,7 +404,9 @@ class Fp8Scaling:
                   the cast: when the tensor's own amax left the window -- a value saturated, or
                   the data sits more than `window` binades below the target -- the scale is set
                   from it and a gated re-cast runs (fp8_guard_kernel). Current scaling's result
-                  whenever it matters, delayed scaling's single pass otherwise.
+                  whenever it matters, delayed scaling's single pass otherwise. A cast's guard
+                  may also set the scales of tensors cast after it that move with it
+                  (cast(predict=), predict_scales): fewer of their casts need the re-cast.
     margin: scales are 2^-margin below the largest value (headroom for growth between steps).
     """
 
