@@ -217,8 +217,7 @@ class Fp8Linears:
         scaling, settings.fp8_predict_scales): the backward casts the residual stream's gradients in
         the order fcproj, [fc], attproj, [qkv], the layer below's fcproj, and each moves with the one
         before it from step to step far more than with its own last step's amax (tools/notes/fp8.md,
-        68th section). fc's is GELU'(fch) times fcproj's dx, and bounded by it; qkv's is measured by
-        the attention backward, so it needs no prediction."""
+        68th section). qkv's is measured by the attention backward, so it needs no prediction."""
         if not self.predict_scales:
             return ()
         if j == FCPROJ:

@@ -10,6 +10,7 @@ Run:  PYTHONPATH=. python3 tools/probes/fp8_scales.py [steps] [field=value of Tr
       with metrics=x.jsonl each step's amax of every tensor goes to x.amax.npy, (steps, tensors))
 """
 import sys
+from collections import Counter
 
 import numpy as np
 
@@ -39,10 +40,7 @@ def step(model, opt, next_batch, grad_accum, lr, **kw):
     if s.mode == "adaptive":   # the gate of each tensor's last cast this step (x and g: cast once per step)
         slots = s._slots.get() if hasattr(s._slots, "get") else s._slots
         fired = [i for i in range(s.n) if slots[3, i, 1] != 0 and i % 3 != 1]
-        kinds = {}
-        for i in fired:
-            k = name(i).split(".", 1)[1]
-            kinds[k] = kinds.get(k, 0) + 1
+        kinds = Counter(name(i).split(".", 1)[1] for i in fired)
         recast = (f" | re-cast {len(fired)}/{2 * s.n // 3}: " + ", ".join(name(i) for i in fired[:6])
                   + " | by tensor: " + " ".join(f"{k}={v}" for k, v in sorted(kinds.items())))
     print(f"step {s.step_index}: loss {float(loss):.3f} norm {float(norm):.2f} | highest r: "
