@@ -1,4 +1,5 @@
-"""tools/fp8_seeds.py: issue 16's quality table from saved metrics (no GPU needed).
+"""tools/fp8_seeds.py: issue 16's quality table from saved metrics (no GPU needed), and the runs
+tools/optimizer_lab.sh offers it.
 
 Hand-made metrics files stand in for tools/optimizer_lab.sh's runs; the expected gaps, seed-mean
 gaps and their standard errors are computed here by hand.
@@ -63,3 +64,26 @@ def test_rms_and_count_over_one_percent_leave_out_the_first_evaluation(tmp_path)
     line = next(l for l in r.stdout.splitlines() if "same-seed gaps after step 0" in l)
     assert line.split(":", 1)[1].strip() == "rms 1.87%, over 1% at 3 of 4"
     assert "worst same-seed gap 5.00%" in r.stdout                   # the worst still reads every step
+
+
+def test_optimizer_lab_runs_every_mode_its_header_lists():
+    """The study's modes come from tools/optimizer_lab.sh: each mode its header documents has a
+    branch in its case statement (the settings it runs), and no branch goes undocumented."""
+    import re
+    text = (ROOT / "tools" / "optimizer_lab.sh").read_text()
+    header = text.split("set -euo pipefail")[0]
+    documented = set(re.findall(r"^#     ([a-z0-9-]+) ", header, re.M))
+    branches = set(re.findall(r"^    ([a-z0-9-]+)\) ", text, re.M))
+    assert {"adamw", "fp8-sparse", "fp8-sparse-nopred", "adamw-order"} <= documented
+    assert documented == branches
+
+
+def test_optimizer_lab_refuses_an_unknown_run_before_any_work(tmp_path):
+    """A misspelt RUNS entry stops the script with one line, before the corpus or any training."""
+    import os
+    env = dict(os.environ, RUNS="adamw fp8-spars", OUT=str(tmp_path), CORPUS="stdlib")
+    r = subprocess.run(["bash", str(ROOT / "tools" / "optimizer_lab.sh")], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 2
+    assert "unknown run 'fp8-spars'" in r.stderr
+    assert not (tmp_path / "optimizer_lab").exists()

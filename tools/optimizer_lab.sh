@@ -18,6 +18,8 @@
 #     fp8-fastdg   fp8-head with the linears' dx GEMMs on fast FP8 accumulation
 #     fp8-sparse   fp8-fastdg with the head's E5M2 dlogits thinned below p = 2^-13 (fp8_lm_head_sparse):
 #                  --dtype fp8's default
+#     fp8-sparse-nopred  fp8-sparse without the predicted gradient scales (fp8_predict_scales=0): the
+#                  arithmetic of the 61st-67th sessions, the control for the 68th session's change
 #     fp8-sparse16 the same thinned below p = 2^-16 only (~88% zeros, ~2.8x less noise on rare tokens)
 #     fp8-fch8     fp8-sparse with fch (the GELU input kept for the backward) as E4M3 (fp8_fch_e4m3=1, opt-in)
 #   (SEED: the weight-init and sampling seed, default 1337; the data order is the same for every seed,
@@ -39,27 +41,9 @@ B=${B:-16}
 LR=${LR:-6e-4}
 LOG=${OUT:-out}/optimizer_lab
 RUNS=${RUNS:-adamw sfadamw bf16-sr bf16-kahan}
-case ${CORPUS:-stdlib} in       # tools/pycorpus.py builds it once a machine
-  stdlib) DATA=data/pystdlib; CORPUS_MB=${CORPUS_MB:-24}; VAL_TOKENS=${VAL_TOKENS:-327680}; corpus_flags=() ;;
-  python) DATA=data/pyall; CORPUS_MB=${CORPUS_MB:-240}; VAL_TOKENS=${VAL_TOKENS:-1310720}
-          corpus_flags=(--site-packages) ;;
-  *) echo "CORPUS=$CORPUS: expected stdlib or python" >&2; exit 2 ;;
-esac
-mkdir -p "$LOG"
-nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true
-
-if [ ! -f "$DATA/corpus_train.bin" ]; then
-  mkdir -p "$DATA"
-  $PY tools/pycorpus.py "$DATA/corpus.txt" --mb "$CORPUS_MB" ${corpus_flags[@]+"${corpus_flags[@]}"}
-  $PY -m gpucore.cli prepro "$DATA/corpus.txt" --out-dir "$DATA" --val-tokens "$VAL_TOKENS"
-fi
-
-common=(--model d12 -B "$B" -T 1024 --steps "$STEPS" --lr "$LR" --warmup 100 --dtype bf16 --device cuda
-        --data "$DATA" --val-every 100 --val-steps 20 --sample-every 0 --no-checkpoint --seed "${SEED:-1337}")
-[ "${SHUFFLE:-0}" = 1 ] && common+=(--shuffle)     # train batches in a per-epoch random order (from the seed)
-for run in $RUNS; do
+configure() {   # a run's flags and settings into extra and settings
   settings=${GPUCORE_SETTINGS:-}
-  case $run in
+  case $1 in
     adamw)      extra=(--final-lr-frac 0.1) ;;
     adamw-order) extra=(--final-lr-frac 0.1)
                 settings=${settings:+$settings,}fused_bias_grads=0 ;;
@@ -82,11 +66,37 @@ for run in $RUNS; do
                 settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=1,fp8_fast_accum_dgrad=1,fp8_lm_head_sparse=0 ;;
     fp8-sparse) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
                 settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=1,fp8_fast_accum_dgrad=1,fp8_lm_head_sparse=0.0001220703125 ;;
+    fp8-sparse-nopred) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
+                settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=1,fp8_fast_accum_dgrad=1,fp8_lm_head_sparse=0.0001220703125,fp8_predict_scales=0 ;;
     fp8-sparse16) extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
                 settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=1,fp8_fast_accum_dgrad=1,fp8_lm_head_sparse=0.0000152587890625 ;;
     fp8-fch8)   extra=(--final-lr-frac 0.1 --dtype fp8 --fp8-scaling adaptive)
                 settings=${settings:+$settings,}fp8_lm_head=1,fp8_lm_head_dwte=1,fp8_fast_accum_dgrad=1,fp8_lm_head_sparse=0.0001220703125,fp8_fch_e4m3=1 ;;
+    *)          echo "RUNS: unknown run '$1' (the header lists the runs)" >&2; exit 2 ;;
   esac
+}
+for run in $RUNS; do configure "$run"; done       # a misspelt run stops here, before any work
+
+case ${CORPUS:-stdlib} in       # tools/pycorpus.py builds it once a machine
+  stdlib) DATA=data/pystdlib; CORPUS_MB=${CORPUS_MB:-24}; VAL_TOKENS=${VAL_TOKENS:-327680}; corpus_flags=() ;;
+  python) DATA=data/pyall; CORPUS_MB=${CORPUS_MB:-240}; VAL_TOKENS=${VAL_TOKENS:-1310720}
+          corpus_flags=(--site-packages) ;;
+  *) echo "CORPUS=$CORPUS: expected stdlib or python" >&2; exit 2 ;;
+esac
+mkdir -p "$LOG"
+nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true
+
+if [ ! -f "$DATA/corpus_train.bin" ]; then
+  mkdir -p "$DATA"
+  $PY tools/pycorpus.py "$DATA/corpus.txt" --mb "$CORPUS_MB" ${corpus_flags[@]+"${corpus_flags[@]}"}
+  $PY -m gpucore.cli prepro "$DATA/corpus.txt" --out-dir "$DATA" --val-tokens "$VAL_TOKENS"
+fi
+
+common=(--model d12 -B "$B" -T 1024 --steps "$STEPS" --lr "$LR" --warmup 100 --dtype bf16 --device cuda
+        --data "$DATA" --val-every 100 --val-steps 20 --sample-every 0 --no-checkpoint --seed "${SEED:-1337}")
+[ "${SHUFFLE:-0}" = 1 ] && common+=(--shuffle)     # train batches in a per-epoch random order (from the seed)
+for run in $RUNS; do
+  configure "$run"
   echo "== $run"
   GPUCORE_SETTINGS=$settings $PY -m gpucore.cli train "${common[@]}" "${extra[@]}" --out-dir "$LOG/$run" --metrics "$LOG/$run.jsonl" \
     > "$LOG/$run.txt" 2>&1 || { echo "$run FAILED"; tail -5 "$LOG/$run.txt"; }
