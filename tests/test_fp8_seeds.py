@@ -5,6 +5,8 @@ Hand-made metrics files stand in for tools/optimizer_lab.sh's runs; the expected
 gaps and their standard errors are computed here by hand.
 """
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,7 +71,6 @@ def test_rms_and_count_over_one_percent_leave_out_the_first_evaluation(tmp_path)
 def test_optimizer_lab_runs_every_mode_its_header_lists():
     """The study's modes come from tools/optimizer_lab.sh: each mode its header documents has a
     branch in its case statement (the settings it runs), and no branch goes undocumented."""
-    import re
     text = (ROOT / "tools" / "optimizer_lab.sh").read_text()
     header = text.split("set -euo pipefail")[0]
     documented = set(re.findall(r"^#     ([a-z0-9-]+) ", header, re.M))
@@ -80,7 +81,6 @@ def test_optimizer_lab_runs_every_mode_its_header_lists():
 
 def test_optimizer_lab_refuses_an_unknown_run_before_any_work(tmp_path):
     """A misspelt RUNS entry stops the script with one line, before the corpus or any training."""
-    import os
     env = dict(os.environ, RUNS="adamw fp8-spars", OUT=str(tmp_path), CORPUS="stdlib")
     r = subprocess.run(["bash", str(ROOT / "tools" / "optimizer_lab.sh")], capture_output=True, text=True,
                        timeout=60, env=env)

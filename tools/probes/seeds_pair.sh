@@ -6,7 +6,7 @@
 # cache with a 2-step run, so the GPUs' runs do not race to write them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONPATH=. PYTHONUNBUFFERED=1
 WORK=${WORK:-/tmp/seeds_pair}
 mkdir -p "$WORK"
 if [ "${WARM:-0}" = 1 ]; then
