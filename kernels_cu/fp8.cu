@@ -440,13 +440,19 @@ extern "C" __global__ void fp8_update_scale_kernel(
 // cast's factor, a / hist[i]: scale = fmax / (hist[p] * (a / hist[i])) * margin_scale. Their own
 // guards still check them; on spiky data most of their re-casts no longer happen (68th session).
 // Skipped when a, hist[i] or the product is zero or not finite (the first step has no history).
-// slots: Fp8Scaling's (5, n, SLOT) floats, tensor p's scale at p * stride and its scale_inv at
-// plane + p * stride; hist: last step's amax of every tensor (the one-row history of adaptive mode).
+// slots: Fp8Scaling's (5, n, SLOT) floats, planes `plane` floats apart -- 0 scale, 1 scale_inv,
+// 2 the step's amax, 3 the cast's amax (column 0) and the gate (column 1) -- tensor p's slot at
+// p * stride in each; hist: last step's amax of every tensor (the one-row history of adaptive mode).
 extern "C" __global__ void fp8_guard_kernel(
-        float* scale, float* scale_inv, float* amax, float* cast_amax, float* gate,   // (1,) each
-        float fmax, float margin_scale, float low,
-        float* slots, const float* hist, int plane, int stride, int i, int p0, int p1) {
+        float* slots, const float* hist, float fmax, float margin_scale, float low,
+        int plane, int stride, int i, int p0, int p1) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    float* const slot = slots + (long long)i * stride;
+    float* const scale = slot;
+    float* const scale_inv = slot + plane;
+    float* const amax = slot + 2 * (long long)plane;
+    float* const cast_amax = slot + 3 * (long long)plane;
+    float* const gate = cast_amax + 1;
     const float a = *cast_amax;
     *cast_amax = 0.0f;
     u32* am = reinterpret_cast<u32*>(amax);

@@ -474,9 +474,8 @@ class Fp8Scaling:
         if measured:
             if self.mode != "adaptive":
                 raise ValueError(f"measured: a producer's amax is used by adaptive scaling only, not {self.mode!r}")
-            cast_amax, gate = self._views[i][3:]
             self.started[i] = True
-            self._guard(i, cast_amax, gate, predict)
+            self._guard(i, predict)
             return fp8_quantize(x, fmt, scale, out=out, out_t=out_t, dbias=dbias)
         if not record:
             return fp8_quantize(x, fmt, scale, out=out, out_t=out_t, dbias=dbias)
@@ -511,7 +510,7 @@ class Fp8Scaling:
             return first(scale, amax)
         cast_amax, gate = self._views[i][3:]
         first(scale, cast_amax)
-        self._guard(i, cast_amax, gate, predict)
+        self._guard(i, predict)
         return again(scale, gate)
 
     def _check_predict(self, i: int, predict: tuple) -> tuple[int, int]:
@@ -542,11 +541,12 @@ class Fp8Scaling:
                 self.scale[p] = ps
                 self.scale_inv[p] = np.float32(1.0) / ps
 
-    def _guard(self, i, cast_amax, gate, predict: tuple = ()):
-        """fp8_guard_kernel for tensor i (the NumPy branch is its reference); predict: the tensors
-        whose scales it sets from this cast's amax (predict_scales)."""
+    def _guard(self, i, predict: tuple = ()):
+        """fp8_guard_kernel for tensor i, after a cast that took its amax into the tensor's cast-amax
+        slot (the NumPy branch is its reference); predict: the tensors whose scales it sets from
+        this cast's amax (predict_scales)."""
         fmax = self._fmax32[i]
-        scale, scale_inv, amax = self._views[i][:3]
+        scale, scale_inv, amax, cast_amax, gate = self._views[i]
         margin_scale, low = self._guard_consts
         p0, p1 = self._check_predict(i, predict)
         if self.xp is np:
@@ -563,10 +563,10 @@ class Fp8Scaling:
             if predict:
                 self.predict_scales(i, a, predict)
             return
+        # The kernel finds tensor i's five values in the slots itself (the views above, on the host).
         runtime.launch(runtime.get_kernel("fp8", "fp8_guard_kernel"), 1, 32,
-                       (scale, scale_inv, amax, cast_amax, gate, fmax, margin_scale, low,
-                        self._slots, self.history, np.int32(self.n * SLOT), np.int32(SLOT), np.int32(i),
-                        np.int32(p0), np.int32(p1)))
+                       (self._slots, self.history, fmax, margin_scale, low,
+                        np.int32(self.n * SLOT), np.int32(SLOT), np.int32(i), np.int32(p0), np.int32(p1)))
 
     def prepare(self, i: int, x, current: bool = False):
         """Before tensor i's cast: in current mode (and at its first cast in delayed mode, or when
