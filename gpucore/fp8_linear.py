@@ -24,7 +24,7 @@ three scaled tensors are slots 12 L + {0, 1, 2}. With the E5M2-only dlogits, set
 GPT2.head_seed): ~97% zeros, which the head's two backward GEMMs multiply at a higher clock.
 
 fch, the fc GEMM's output and GELU's input, which the model keeps per layer for the backward: with
-adaptive scaling and settings.fp8_fch_e4m3 (on by default) the fc GEMM writes it as E4M3 bytes (cuBLASLt's FP8
+adaptive scaling and settings.fp8_fch_e4m3 (opt-in) the fc GEMM writes it as E4M3 bytes (cuBLASLt's FP8
 D, times a scale of its own) instead of bf16, and the GELU cast before fcproj and the GELU backward
 read those bytes back as bf16(e4m3 * scale_inv) (their _x8 kernels): 1 byte a value instead of 2,
 written once and read twice (~0.6 GB a d12 B=64 layer). Its scale cannot be checked and redone as

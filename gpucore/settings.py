@@ -71,11 +71,10 @@ class Settings:
     fp8_fast_accum_dgrad: bool = True     # the linears' dx GEMMs (K <= 4C) on Hopper's fast FP8 accumulation too
     fp8_lm_head_sparse: float = 2.0 ** -13  # with fp8_lm_head_dwte: E5M2 dlogits below ~this probability thinned
                                           # without bias (fewer toggling bits for the head's GEMMs at the power cap); 0: off
-    fp8_fch_e4m3: bool = True             # adaptive scaling: the fc GEMM writes fch (the GELU input kept for the
+    fp8_fch_e4m3: bool = False            # adaptive scaling: the fc GEMM writes fch (the GELU input kept for the
                                           # backward) as E4M3 with a delayed scale of its own, not bf16: half its bytes
-                                          # (d12 B=64 -2.5 GB, d48 B=16 -5.1 GB; x1.003-1.011). On since the 71st
-                                          # session: 18 seeds of 1,000 B=64 steps as close to bf16 as with bf16 fch
-                                          # (tools/notes/fp8.md); False: fch in bf16
+                                          # (d12 B=64 -2.5 GB, d48 B=16 -5.1 GB; x1.003-1.011). Opt-in: without warmup
+                                          # it spiked at step 11 in 2 of 4 seeds, bf16 fch in 1 (tools/notes/fp8.md)
     fp8_fch_margin: int = 4               # fch's scales 2^-this below the history's amax: a value beyond saturates
                                           # (nothing re-runs the GEMM): more headroom than the casts' 2^-fp8_margin
     # ---- data parallel (gpucore/distributed/reducer.py)
