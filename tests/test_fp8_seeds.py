@@ -15,9 +15,14 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "fp8_seeds.py"
 
 
-def _write(folder: Path, mode: str, seed: int, vals: dict):
+def _write(folder: Path, mode: str, seed: int, vals: dict, steps: list | None = None):
+    """A run's metrics: its evaluations (step -> val loss) and, optionally, its training steps as
+    (step, loss, ms) rows; a loss given as a string is written as gpucore train's "non-finite" event."""
     folder.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps({"event": "start"})] + [json.dumps({"step": s, "val_loss": v}) for s, v in vals.items()]
+    for step, loss, ms in steps or []:
+        rec = {"step": step, "loss": loss, "grad_norm": 1.0, "ms": ms}
+        lines.append(json.dumps({"event": "non-finite", **rec} if isinstance(loss, str) else rec))
     (folder / f"{mode}.s{seed}.jsonl").write_text("\n".join(lines) + "\n")
 
 
@@ -66,6 +71,39 @@ def test_rms_and_count_over_one_percent_leave_out_the_first_evaluation(tmp_path)
     line = next(l for l in r.stdout.splitlines() if "same-seed gaps after step 0" in l)
     assert line.split(":", 1)[1].strip() == "rms 1.87%, over 1% at 3 of 4"
     assert "worst same-seed gap 5.00%" in r.stdout                   # the worst still reads every step
+
+
+def test_a_second_fp8_mode_is_paired_with_the_first_per_seed(tmp_path):
+    """Per seed, the second FP8 mode's rms gap to bf16 minus the first's; the evaluation at step 0 left
+    out, as in the summary's rms."""
+    for seed, b, f1, f2 in [(1, 4.0, 4.04, 4.02), (2, 5.0, 4.95, 4.9)]:
+        _write(tmp_path, "adamw", seed, {0: 10.0, 100: b})
+        _write(tmp_path, "fp8", seed, {0: 20.0, 100: f1})      # step 0's +100% must not count
+        _write(tmp_path, "fp8b", seed, {0: 10.0, 100: f2})
+    r = _run(str(tmp_path), "adamw", "fp8", "fp8b")
+    assert r.returncode == 0, r.stderr
+    # seed 1: |+0.5%| - |+1%| = -0.5%; seed 2: |-2%| - |-1%| = +1%: mean +0.25%, standard error 0.75%
+    line = next(l for l in r.stdout.splitlines() if "against fp8" in l)
+    assert line.strip() == "fp8b against fp8, per seed: rms gap difference +0.250% +- 0.750, smaller in 1 of 2"
+    assert "runs:" not in r.stdout            # no training steps in these logs: no health lines
+
+
+def test_runs_health_from_the_training_steps(tmp_path):
+    """Non-finite losses counted (the stopping event included), each run's largest one-step loss rise
+    compared with bf16's step of its seed, and step times as medians of the steps after STEADY_FROM."""
+    def steps(rise_at, ms, last=None):
+        rows = [(t, 10.0 - 0.01 * t + (1.0 if t == rise_at else 0.0), ms) for t in range(1, 61)]
+        return rows + ([(61, last, ms)] if last else [])
+    for seed in (1, 2):
+        _write(tmp_path, "adamw", seed, {0: 10.0, 100: 4.0}, steps(11, 100.0))
+    _write(tmp_path, "fp8", 1, {0: 10.0, 100: 4.0}, steps(11, 80.0))
+    _write(tmp_path, "fp8", 2, {0: 10.0, 100: 4.0}, steps(30, 82.0, last="nan"))
+    r = _run(str(tmp_path), "adamw", "fp8")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.split("runs:")[1].splitlines()
+    assert out[1].strip() == "adamw: 2 runs, 0 non-finite losses, step time 100.0-100.0 ms (medians of steps > 40)"
+    assert out[2].strip() == ("fp8: 2 runs, 1 non-finite losses, largest loss rise at adamw's step in 1 of 2, "
+                              "step time 80.0-82.0 ms (medians of steps > 40)")
 
 
 def test_optimizer_lab_runs_every_mode_its_header_lists():

@@ -10,21 +10,76 @@ many of them break issue 16's 1% (evaluations after the first: step 0 holds only
 rounding, no training).
 Run:  python3 tools/fp8_seeds.py LOG[,LOG ...] MODE [MODE ...]   (first MODE = bf16)
 Several LOG folders (comma-separated) pool the seeds of several calls; a mode and seed found twice
-is refused.
+is refused. With two FP8 modes or more, each later one is paired with the first per seed (the
+difference of their rms same-seed gaps: does a change narrow the gap to bf16?). Where the logs hold
+the training steps too, each mode's runs are checked: non-finite losses, whether each run's largest
+one-step loss rise falls at the same step as bf16's of its seed (a batch's, not the precision's), and
+the step time (median of steps after STEADY_FROM).
 """
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
 
 
+STEADY_FROM = 40     # step times from here on: the adaptive scales have settled (tools/ratio_check.sh's 41-100)
+
+
 def val_losses(path: Path) -> dict[int, float]:
-    recs = [json.loads(line) for line in path.read_text().splitlines()]
-    return {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
+    return {r["step"]: r["val_loss"] for r in _records(path) if "val_loss" in r}
+
+
+def train_steps(path: Path) -> dict[int, tuple[float, float | None]]:
+    """step -> (training loss, ms) of the run's steps, the step that stopped it on a non-finite loss
+    (gpucore train's "non-finite" event, its loss a "nan" or "inf" string) included."""
+    return {r["step"]: (float(r["loss"]), r.get("ms")) for r in _records(path)
+            if "loss" in r and r.get("event", "non-finite") == "non-finite"}
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _rms(gaps: list[float]) -> float:
+    return (sum(g * g for g in gaps) / len(gaps)) ** 0.5
+
+
+def _sem(xs: list[float]) -> float:
+    return statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else float("nan")
+
+
+def paired(runs: dict, base: str, ref: str, mode: str, steps: list[int]) -> str:
+    """Per seed both FP8 modes ran: mode's rms same-seed gap to base (after the first evaluation)
+    minus ref's, as mean +- standard error over the seeds, and in how many seeds mode's is smaller."""
+    seeds = [s for s in runs[base] if s in runs[ref] and s in runs[mode]]
+    gap = lambda m, s: _rms([(runs[m][s][t] - runs[base][s][t]) / runs[base][s][t] for t in steps[1:]])
+    d = [gap(mode, s) - gap(ref, s) for s in seeds]
+    return (f"  {mode} against {ref}, per seed: rms gap difference {100 * statistics.mean(d):+.3f}% +- "
+            f"{100 * _sem(d):.3f}, smaller in {sum(x < 0 for x in d)} of {len(d)}")
+
+
+def health(train: dict, base: str, mode: str) -> str | None:
+    """One line on mode's runs from their training steps (None when the logs hold none)."""
+    seeds = [s for s in train.get(mode, {}) if train[mode][s]]
+    if not seeds:
+        return None
+    nonfinite = sum(not math.isfinite(l) for s in seeds for l, _ in train[mode][s].values())
+
+    def top_rise(steps):
+        rises = [(steps[t][0] - steps[t - 1][0], t) for t in steps if t > 2 and t - 1 in steps
+                 and math.isfinite(steps[t][0] - steps[t - 1][0])]
+        return max(rises)[1] if rises else None
+    same = [s for s in seeds if s in train.get(base, {}) and top_rise(train[mode][s]) == top_rise(train[base][s])]
+    meds = [statistics.median(ms for t, (_, ms) in train[mode][s].items() if t > STEADY_FROM and ms)
+            for s in seeds if any(t > STEADY_FROM and ms for t, (_, ms) in train[mode][s].items())]
+    time = f", step time {min(meds):.1f}-{max(meds):.1f} ms (medians of steps > {STEADY_FROM})" if meds else ""
+    rise = "" if mode == base else f", largest loss rise at {base}'s step in {len(same)} of {len(seeds)}"
+    return f"  {mode}: {len(seeds)} runs, {nonfinite} non-finite losses{rise}{time}"
 
 
 def main(logs: list[Path], modes: list[str]) -> None:
-    runs = {}
+    runs, train = {}, {}
     for log in logs:
         for p in sorted(log.glob("*.s*.jsonl")):
             mode, seed = p.stem.rsplit(".s", 1)
@@ -32,6 +87,7 @@ def main(logs: list[Path], modes: list[str]) -> None:
                 if seed in runs.get(mode, {}):
                     raise SystemExit(f"{mode} seed {seed} is in more than one of {', '.join(map(str, logs))}")
                 runs.setdefault(mode, {})[seed] = val_losses(p)
+                train.setdefault(mode, {})[seed] = train_steps(p)
     base = modes[0]
     if base not in runs:
         raise SystemExit(f"no {base} runs under {', '.join(map(str, logs))}")
@@ -60,8 +116,7 @@ def main(logs: list[Path], modes: list[str]) -> None:
             worst_mean[m] = max(worst_mean[m], abs(gm))
             if st != steps[0]:
                 trained[m] += gaps
-            se = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else float("nan")
-            cells.append(" ".join(f"{100 * g:+.2f}%" for g in gaps) + f" (means {100 * gm:+.2f}% +- {100 * se:.2f}%)")
+            cells.append(" ".join(f"{100 * g:+.2f}%" for g in gaps) + f" (means {100 * gm:+.2f}% +- {100 * _sem(gaps):.2f}%)")
         print(f"{st:>5}  {' '.join(f'{x:.4f}' for x in b):<30} {100 * spread:6.2f}%  " + "  ".join(f"{c:<34}" for c in cells))
     print(f"\nsummary: {base} seed-to-seed spread up to {100 * spread_max:.2f}% at an evaluation")
     for m in modes[1:]:
@@ -72,9 +127,16 @@ def main(logs: list[Path], modes: list[str]) -> None:
                   f"{100 * worst_mean[m]:.2f}%, final (step {final}) mean gap {100 * fg:+.2f}%")
             if trained[m]:
                 g = trained[m]
-                rms = (sum(x * x for x in g) / len(g)) ** 0.5
-                print(f"    same-seed gaps after step {steps[0]}: rms {100 * rms:.2f}%, "
+                print(f"    same-seed gaps after step {steps[0]}: rms {100 * _rms(g):.2f}%, "
                       f"over 1% at {sum(abs(x) > 0.01 for x in g)} of {len(g)}")
+    fp8 = [m for m in modes[1:] if m in runs]
+    for m in fp8[1:]:
+        if len(steps) > 1:
+            print(paired(runs, base, fp8[0], m, steps))
+    lines = [line for m in [base] + fp8 if (line := health(train, base, m))]
+    if lines:
+        print("runs:")
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":
