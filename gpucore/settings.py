@@ -73,8 +73,9 @@ class Settings:
                                           # without bias (fewer toggling bits for the head's GEMMs at the power cap); 0: off
     fp8_fch_e4m3: bool = False            # adaptive scaling: the fc GEMM writes fch (the GELU input kept for the
                                           # backward) as E4M3 with a delayed scale of its own, not bf16: half its bytes
-                                          # (d12 B=64 -2.5 GB, d48 B=16 -5.1 GB; x1.003-1.011). Opt-in: without warmup
-                                          # it spiked at step 11 in 2 of 4 seeds, bf16 fch in 1 (tools/notes/fp8.md)
+                                          # (d12 B=64 -2.5 GB, d48 B=16 -5.1 GB; x1.003-1.011). Opt-in: as close to bf16
+                                          # as the default with warmup (18 seeds), but without warmup its one-step
+                                          # spikes are the largest (2 of 12 seeds; bf16 3, FP8 1; tools/notes/fp8.md)
     fp8_fch_margin: int = 4               # fch's scales 2^-this below the history's amax: a value beyond saturates
                                           # (nothing re-runs the GEMM): more headroom than the casts' 2^-fp8_margin
     # ---- data parallel (gpucore/distributed/reducer.py)
