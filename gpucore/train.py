@@ -467,6 +467,11 @@ def print_header(args, setup: RunSetup, model, train_loader, val_loader, echo) -
                "kahan": " | bf16 weights, no fp32 master (Kahan compensation)"}[args.master_weights]
     echo(f"{name} lr {args.lr:g} warmup {args.warmup} final lr frac {args.final_lr_frac:g} betas "
          f"({args.beta1:g}, {args.beta2:g}) weight decay {args.weight_decay:g} grad clip {args.grad_clip:g}{weights}")
+    if args.warmup == 0 and setup.resume_path is None and not setup.init_source and args.steps > 10:
+        # measured, not assumed: tools/notes/fp8.md, 71st session (bf16 3 of 12 seeds, FP8 1, larger)
+        echo("note: no lr warmup (--warmup 0, the default): d12 B=64 at lr 3e-4 took one-step loss spikes "
+             "near step 10 in 3 of 12 seeds in bf16, and in FP8; with --warmup 100 none were left but the "
+             "data's own (README: Training, FP8)")
     echo(f"data: train {train_loader.num_tokens:,} tokens ({train_loader.num_batches} batches/epoch"
          + (f", shuffled per epoch from seed {train_loader.seed})" if train_loader.shuffle else ", in order)")
          + (f", val {val_loader.num_tokens:,} tokens ({val_loader.B} rows x {setup.T})" if val_loader else ""))

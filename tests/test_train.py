@@ -78,6 +78,26 @@ def test_numpy_backend_trains_tiny_on_tinyshakespeare(shards, tmp_path):
     assert (tmp_path / "ckpt_000020.ckpt").is_file()
 
 
+def test_no_warmup_note_only_for_fresh_runs_without_warmup(shards, tmp_path):
+    """A fresh run of more than 10 steps without lr warmup says, once, that such runs have spiked;
+    a warmup, a short run or a resume says nothing."""
+    def header(**kw):
+        lines = []
+        run(_args(shards, tmp_path / str(len(seen)), ckpt_every=12, **kw), echo=lines.append)
+        seen.append(lines)
+        return [line for line in lines if line.startswith("note: no lr warmup")]
+    seen = []
+    notes = header(steps=12, warmup=0)
+    assert len(notes) == 1 and "--warmup 100" in notes[0]
+    assert header(steps=12, warmup=2) == []
+    assert header(steps=10, warmup=0) == []
+    lines = []
+    run(_args(shards, tmp_path / "0", steps=14, warmup=0, resume=str(tmp_path / "0" / "ckpt_000012.ckpt")),
+        echo=lines.append)
+    assert not [line for line in lines if line.startswith("note: no lr warmup")]
+    assert any("resumed at step 12" in line for line in lines)
+
+
 def test_gradient_accumulation_matches_the_big_batch(shards, tmp_path):
     """-B 2 with --total-batch-size 4*T takes the same steps as -B 4 (to float32 rounding)."""
     big = run(_args(shards, tmp_path / "a", batch_size=4, steps=2, checkpoint=False), echo=lambda s: None)
