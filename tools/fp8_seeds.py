@@ -71,8 +71,8 @@ def health(train: dict, base: str, mode: str) -> str | None:
                  and math.isfinite(steps[t][0] - steps[t - 1][0])]
         return max(rises)[1] if rises else None
     same = [s for s in seeds if s in train.get(base, {}) and top_rise(train[mode][s]) == top_rise(train[base][s])]
-    meds = [statistics.median(ms for t, (_, ms) in train[mode][s].items() if t > STEADY_FROM and ms)
-            for s in seeds if any(t > STEADY_FROM and ms for t, (_, ms) in train[mode][s].items())]
+    steady = ([ms for t, (_, ms) in train[mode][s].items() if t > STEADY_FROM and ms] for s in seeds)
+    meds = [statistics.median(times) for times in steady if times]
     time = f", step time {min(meds):.1f}-{max(meds):.1f} ms (medians of steps > {STEADY_FROM})" if meds else ""
     rise = "" if mode == base else f", largest loss rise at {base}'s step in {len(same)} of {len(seeds)}"
     return f"  {mode}: {len(seeds)} runs, {nonfinite} non-finite losses{rise}{time}"
