@@ -13,6 +13,7 @@
 #   MODEL=d48 ROUNDS=1 tools/ratio_check.sh                     # d48 B=16
 #   STEPS=20 SKIP=1 tools/ratio_check.sh                        # the early steps (sessions 12-41's readings)
 #   OLD_TREE=path tools/ratio_check.sh                          # 843553c's tree elsewhere (default .old)
+#   CUDA_VISIBLE_DEVICES=1 HOMES=/tmp/rh1 OUT=out/g1 tools/ratio_check.sh  # one of several side by side, a GPU each
 #   SUMMARY=out/ratio_check.json tools/ratio_check.sh           # only the summary of an earlier run
 #
 # The ratios are of the steady state: medians of steps SKIP+1..STEPS (d12: 41-100, d48: 21-50). The
@@ -34,6 +35,7 @@ ROUNDS=${ROUNDS:-2}
 OLD_TREE=${OLD_TREE:-.old}
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-out}
+HOMES=${HOMES:-/tmp/ratio_home}     # the trees' HOMEs (cuBLASLt race caches): ${HOMES}_old, ${HOMES}_new; one per GPU side by side
 JSON=${SUMMARY:-$OUT/ratio_check.json}
 GPU_NAME=
 if [ -z "${SUMMARY:-}" ]; then
@@ -45,7 +47,7 @@ if [ -z "${SUMMARY:-}" ]; then
   nvidia-smi --query-gpu=name,power.limit --format=csv,noheader 2>/dev/null | head -1 || true
   GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
   OUT=$OUT $PYTHON tools/ab_train.py --model "$MODEL" -B "$B" --steps "$STEPS" --skip "$SKIP" --rounds "$ROUNDS" --json "$JSON" \
-    "old=$OLD_TREE:HOME=/tmp/ratio_home_old" "bf16=.:HOME=/tmp/ratio_home_new" "fp8=.:HOME=/tmp/ratio_home_new:--dtype fp8"
+    "old=$OLD_TREE:HOME=${HOMES}_old" "bf16=.:HOME=${HOMES}_new" "fp8=.:HOME=${HOMES}_new:--dtype fp8"
   echo
 fi
 $PYTHON - "$JSON" "$MODEL" "$GPU_NAME" <<'PY'
