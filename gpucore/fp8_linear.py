@@ -38,8 +38,9 @@ d12 and x1.011 at d48 for 2.5 / 5.1 GB less. With warmup, 18 seeds of 1,000 B=64
 closely as bf16 fch does. Without warmup (lr 3e-4 from step 1) d12 runs take one-step loss spikes near
 steps 6-13 in every mode; over 36 seeds bf16 spiked in 9 (up to +5.8), E4M3 fch in 7 (up to +4.8),
 bf16 fch in 2, and seed 1337 (the CLI's default) is one of E4M3 fch's (tools/notes/fp8.md, 52nd-54th,
-71st and 72nd sessions). A resume with the setting changed goes on (fresh fch
-scales, or none) and is not bitwise the straight run.
+71st and 72nd sessions). A resume keeps the checkpoint's choice whatever the
+setting says now, and says so when they differ (train.fp8_resume_settings): a run saved with fch in
+bf16 resumes bit for bit.
 
 x8T is written by the forward's cast of x (one pass writes both orientations) and kept per layer
 in the model's activations ("x8t", 1 byte per value), so the backward never reads x again. In

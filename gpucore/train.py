@@ -51,6 +51,7 @@ import os
 import signal
 import threading
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -198,6 +199,7 @@ class RunSetup:
     resume_arrays: dict | None = None
     resume_meta: dict | None = None
     resume_path: Path | None = None
+    resume_settings: dict = dataclasses.field(default_factory=dict)   # fp8_resume_settings of the checkpoint
     init_flat: object = None          # --init-from: host fp32 flat weights, until the model holds them
     init_source: str | None = None    # --init-from: where they came from (gpucore.weights' description)
     dp: object = None                 # DataParallel (gpucore.distributed) when this process is one of several ranks
@@ -275,9 +277,12 @@ def prepare(args: TrainArgs, echo, dp=None) -> RunSetup:
     out_dir = Path(args.out_dir or f"out/{preset}")
     if args.keep_gelu not in ("auto", "on", "off"):
         raise TrainError(f"--keep-gelu {args.keep_gelu}: expected auto, on or off")
-    keep_gelu = resolve_keep_gelu({"auto": None, "on": True, "off": False}[args.keep_gelu], cfg, B, T, dtype, xp,
-                                  master_weights=args.master_weights, fp8=fp8 or False)
-    plan = memory_plan(cfg, B, T, dtype, master_weights=args.master_weights, keep_gelu=keep_gelu, fp8=fp8 or False)
+    resume_settings = fp8_resume_settings(cfg, arrays) if fp8 else {}
+    with settings.using(**resume_settings):      # a resumed FP8 run's buffers are the saved run's
+        keep_gelu = resolve_keep_gelu({"auto": None, "on": True, "off": False}[args.keep_gelu], cfg, B, T, dtype,
+                                      xp, master_weights=args.master_weights, fp8=fp8 or False)
+        plan = memory_plan(cfg, B, T, dtype, master_weights=args.master_weights, keep_gelu=keep_gelu,
+                           fp8=fp8 or False)
     try:
         cuda_graph, graph_why = step_graph.resolve(args.cuda_graph, device, data_parallel=dp is not None,
                                                    dp_overlap=settings.current().dp_overlap)
@@ -291,8 +296,8 @@ def prepare(args: TrainArgs, echo, dp=None) -> RunSetup:
                     metrics_path=Path(args.metrics) if args.metrics else out_dir / "metrics.jsonl",
                     plan=plan, keep_gelu=keep_gelu, fp8=fp8, cuda_graph=cuda_graph, cuda_graph_why=graph_why,
                     start=int(meta["step"]) if meta else 0,
-                    resume_arrays=arrays, resume_meta=meta, resume_path=ckpt, init_flat=init_flat,
-                    init_source=init_source, dp=dp)
+                    resume_arrays=arrays, resume_meta=meta, resume_path=ckpt, resume_settings=resume_settings,
+                    init_flat=init_flat, init_source=init_source, dp=dp)
 
 
 def check_fp8(device: str) -> None:
@@ -391,21 +396,45 @@ def saved_fp8_lm_head(cfg, arrays) -> bool | None:
     return len(arrays["fp8_scale"]) == 12 * cfg.num_layers + 3
 
 
+def saved_fp8_fch_e4m3(arrays) -> bool | None:
+    """Whether an FP8 checkpoint's run kept fch as E4M3 (fp8_linear.fch_in_e4m3): such a run saves
+    fch's delayed scales beside the linears' (checkpoint.py). None when the checkpoint has no FP8 state."""
+    if arrays is None or "fp8_scale" not in arrays:
+        return None
+    return "fp8_fch_scale" in arrays
+
+
+def fp8_resume_settings(cfg, arrays) -> dict:
+    """The settings a resumed FP8 run keeps from its checkpoint, whatever they say now: the LM head's
+    precision (the scaling state's size differs; a mismatch used to stop the resume) and fch's format
+    (it changes the arithmetic: fch as E4M3 became the default in the 72nd session, and a run saved
+    before resumes bit for bit, with fch in bf16). {} for a fresh run or one without FP8 state."""
+    head, fch8 = saved_fp8_lm_head(cfg, arrays), saved_fp8_fch_e4m3(arrays)
+    return {} if head is None else {"fp8_lm_head": head, "fp8_fch_e4m3": fch8}
+
+
 def build_model(args: TrainArgs, setup: RunSetup, echo=print):
     """(model, optimizer, rng), restored from the checkpoint when resuming."""
+    from .fp8_linear import fch_in_e4m3
     from .model import GPT2
     from .optim import AdamW, ScheduleFreeAdamW
     resuming = setup.resume_arrays is not None
     initialised = setup.init_flat is not None
-    # A resumed FP8 run keeps the LM-head precision it was saved with, whatever settings.fp8_lm_head
-    # says now (the scaling state's size differs; a mismatch used to stop the resume).
-    head = saved_fp8_lm_head(setup.cfg, setup.resume_arrays) if resuming and setup.fp8 else None
-    with settings.using(**({} if head is None else {"fp8_lm_head": head})):
+    # A resumed FP8 run keeps the LM head and fch's format it was saved with (fp8_resume_settings).
+    saved = setup.resume_settings if resuming else {}
+    fch8_now = fch_in_e4m3(setup.fp8)
+    with settings.using(**saved):
+        fch8_saved = fch_in_e4m3(setup.fp8)   # False whatever was saved unless the scaling is adaptive
         model = GPT2(setup.cfg, xp=setup.xp, dtype=setup.dtype,
                      seed=None if resuming or initialised else args.seed, keep_gelu=setup.keep_gelu, fp8=setup.fp8)
+    head = saved.get("fp8_lm_head")
     if head is not None and head != settings.current().fp8_lm_head:
         echo(f"resuming with the FP8 LM head {'on' if head else 'off'}, as the checkpoint was saved "
              f"(settings.fp8_lm_head says {'on' if settings.current().fp8_lm_head else 'off'})")
+    if fch8_saved != fch8_now:
+        fmt = lambda e4m3: "E4M3" if e4m3 else "bf16"
+        echo(f"resuming with fch (the GELU input kept for the backward) in {fmt(fch8_saved)}, as the checkpoint "
+             f"was saved (settings.fp8_fch_e4m3 says {fmt(fch8_now)})")
     model.allocate_grads()
     model.allocate_activations(setup.B, setup.T)
     kw = dict(betas=(args.beta1, args.beta2), weight_decay=args.weight_decay, max_grad_norm=args.grad_clip or None)

@@ -829,6 +829,38 @@ def test_train_fp8_resume_keeps_the_saved_lm_head_and_says_so(shards, tmp_path):
     assert resumed["losses"] == straight["losses"][2:]
 
 
+@pytest.mark.parametrize("saved", [False, True])
+def test_train_fp8_resume_keeps_the_saved_fch_and_says_so(shards, tmp_path, saved):
+    """fch's format (settings.fp8_fch_e4m3) is the checkpoint's on resume: a run saved with fch in
+    bf16 (the default before the 72nd session) resumed under the other setting goes on in bf16, bit
+    for bit the straight run, and says so in one line; the other way round too. The same setting
+    resumes without the line."""
+    from gpucore import settings
+    from gpucore.train import run
+    with settings.using(fp8_fch_e4m3=saved):
+        straight = run(_train_args(shards, tmp_path / "a", ckpt_every=2), echo=lambda s: None)
+    ckpt = str(tmp_path / "a" / "ckpt_000002.ckpt")
+    for now in (not saved, saved):
+        lines = []
+        with settings.using(fp8_fch_e4m3=now):
+            resumed = run(_train_args(shards, tmp_path / f"b{now}", resume=ckpt, dtype="auto"), echo=lines.append)
+        said = [s for s in lines if s.startswith("resuming with fch")]
+        word, other = ("E4M3", "bf16") if saved else ("bf16", "E4M3")
+        assert said == ([f"resuming with fch (the GELU input kept for the backward) in {word}, as the checkpoint "
+                         f"was saved (settings.fp8_fch_e4m3 says {other})"] if now != saved else [])
+        assert resumed["losses"] == straight["losses"][2:]
+
+
+def test_fp8_resume_settings_read_from_the_checkpoint():
+    from gpucore.train import fp8_resume_settings
+    cfg = GPT2Config.from_preset("tiny")
+    n = 12 * cfg.num_layers
+    assert fp8_resume_settings(cfg, None) == {} and fp8_resume_settings(cfg, {"params": np.zeros(3)}) == {}
+    assert fp8_resume_settings(cfg, {"fp8_scale": np.zeros(n)}) == {"fp8_lm_head": False, "fp8_fch_e4m3": False}
+    assert fp8_resume_settings(cfg, {"fp8_scale": np.zeros(n + 3), "fp8_fch_scale": np.zeros(2)}) == \
+        {"fp8_lm_head": True, "fp8_fch_e4m3": True}
+
+
 def test_train_fp8_adaptive_is_the_default(shards, tmp_path):
     from gpucore.train import run
     lines = []
