@@ -851,6 +851,22 @@ def test_train_fp8_resume_keeps_the_saved_fch_and_says_so(shards, tmp_path, save
         assert resumed["losses"] == straight["losses"][2:]
 
 
+@pytest.mark.cuda
+def test_gpu_train_fp8_resume_keeps_the_saved_fch(shards, tmp_path):
+    """The same on the GPU: saved with fch in bf16, resumed under fch as E4M3 (the default), bit for bit."""
+    from gpucore import settings
+    from gpucore.train import run
+    _need_fp8()
+    with settings.using(fp8_fch_e4m3=False):
+        straight = run(_train_args(shards, tmp_path / "a", ckpt_every=2, device="cuda"), echo=lambda s: None)
+    lines = []
+    with settings.using(fp8_fch_e4m3=True):
+        resumed = run(_train_args(shards, tmp_path / "b", resume=str(tmp_path / "a" / "ckpt_000002.ckpt"),
+                                  dtype="auto", device="cuda"), echo=lines.append)
+    assert any(s.startswith("resuming with fch (the GELU input kept for the backward) in bf16") for s in lines)
+    assert resumed["losses"] == straight["losses"][2:]
+
+
 def test_fp8_resume_settings_read_from_the_checkpoint():
     from gpucore.train import fp8_resume_settings
     cfg = GPT2Config.from_preset("tiny")
