@@ -150,8 +150,8 @@ class _Allocation:
         lib.cuMemRelease(self.handle)
 
     def __del__(self):
-        if self._lib is None:
-            return
+        if self._lib is None or _held is None:    # _held None: interpreter shutdown has cleared this module's
+            return                                # globals; the context's teardown frees the memory
         try:
             if _capturing():        # no synchronize inside a graph capture: freed by the next empty()
                 heir = _Allocation.__new__(_Allocation)
