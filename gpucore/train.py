@@ -51,8 +51,7 @@ import os
 import signal
 import threading
 import time
-import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -199,7 +198,7 @@ class RunSetup:
     resume_arrays: dict | None = None
     resume_meta: dict | None = None
     resume_path: Path | None = None
-    resume_settings: dict = dataclasses.field(default_factory=dict)   # fp8_resume_settings of the checkpoint
+    resume_settings: dict = field(default_factory=dict)   # fp8_resume_settings of the checkpoint
     init_flat: object = None          # --init-from: host fp32 flat weights, until the model holds them
     init_source: str | None = None    # --init-from: where they came from (gpucore.weights' description)
     dp: object = None                 # DataParallel (gpucore.distributed) when this process is one of several ranks

@@ -18,11 +18,11 @@
 #     fp8-fastdg   fp8-head with the linears' dx GEMMs on fast FP8 accumulation
 #     fp8-sparse   fp8-fastdg with the head's E5M2 dlogits thinned below p = 2^-13 (fp8_lm_head_sparse)
 #                  and fch (the GELU input kept for the backward) as E4M3 (fp8_fch_e4m3): --dtype fp8's default
-#     fp8-bf16fch  fp8-sparse with fch in bf16 (fp8_fch_e4m3=0): the 68th-70th sessions' default
+#     fp8-bf16fch  fp8-sparse with fch in bf16 (fp8_fch_e4m3=0): the default of the 68th-71st sessions
 #     fp8-sparse-nopred  fp8-bf16fch without the predicted gradient scales (fp8_predict_scales=0): the
 #                  arithmetic of the 61st-67th sessions, the control for the 68th session's change
 #     fp8-sparse16 fp8-bf16fch thinned below p = 2^-16 only (~88% zeros, ~2.8x less noise on rare tokens)
-#     fp8-fch8     the same as fp8-sparse since fch as E4M3 became the default (71st session's study)
+#     fp8-fch8     the same as fp8-sparse since fch as E4M3 became the default (72nd session; the 71st's study)
 #   (every fp8* run above fp8-sparse keeps fch in bf16, as when it was measured)
 #   (SEED: the weight-init and sampling seed, default 1337; the data order is the same for every seed,
 #   the files' order, unless SHUFFLE=1: then the train batches come in a per-epoch order drawn from SEED)
