@@ -125,3 +125,17 @@ def test_optimizer_lab_refuses_an_unknown_run_before_any_work(tmp_path):
     assert r.returncode == 2
     assert "unknown run 'fp8-spars'" in r.stderr
     assert not (tmp_path / "optimizer_lab").exists()
+
+
+def test_issue_16s_test_seed_by_seed(tmp_path):
+    """Which seeds' FP8 run stays within 1% of bf16's at every evaluation (step 0 too), and where each
+    other seed parts furthest, largest first."""
+    for seed, fp8 in ((1, {0: 10.0, 100: 4.02, 200: 3.027}),    # +0.50%, +0.90%: within
+                      (2, {0: 10.2, 100: 4.0, 200: 3.0}),       # +2.00% at step 0 only
+                      (3, {0: 10.0, 100: 3.94, 200: 2.985})):   # -1.50% at 100, -0.50% at 200
+        _write(tmp_path, "adamw", seed, {0: 10.0, 100: 4.0, 200: 3.0})
+        _write(tmp_path, "fp8", seed, fp8)
+    r = _run(str(tmp_path), "adamw", "fp8")
+    assert r.returncode == 0, r.stderr
+    assert ("every evaluation within 1% of the same seed's: 1 of 3 seeds; the others: "
+            "seed 2 2.00% (step 0), seed 3 1.50% (step 100)") in r.stdout

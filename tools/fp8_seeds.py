@@ -7,7 +7,8 @@ seed, bf16's spread across seeds, and each FP8 mode's gap to bf16 at the same se
 seed mean, with the standard error of that mean gap (the per-seed gaps' standard deviation over
 sqrt(seeds): what the seeds can tell apart); a summary last, with the same-seed gaps' rms and how
 many of them break issue 16's 1% (evaluations after the first: step 0 holds only the forward's
-rounding, no training).
+rounding, no training), and issue 16's test read seed by seed: which seeds' FP8 run stays within 1%
+of bf16's at every evaluation, and where each other seed parts furthest.
 Run:  python3 tools/fp8_seeds.py LOG[,LOG ...] MODE [MODE ...]   (first MODE = bf16)
 Several LOG folders (comma-separated) pool the seeds of several calls; a mode and seed found twice
 is refused. With two FP8 modes or more, each later one is paired with the first per seed (the
@@ -57,6 +58,19 @@ def paired(runs: dict, base: str, ref: str, mode: str, steps: list[int]) -> str:
     d = [gap(mode, s) - gap(ref, s) for s in seeds]
     return (f"  {mode} against {ref}, per seed: rms gap difference {100 * statistics.mean(d):+.3f}% +- "
             f"{100 * _sem(d):.3f}, smaller in {sum(x < 0 for x in d)} of {len(d)}")
+
+
+def seed_test(runs: dict, base: str, mode: str, steps: list[int]) -> str:
+    """Issue 16's test as it is written, one pair at a time: the seeds whose `mode` run stays within 1%
+    of bf16's at every evaluation (step 0 included), and each other seed's largest gap and its step."""
+    worst = {}
+    for s in sorted(runs[mode], key=lambda s: (len(s), s)):
+        if s in runs[base]:
+            worst[s] = max((abs(runs[mode][s][st] / runs[base][s][st] - 1), st) for st in steps)
+    out = sorted(((g, st, s) for s, (g, st) in worst.items() if g > 0.01), reverse=True)
+    line = f"every evaluation within 1% of the same seed's: {len(worst) - len(out)} of {len(worst)} seeds"
+    return line + ("; the others: " + ", ".join(f"seed {s} {100 * g:.2f}% (step {st})" for g, st, s in out)
+                   if out else "")
 
 
 def health(train: dict, base: str, mode: str) -> str | None:
@@ -129,6 +143,7 @@ def main(logs: list[Path], modes: list[str]) -> None:
                 g = trained[m]
                 print(f"    same-seed gaps after step {steps[0]}: rms {100 * _rms(g):.2f}%, "
                       f"over 1% at {sum(abs(x) > 0.01 for x in g)} of {len(g)}")
+            print("    " + seed_test(runs, base, m, steps))
     fp8 = [m for m in modes[1:] if m in runs]
     for m in fp8[1:]:
         if len(steps) > 1:
