@@ -420,7 +420,7 @@ def build_model(args: TrainArgs, setup: RunSetup, echo=print):
     resuming = setup.resume_arrays is not None
     initialised = setup.init_flat is not None
     # A resumed FP8 run keeps the LM head and fch's format it was saved with (fp8_resume_settings).
-    saved = setup.resume_settings if resuming else {}
+    saved = setup.resume_settings                 # {} unless resuming an FP8 checkpoint
     fch8_now = fch_in_e4m3(setup.fp8)
     with settings.using(**saved):
         fch8_saved = fch_in_e4m3(setup.fp8)   # False whatever was saved unless the scaling is adaptive
@@ -496,9 +496,9 @@ def print_header(args, setup: RunSetup, model, train_loader, val_loader, echo) -
     echo(f"{name} lr {args.lr:g} warmup {args.warmup} final lr frac {args.final_lr_frac:g} betas "
          f"({args.beta1:g}, {args.beta2:g}) weight decay {args.weight_decay:g} grad clip {args.grad_clip:g}{weights}")
     if args.warmup == 0 and setup.resume_path is None and not setup.init_source and args.steps > 10:
-        # measured, not assumed: tools/notes/fp8.md, 71st session (bf16 3 of 12 seeds, FP8 1, larger)
+        # measured, not assumed: tools/notes/fp8.md, 71st and 72nd sessions (36 seeds a mode)
         echo("note: no lr warmup (--warmup 0, the default): d12 B=64 at lr 3e-4 took one-step loss spikes "
-             "near step 10 in 3 of 12 seeds in bf16, and in FP8; with --warmup 100 none were left but the "
+             "at steps 6-13 in 9 of 36 seeds in bf16, and in FP8; with --warmup 100 none were left but the "
              "data's own (README: Training, FP8)")
     echo(f"data: train {train_loader.num_tokens:,} tokens ({train_loader.num_batches} batches/epoch"
          + (f", shuffled per epoch from seed {train_loader.seed})" if train_loader.shuffle else ", in order)")

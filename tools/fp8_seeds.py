@@ -27,14 +27,14 @@ from pathlib import Path
 STEADY_FROM = 40     # step times from here on: the adaptive scales have settled (tools/ratio_check.sh's 41-100)
 
 
-def val_losses(path: Path) -> dict[int, float]:
-    return {r["step"]: r["val_loss"] for r in _records(path) if "val_loss" in r}
+def val_losses(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
 
 
-def train_steps(path: Path) -> dict[int, tuple[float, float | None]]:
+def train_steps(records: list[dict]) -> dict[int, tuple[float, float | None]]:
     """step -> (training loss, ms) of the run's steps, the step that stopped it on a non-finite loss
     (gpucore train's "non-finite" event, its loss a "nan" or "inf" string) included."""
-    return {r["step"]: (float(r["loss"]), r.get("ms")) for r in _records(path)
+    return {r["step"]: (float(r["loss"]), r.get("ms")) for r in records
             if "loss" in r and r.get("event", "non-finite") == "non-finite"}
 
 
@@ -63,10 +63,8 @@ def paired(runs: dict, base: str, ref: str, mode: str, steps: list[int]) -> str:
 def seed_test(runs: dict, base: str, mode: str, steps: list[int]) -> str:
     """Issue 16's test as it is written, one pair at a time: the seeds whose `mode` run stays within 1%
     of bf16's at every evaluation (step 0 included), and each other seed's largest gap and its step."""
-    worst = {}
-    for s in sorted(runs[mode], key=lambda s: (len(s), s)):
-        if s in runs[base]:
-            worst[s] = max((abs(runs[mode][s][st] / runs[base][s][st] - 1), st) for st in steps)
+    worst = {s: max((abs(runs[mode][s][st] / runs[base][s][st] - 1), st) for st in steps)
+             for s in runs[mode] if s in runs[base]}
     out = sorted(((g, st, s) for s, (g, st) in worst.items() if g > 0.01), reverse=True)
     line = f"every evaluation within 1% of the same seed's: {len(worst) - len(out)} of {len(worst)} seeds"
     return line + ("; the others: " + ", ".join(f"seed {s} {100 * g:.2f}% (step {st})" for g, st, s in out)
@@ -100,8 +98,9 @@ def main(logs: list[Path], modes: list[str]) -> None:
             if mode in modes:
                 if seed in runs.get(mode, {}):
                     raise SystemExit(f"{mode} seed {seed} is in more than one of {', '.join(map(str, logs))}")
-                runs.setdefault(mode, {})[seed] = val_losses(p)
-                train.setdefault(mode, {})[seed] = train_steps(p)
+                records = _records(p)
+                runs.setdefault(mode, {})[seed] = val_losses(records)
+                train.setdefault(mode, {})[seed] = train_steps(records)
     base = modes[0]
     if base not in runs:
         raise SystemExit(f"no {base} runs under {', '.join(map(str, logs))}")
