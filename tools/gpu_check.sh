@@ -21,10 +21,12 @@ $PY -m gpucore.cli info 2>&1 | tee "$LOG/info.txt"
 
 test_status="skipped"
 JOBS=${JOBS:-1}
+# a pytest log's summary line (not simply its last line: warnings and messages printed at interpreter
+# exit can follow it); nothing, and status 1, when the log has none (the process crashed)
+summary_line() { grep -E "^[0-9]+ (passed|failed|skipped|deselected|errors?)\b.* in [0-9.]+s" "$1" | tail -1 | grep .; }
 if [ -z "${SKIP_TESTS:-}" ] && [ "$JOBS" -le 1 ]; then
   $PY -m pytest -m cuda -q -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$LOG/pytest_cuda.txt" | tail -40
-  test_status=$(grep -E "^[0-9]+ (passed|failed|skipped|deselected|errors?)\b.* in [0-9.]+s" "$LOG/pytest_cuda.txt" \
-                | tail -1 | grep . || echo "no pytest summary (did it crash? $LOG/pytest_cuda.txt)")
+  test_status=$(summary_line "$LOG/pytest_cuda.txt" || echo "no pytest summary (did it crash? $LOG/pytest_cuda.txt)")
 elif [ -z "${SKIP_TESTS:-}" ]; then
   # JOBS pytest processes on the one GPU over disjoint test files (largest files dealt first to the
   # lightest group): most of the suite's time is NVRTC compiles and host work, so this ends sooner.
@@ -52,11 +54,9 @@ PYEOF
   wait
   cat "$LOG"/pytest_cuda.[0-9]*.txt > "$LOG/pytest_cuda.txt"
   grep -E "^(FAILED|ERROR) " "$LOG/pytest_cuda.txt" | head -40
-  # each process's pytest summary line (not simply its last line: warnings and messages printed at
-  # interpreter exit can follow it); a process without one (it crashed) counts as an error
+  # each process's summary line, summed; a process without one (it crashed) counts as an error
   test_status=$(for f in "$LOG"/pytest_cuda.[0-9]*.txt; do
-      grep -E "^[0-9]+ (passed|failed|skipped|deselected|errors?)\b.* in [0-9.]+s" "$f" | tail -1 | grep . \
-        || echo "1 error (no pytest summary in $(basename "$f"))"; done | awk '
+      summary_line "$f" || echo "1 error (no pytest summary in $(basename "$f"))"; done | awk '
     { for (k = 2; k <= NF; k++) { w = $k; gsub(/[,=]/, "", w)
         if (w ~ /^(passed|failed|skipped|errors?)$/) n[w] += $(k - 1) } }
     END { printf "%d passed, %d failed, %d skipped, %d errors ('"$JOBS"' processes)",
