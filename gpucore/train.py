@@ -395,21 +395,14 @@ def saved_fp8_lm_head(cfg, arrays) -> bool | None:
     return len(arrays["fp8_scale"]) == 12 * cfg.num_layers + 3
 
 
-def saved_fp8_fch_e4m3(arrays) -> bool | None:
-    """Whether an FP8 checkpoint's run kept fch as E4M3 (fp8_linear.fch_in_e4m3): such a run saves
-    fch's delayed scales beside the linears' (checkpoint.py). None when the checkpoint has no FP8 state."""
-    if arrays is None or "fp8_scale" not in arrays:
-        return None
-    return "fp8_fch_scale" in arrays
-
-
 def fp8_resume_settings(cfg, arrays) -> dict:
     """The settings a resumed FP8 run keeps from its checkpoint, whatever they say now: the LM head's
     precision (the scaling state's size differs; a mismatch used to stop the resume) and fch's format
     (it changes the arithmetic: fch as E4M3 became the default in the 72nd session, and a run saved
     before resumes bit for bit, with fch in bf16). {} for a fresh run or one without FP8 state."""
-    head, fch8 = saved_fp8_lm_head(cfg, arrays), saved_fp8_fch_e4m3(arrays)
-    return {} if head is None else {"fp8_lm_head": head, "fp8_fch_e4m3": fch8}
+    head = saved_fp8_lm_head(cfg, arrays)
+    # a run that kept fch as E4M3 (fp8_linear.fch_in_e4m3) saves fch's delayed scales beside the linears'
+    return {} if head is None else {"fp8_lm_head": head, "fp8_fch_e4m3": "fp8_fch_scale" in arrays}
 
 
 def build_model(args: TrainArgs, setup: RunSetup, echo=print):
